@@ -1,0 +1,1 @@
+"""One router per resource; api/main.py includes them."""

@@ -1,0 +1,82 @@
+"""`mtq`: the command line. Only argument parsing lives here; each command imports what
+it needs when it runs, so that `mtq api` never loads the worker (or mlx)."""
+
+import argparse
+import sys
+
+from shared.settings import QUEUE_NAME, load_settings
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    # timeout_graceful_shutdown: open SSE streams would otherwise keep the server from
+    # stopping on SIGTERM until every job they follow has finished.
+    uvicorn.run("api.main:app", host=args.host, port=args.port, timeout_graceful_shutdown=5)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from worker.rq_worker import run_worker
+
+    run_worker(args.queues, args.name)
+    return 0
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from worker.make_model import make_model
+
+    path = make_model(args.dir, size=args.size, quantize=args.quantize, seed=args.seed)
+    print(path or args.dir)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from cli.stack import run_stack
+
+    return run_stack(port=args.port, workers=args.workers)
+
+
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    settings = load_settings()
+    parser = argparse.ArgumentParser(prog="mtq", description="GRPO LoRA fine-tuning of MLX models as queued jobs.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    api = commands.add_parser("api", help="serve the REST API (uvicorn)")
+    api.add_argument("--host", default=settings.api_host, help="default: MTQ_API_HOST (%(default)s)")
+    api.add_argument("--port", type=int, default=settings.api_port, help="default: MTQ_API_PORT (%(default)s)")
+    api.set_defaults(func=cmd_api)
+
+    worker = commands.add_parser("worker", help="run a training worker (rq) on REDIS_URL")
+    worker.add_argument("--queues", nargs="+", default=[QUEUE_NAME], help="queues to take jobs from (default: %(default)s)")
+    worker.add_argument("--name", help="worker name (default: chosen by rq)")
+    worker.set_defaults(func=cmd_worker)
+
+    make = commands.add_parser("make-model", help="write a random-weight model directory (for tests and benchmarks)")
+    make.add_argument("dir", metavar="DIR")
+    make.add_argument("--size", choices=["tiny", "small", "qwen3-0.6b"], default="tiny")
+    make.add_argument("--quantize", type=int, metavar="BITS", help="quantize the weights to BITS bits")
+    make.add_argument("--seed", type=int, default=0)
+    make.set_defaults(func=cmd_make_model)
+
+    up = commands.add_parser("up", help="run the local stack in the foreground: redis (if REDIS_URL is unset), API, workers")
+    up.add_argument("--port", type=int, default=settings.api_port, help="API port (default: MTQ_API_PORT, %(default)s)")
+    up.add_argument("--workers", type=_count, default=1, help="number of workers (default: %(default)s)")
+    up.set_defaults(func=cmd_up)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

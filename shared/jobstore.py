@@ -1,0 +1,199 @@
+"""Job records in Redis: the one place both the API and the worker read and write jobs.
+
+A job is a hash (shared.keys.job_key) plus an event stream (shared.keys.events_key).
+Status changes go through `transition`, an atomic compare-and-set, so that e.g. a
+worker can never move a cancelled job back to running.
+"""
+
+import json
+import time
+import uuid
+from typing import Any, Iterable
+
+import redis
+from rq import Queue
+
+from shared.keys import JOBS_INDEX, adapter_key, events_key, job_key
+from shared.schemas import FINISHED_STATUSES, Job, JobCreate, JobStatus, Progress
+from shared.settings import QUEUE_NAME
+
+EVENTS_MAXLEN = 10_000
+RUN_JOB_FUNC = "worker.jobs.run_grpo_job"  # a string, so enqueuing never imports the worker (or mlx)
+
+_TRANSITION_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return -1 end
+local allowed = cjson.decode(ARGV[1])
+local ok = false
+for _, s in ipairs(allowed) do if s == status then ok = true end end
+if not ok then return 0 end
+for i = 2, #ARGV, 2 do
+  if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i])
+  else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+return 1
+"""
+
+
+def connect(url: str) -> redis.Redis:
+    # Bytes in and out: rq needs a connection without decode_responses.
+    return redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30)
+
+
+def _s(value: bytes | None) -> str | None:
+    return None if value is None else value.decode()
+
+
+def _f(value: bytes | None) -> float | None:
+    return None if value in (None, b"") else float(value)
+
+
+def create_job(r: redis.Redis, spec: JobCreate) -> Job:
+    """Store a new job as queued and put it on the rq queue."""
+    job_id = uuid.uuid4().hex
+    spec = spec.model_copy(update={"adapter_name": spec.adapter_name or f"grpo-{job_id[:8]}"})
+    now = time.time()
+    progress = Progress(iter=0, total_iters=spec.config.iters)
+    with r.pipeline() as p:
+        p.hset(job_key(job_id), mapping={
+            "spec": spec.model_dump_json(by_alias=True),
+            "status": "queued",
+            "created_at": repr(now),
+            "progress": progress.model_dump_json(),
+        })
+        p.zadd(JOBS_INDEX, {job_id: now})
+        p.execute()
+    enqueue(r, job_id)
+    return get_job(r, job_id)  # type: ignore[return-value]
+
+
+def enqueue(r: redis.Redis, job_id: str) -> None:
+    # job_timeout -1: training runs as long as it takes; liveness is the worker's business.
+    Queue(QUEUE_NAME, connection=r).enqueue_call(
+        RUN_JOB_FUNC, args=(job_id,), job_id=job_id, timeout=-1, result_ttl=3600, failure_ttl=7 * 86400
+    )
+
+
+def get_spec(r: redis.Redis, job_id: str) -> JobCreate | None:
+    raw = r.hget(job_key(job_id), "spec")
+    return None if raw is None else JobCreate.model_validate_json(raw)
+
+
+def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
+    spec = JobCreate.model_validate_json(h[b"spec"])
+    checkpoint = h.get(b"checkpoint_step")
+    return Job(
+        job_id=job_id,
+        model_id=spec.model_id,
+        prompts=spec.prompts,
+        config=spec.config,
+        reward=spec.reward,
+        adapter_name=spec.adapter_name or "",
+        adapter_path=_s(h.get(b"adapter_path")),
+        status=h[b"status"].decode(),  # type: ignore[arg-type]
+        created_at=float(h[b"created_at"]),
+        started_at=_f(h.get(b"started_at")),
+        finished_at=_f(h.get(b"finished_at")),
+        error=_s(h.get(b"error")),
+        progress=Progress.model_validate_json(h[b"progress"]),
+        worker=_s(h.get(b"worker")),
+        checkpoint_step=None if checkpoint is None else int(checkpoint),
+    )
+
+
+def get_job(r: redis.Redis, job_id: str) -> Job | None:
+    h = r.hgetall(job_key(job_id))
+    return _job_from_hash(job_id, h) if h else None
+
+
+def get_status(r: redis.Redis, job_id: str) -> JobStatus | None:
+    return _s(r.hget(job_key(job_id), "status"))  # type: ignore[return-value]
+
+
+def list_jobs(
+    r: redis.Redis, status: JobStatus | None = None, limit: int = 20, after: str | None = None
+) -> tuple[list[Job], bool]:
+    """Newest first. `after` is the last job_id of the previous page."""
+    start = 0
+    if after is not None:
+        rank = r.zrevrank(JOBS_INDEX, after)
+        if rank is None:
+            raise KeyError(after)
+        start = rank + 1
+    jobs: list[Job] = []
+    chunk = max(limit * 2, 50)
+    while True:
+        ids = [i.decode() for i in r.zrevrange(JOBS_INDEX, start, start + chunk - 1)]
+        if not ids:
+            return jobs, False
+        with r.pipeline() as p:
+            for job_id in ids:
+                p.hgetall(job_key(job_id))
+            hashes = p.execute()
+        for job_id, h in zip(ids, hashes):
+            if not h or (status is not None and h[b"status"].decode() != status):
+                continue
+            if len(jobs) == limit:
+                return jobs, True
+            jobs.append(_job_from_hash(job_id, h))
+        start += chunk
+
+
+def transition(r: redis.Redis, job_id: str, allowed_from: Iterable[str], **fields: Any) -> bool:
+    """Set `fields` (None deletes one) only if the job's status is one of `allowed_from`."""
+    args: list[str] = [json.dumps(list(allowed_from))]
+    for name, value in fields.items():
+        args += [name, "" if value is None else value if isinstance(value, str) else _encode(value)]
+    return r.eval(_TRANSITION_LUA, 1, job_key(job_id), *args) == 1
+
+
+def _encode(value: Any) -> str:
+    if hasattr(value, "model_dump_json"):
+        return value.model_dump_json()
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return str(value)
+
+
+def append_event(r: redis.Redis, job_id: str, event: dict[str, Any]) -> None:
+    r.xadd(events_key(job_id), {"data": json.dumps(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
+
+
+def read_events(
+    r: redis.Redis, job_id: str, after_id: str = "0-0", block_ms: int | None = None, count: int = 100
+) -> list[tuple[str, dict[str, Any]]]:
+    """Events after `after_id` (a stream id); blocks up to block_ms for new ones when given."""
+    res = r.xread({events_key(job_id): after_id}, count=count, block=block_ms)
+    if not res:
+        return []
+    return [(eid.decode(), json.loads(fields[b"data"])) for eid, fields in res[0][1]]
+
+
+def request_cancel(r: redis.Redis, job_id: str) -> JobStatus | None:
+    """Cancel a job: a queued one ends at once, a running one at its next check.
+
+    Returns the status after the request, or None for an unknown job.
+    """
+    now = repr(time.time())
+    if transition(r, job_id, ["queued"], status="cancelled", finished_at=now, cancel_requested="1"):
+        append_event(r, job_id, {"type": "cancelled"})
+        return "cancelled"
+    transition(r, job_id, ["running"], cancel_requested="1")
+    return get_status(r, job_id)
+
+
+def cancel_requested(r: redis.Redis, job_id: str) -> bool:
+    return r.hget(job_key(job_id), "cancel_requested") == b"1"
+
+
+def delete_job(r: redis.Redis, job_id: str) -> None:
+    with r.pipeline() as p:
+        p.delete(job_key(job_id), events_key(job_id), adapter_key(job_id))
+        p.zrem(JOBS_INDEX, job_id)
+        p.execute()
+
+
+def is_finished(status: str | None) -> bool:
+    return status in FINISHED_STATUSES

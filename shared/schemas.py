@@ -1,0 +1,140 @@
+"""Pydantic models of the REST API and of the job record stored in Redis.
+
+Field names and defaults of JobCreate/GRPOConfig follow the seed's server so its
+clients work unchanged; the extra knobs follow Hugging Face TRL's GRPOTrainer.
+"""
+
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+
+from shared.reward_specs import RewardSource
+
+JobStatus = Literal["queued", "running", "completed", "failed", "cancelled"]
+FINISHED_STATUSES = ("completed", "failed", "cancelled")
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class PromptItem(BaseModel):
+    """A prompt with extra fields (e.g. `answer`) that reward functions receive."""
+
+    model_config = ConfigDict(extra="allow")
+    prompt: str | list[ChatMessage] = Field(..., min_length=1)
+
+
+Prompt = str | list[ChatMessage] | PromptItem
+
+
+class GRPOConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    # The seed server's fields and defaults.
+    group_size: int = Field(4, ge=1, le=256, description="Completions sampled per prompt (G).")
+    iters: int = Field(50, ge=1, le=1_000_000, description="Optimizer steps (each samples a new batch).")
+    batch_size: int = Field(2, ge=1, le=1024, description="Prompts per step (B).")
+    learning_rate: float = Field(1e-5, ge=0.0, le=10.0)
+    lora_layers: int = Field(16, ge=-1, description="Transformer blocks (from the top) that get LoRA; -1 = all.")
+    lora_rank: int = Field(8, ge=1, le=1024)
+    lora_alpha: float = Field(16.0, gt=0.0, description="LoRA scale is lora_alpha / lora_rank.")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    max_completion_len: int = Field(64, ge=1, le=32768)
+    clip_ratio: float = Field(
+        0.2, ge=0.0, le=10.0, validation_alias=AliasChoices("clip_ratio", "epsilon"),
+        description="PPO clip epsilon (TRL: epsilon).",
+    )
+    reward_endpoint: str = Field("", description="Seed-compatible: POST {prompt, completions} -> {rewards}.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy.")
+    seed: int = 0
+    reward_timeout: float = Field(30.0, gt=0.0, le=3600.0)
+
+    # TRL's GRPO knobs.
+    num_iterations: int = Field(1, ge=1, le=64, description="Optimizer updates per sampled batch (mu).")
+    epsilon_high: float | None = Field(None, ge=0.0, le=10.0, description="Upper clip (clip-higher); default = clip_ratio.")
+    beta: float = Field(0.0, ge=0.0, description="KL coefficient (k3 estimator) against the base model (LoRA off).")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    mask_truncated_completions: bool = False
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the LoRA gradients' global norm; null = off.")
+    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 = off.")
+    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings (besides EOS).")
+    use_chat_template: bool = True
+
+    # Durability.
+    checkpoint_every: int = Field(10, ge=1, description="Save a checkpoint every N steps.")
+    checkpoint_interval_s: float = Field(300.0, gt=0.0, description="...and at least this often.")
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.clip_ratio
+
+    @property
+    def epsilon_upper(self) -> float:
+        return self.clip_ratio if self.epsilon_high is None else self.epsilon_high
+
+
+class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: str = Field(..., min_length=1, max_length=512, description="Local path, name under MTQ_MODELS_DIR, or a Hugging Face id.")
+    prompts: list[Prompt] = Field(..., min_length=1, max_length=100_000)
+    adapter_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    config: GRPOConfig = Field(default_factory=GRPOConfig)
+    reward: list[RewardSource] | None = Field(
+        None, min_length=1, max_length=32,
+        description="Reward sources, summed with their weights. Default: config.reward_endpoint if set, else length in characters.",
+    )
+
+    @model_validator(mode="after")
+    def _no_empty_prompt(self):
+        for i, p in enumerate(self.prompts):
+            if isinstance(p, str) and not p.strip():
+                raise ValueError(f"prompts[{i}] is empty")
+        return self
+
+
+class Progress(BaseModel):
+    """Latest step's metrics; TRL's metric names (with '/') ride along as extra fields."""
+
+    model_config = ConfigDict(extra="allow")
+    iter: int = 0
+    total_iters: int = 0
+    loss: float | None = None
+    mean_reward: float | None = None
+
+
+class Job(BaseModel):
+    job_id: str
+    model_id: str
+    prompts: list[Prompt]
+    config: GRPOConfig
+    reward: list[RewardSource] | None = None
+    adapter_name: str
+    adapter_path: str | None = None
+    status: JobStatus
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+    progress: Progress
+    worker: str | None = None
+    checkpoint_step: int | None = None
+
+
+class JobList(BaseModel):
+    data: list[Job]
+    has_more: bool
+    next_after: str | None = Field(None, description="Pass as `after` to get the next page.")
+
+
+class ErrorBody(BaseModel):
+    detail: Any

@@ -1,0 +1,191 @@
+"""Real parts for the tests: a redis-server on a free port, the API over HTTP, worker processes.
+
+Each test module gets its own redis-server and API (module-scoped `stack`); workers are
+started per test with `stack.start_worker()` and stopped when the test ends.
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+class RedisServer:
+    def __init__(self, workdir: Path):
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self):
+        exe = shutil.which("redis-server")
+        assert exe, "redis-server is not installed (see README: make test installs it)"
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--appendonly", "yes", "--save", "", "--daemonize", "no"],
+            stdout=open(self.dir / "redis.log", "ab"), stderr=subprocess.STDOUT,
+        )
+        client = redis.Redis.from_url(self.url)
+        wait_for(lambda: _pings(client), 10, "redis-server")
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def _pings(client) -> bool:
+    try:
+        return client.ping()
+    except redis.ConnectionError:
+        return False
+
+
+class Stack:
+    """A redis-server, the API, and workers started on demand; all real processes."""
+
+    def __init__(self, workdir: Path, tiny_model: Path):
+        self.workdir = workdir
+        self.tiny_model = tiny_model
+        self.redis_server = RedisServer(workdir / "redis")
+        self.api_port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.api_port}"
+        self.procs: list[subprocess.Popen] = []
+        self.env = dict(
+            os.environ,
+            REDIS_URL=self.redis_server.url,
+            MTQ_API_TOKEN=TOKEN,
+            MTQ_HOME=str(workdir / "home"),
+            MTQ_MODELS_DIR=str(tiny_model.parent),
+            MTQ_API_HOST="127.0.0.1",
+            MTQ_API_PORT=str(self.api_port),
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
+        self.redis = redis.Redis.from_url(self.redis_server.url)
+
+    def spawn(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}-{len(self.procs)}.log", "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env or self.env,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def start_api(self):
+        self.api = self.spawn("api", "api")
+        wait_for(self._api_up, 30, "the API")
+
+    def _api_up(self) -> bool:
+        try:
+            return httpx.get(self.base_url + "/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start_worker(self, *args: str, env: dict | None = None) -> subprocess.Popen:
+        """Start `mtq worker` and wait until it has registered with rq."""
+        from rq import Worker
+
+        before = {w.name for w in Worker.all(connection=self.redis)}
+        proc = self.spawn("worker", "worker", *args, env=env)
+
+        def registered():
+            assert proc.poll() is None, f"worker exited with {proc.returncode}: {self.logs('worker')}"
+            return {w.name for w in Worker.all(connection=self.redis)} - before
+
+        wait_for(registered, 60, "the worker to register")
+        return proc
+
+    def logs(self, prefix: str) -> str:
+        return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(self.workdir.glob(f"{prefix}-*.log")))
+
+    def client(self, token: str | None = TOKEN) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=30)
+
+    def wait_job(self, job_id: str, statuses=("completed", "failed", "cancelled"), timeout: float = 240) -> dict:
+        with self.client() as c:
+            def done():
+                job = c.get(f"/admin/api/fine-tune/grpo/jobs/{job_id}").json()
+                return job if job["status"] in statuses else None
+            try:
+                return wait_for(done, timeout, f"job {job_id} to reach {statuses}", interval=0.2)
+            except TimeoutError as e:
+                raise TimeoutError(f"{e}\nworker logs:\n{self.logs('worker')}") from None
+
+    def stop_proc(self, proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 20):
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+    def stop_all(self):
+        for proc in reversed(self.procs):
+            self.stop_proc(proc)
+        self.redis_server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A random-weight tiny model directory, made once per test session."""
+    from worker.make_model import make_model
+
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    make_model(out, size="tiny", seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    s = Stack(tmp_path_factory.mktemp("stack"), tiny_model)
+    s.redis_server.start()
+    s.start_api()
+    yield s
+    s.stop_all()
+
+
+@pytest.fixture
+def workers(stack):
+    """Workers started in a test are stopped when it ends."""
+    started: list[subprocess.Popen] = []
+
+    def start(*args, env=None):
+        proc = stack.start_worker(*args, env=env)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        stack.stop_proc(proc)

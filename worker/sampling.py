@@ -1,0 +1,224 @@
+"""Batched sampling for GRPO: every row of a step (batch_size prompts x group_size) decodes together.
+
+Why not mlx_lm's generate/batch_generate: we need each sampled token's log-prob under the
+distribution it was drawn from (logits / temperature) and its entropy, and we want no
+host sync per token. So the KV cache is a fixed-size buffer (`StaticKVCache`): shapes never
+change while decoding, and the whole decode step (model forward, filtering, sampling,
+EOS bookkeeping) is one `mx.compile`d function. The host looks at the rows only once per
+chunk of tokens (all finished? cancelled?).
+
+The prompt of each group is prefilled once and its cache repeated group_size times.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+CHUNK = 16  # decode steps between host checks (early stop when all rows ended, cancel)
+
+
+class StaticKVCache:
+    """One layer's KV cache in a fixed-size buffer shared by left-padded rows.
+
+    Implements what mlx_lm's models ask of a cache: `offset` (RoPE position of the next
+    token, per row), `update_and_fetch`, `make_mask`.
+    """
+
+    def __init__(self, capacity: int, write_pos: mx.array, left_pad: mx.array, keys=None, values=None):
+        self.capacity = capacity
+        self.keys, self.values = keys, values  # (rows, kv_heads, capacity, head_dim); made on first write
+        self.write_pos = write_pos  # () int32: buffer slot of the next token (same for all rows)
+        self.left_pad = left_pad  # (rows,) int32: padding slots at the start of each row
+
+    @property
+    def offset(self) -> mx.array:
+        return self.write_pos - self.left_pad
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.keys is None:
+            rows, heads, _, _ = keys.shape
+            self.keys = mx.zeros((rows, heads, self.capacity, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((rows, heads, self.capacity, values.shape[3]), values.dtype)
+        n = keys.shape[2]
+        if n == 1:
+            # A select, not slice_update: a pure op, safe to reuse buffers inside mx.compile.
+            slot = (mx.arange(self.capacity) == self.write_pos)[None, None, :, None]
+            self.keys = mx.where(slot, keys.astype(self.keys.dtype), self.keys)
+            self.values = mx.where(slot, values.astype(self.values.dtype), self.values)
+        else:
+            start = self.write_pos.reshape(1)
+            self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), start, axes=(2,))
+            self.values = mx.slice_update(self.values, values.astype(self.values.dtype), start, axes=(2,))
+        self.write_pos = self.write_pos + keys.shape[2]
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size=None) -> mx.array:
+        q_pos = self.write_pos + mx.arange(n)
+        k_pos = mx.arange(self.capacity)
+        causal = k_pos[None, :] <= q_pos[:, None]  # also hides slots not written yet
+        not_pad = k_pos[None, :] >= self.left_pad[:, None]
+        return (causal[None] & not_pad[:, None, :])[:, None]  # (rows, 1, n, capacity)
+
+
+class PaddingMaskCache:
+    """A 'cache' for one full forward pass over left-padded rows (the loss): it stores
+    nothing and only supplies the causal + padding mask, so that any mlx_lm model works."""
+
+    def __init__(self, left_pad: mx.array):
+        self.left_pad = left_pad
+        self.offset = 0
+
+    def update_and_fetch(self, keys, values):
+        return keys, values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size=None) -> mx.array:
+        pos = mx.arange(n)
+        causal = pos[None, :] <= pos[:, None]
+        not_pad = pos[None, :] >= self.left_pad[:, None]
+        return (causal[None] & not_pad[:, None, :])[:, None]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+
+@dataclass
+class Samples:
+    tokens: mx.array  # (rows, max_tokens) int32, pad after the end
+    logprobs: mx.array  # (rows, max_tokens) float32: log pi_old(token), logits / temperature
+    entropy: mx.array  # (rows, max_tokens) float32: entropy of the sampling distribution
+    mask: mx.array  # (rows, max_tokens) bool: token belongs to the completion (EOS included)
+    ended: mx.array  # (rows,) bool: the row emitted EOS (not truncated)
+    steps: int  # decode steps actually run
+
+
+def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> tuple[mx.array, mx.array]:
+    """log p(token) and entropy of softmax(logits / temperature), in float32.
+
+    Shared by sampling (pi_old) and the loss (pi_theta) so both see the same distribution.
+    """
+    t = temperature if temperature > 0 else 1.0
+    logits = logits.astype(mx.float32) / t
+    logp_all = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logp = mx.take_along_axis(logp_all, tokens[..., None], axis=-1)[..., 0]
+    entropy = -(mx.exp(logp_all) * logp_all).sum(-1)
+    return logp, entropy
+
+
+def _choose(logits: mx.array, key: mx.array, p: SamplingParams) -> mx.array:
+    if p.temperature == 0:
+        return mx.argmax(logits, axis=-1)
+    logp = logits.astype(mx.float32) / p.temperature
+    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+    if p.top_k > 0:
+        logp = apply_top_k(logp, p.top_k)
+    if p.top_p < 1.0:
+        logp = apply_top_p(logp, p.top_p)
+    if p.min_p > 0.0:
+        logp = apply_min_p(logp, p.min_p)
+    return mx.random.categorical(logp, key=key)
+
+
+def make_decode_step(model: nn.Module, params: SamplingParams, eos_ids: list[int], pad_id: int) -> Callable:
+    """One compiled decode step for all rows: forward one token, pick the next, track EOS."""
+    def step(tokens, keys, values, write_pos, left_pad, finished, key):
+        capacity = keys[0].shape[2]
+        caches = [StaticKVCache(capacity, write_pos, left_pad, k, v) for k, v in zip(keys, values)]
+        logits = model(tokens[:, None], cache=caches)[:, -1, :]
+        nxt = _choose(logits, key, params).astype(mx.int32)
+        logp, ent = token_logprobs(logits, nxt, params.temperature)
+        nxt = mx.where(finished, pad_id, nxt)
+        valid = ~finished
+        finished = finished | is_eos(nxt, eos_ids)
+        return nxt, logp, ent, valid, finished, [c.keys for c in caches], [c.values for c in caches]
+
+    return mx.compile(step, inputs=[model.state])
+
+
+def is_eos(tokens: mx.array, eos_ids: list[int]) -> mx.array:
+    eos = mx.array(eos_ids or [-1], dtype=mx.int32)
+    return (tokens[:, None] == eos[None, :]).any(axis=1)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[mx.array, mx.array]:
+    width = max(len(p) for p in prompts)
+    rows = [[pad_id] * (width - len(p)) + p for p in prompts]
+    return mx.array(rows, dtype=mx.int32), mx.array([width - len(p) for p in prompts], dtype=mx.int32)
+
+
+def sample(
+    model: nn.Module,
+    decode_step: Callable,
+    prompts: list[list[int]],
+    group_size: int,
+    params: SamplingParams,
+    eos_ids: list[int],
+    key: mx.array,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Samples | None:
+    """Sample group_size completions for each prompt (rows ordered prompt-major).
+
+    Returns None when should_stop() said so between chunks (the job was cancelled).
+    """
+    prompt_tokens, pad = left_pad(prompts, pad_id=0)
+    width = prompt_tokens.shape[1]
+
+    # Prefill each distinct prompt once, into buffers sized for the whole completion.
+    start = mx.array(0, dtype=mx.int32)
+    caches = [StaticKVCache(width + params.max_tokens, start, pad) for _ in model.layers]
+    logits = model(prompt_tokens, cache=caches)[:, -1, :]
+
+    # Repeat to group_size rows per prompt.
+    rows = len(prompts) * group_size
+    keys = [mx.repeat(c.keys, group_size, axis=0) for c in caches]
+    values = [mx.repeat(c.values, group_size, axis=0) for c in caches]
+    logits = mx.repeat(logits, group_size, axis=0)
+    pad = mx.repeat(pad, group_size, axis=0)
+    write_pos = mx.array(width, dtype=mx.int32)
+
+    step_keys = mx.random.split(key, params.max_tokens + 1)
+    first = _choose(logits, step_keys[0], params).astype(mx.int32)
+    first_logp, first_ent = token_logprobs(logits, first, params.temperature)
+
+    out_tokens, out_logp, out_ent, out_valid = [first], [first_logp], [first_ent], [mx.ones((rows,), dtype=mx.bool_)]
+    finished = is_eos(first, eos_ids)
+    tokens = first
+    steps = 1
+    while steps < params.max_tokens:
+        n = min(CHUNK, params.max_tokens - steps)
+        for i in range(n):
+            tokens, logp, ent, valid, finished_next, keys, values = decode_step(
+                tokens, keys, values, write_pos, pad, finished, step_keys[steps + i]
+            )
+            out_tokens.append(tokens)
+            out_logp.append(logp)
+            out_ent.append(ent)
+            out_valid.append(valid)
+            finished = finished_next
+            write_pos = write_pos + 1
+            mx.async_eval(tokens, finished)
+        steps += n
+        if should_stop():
+            return None
+        if steps < params.max_tokens and finished.all().item():
+            break
+
+    tokens = mx.stack(out_tokens, axis=1)
+    mask = mx.stack(out_valid, axis=1)
+    pad_cols = params.max_tokens - tokens.shape[1]
+    if pad_cols:
+        tokens = mx.pad(tokens, [(0, 0), (0, pad_cols)])
+        mask = mx.pad(mask, [(0, 0), (0, pad_cols)])
+    logp = mx.pad(mx.stack(out_logp, axis=1), [(0, 0), (0, pad_cols)])
+    ent = mx.pad(mx.stack(out_ent, axis=1), [(0, 0), (0, pad_cols)])
+    samples = Samples(tokens=tokens, logprobs=logp * mask, entropy=ent * mask, mask=mask, ended=finished, steps=steps)
+    mx.eval(samples.tokens, samples.logprobs, samples.entropy, samples.mask, samples.ended)
+    return samples
