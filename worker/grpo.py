@@ -241,7 +241,8 @@ class GRPOTrainer:
         cfg = self.cfg
         self.items = [as_item(p) for p in spec.prompts]
         self.prompt_ids = [prompt_token_ids(tokenizer, it, cfg.use_chat_template) for it in self.items]
-        self.eos_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        eos = getattr(tokenizer, "eos_token_ids", None)
+        self.eos_ids = sorted(eos) if eos is not None else [tokenizer.eos_token_id]
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
         self.decode_step = make_decode_step(model, self.sampling, self.eos_ids, pad_id)

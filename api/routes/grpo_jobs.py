@@ -6,6 +6,7 @@ Routes are plain `def`s: redis-py is blocking, and FastAPI runs sync routes in a
 import re
 from typing import Annotated
 
+import redis
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
@@ -37,7 +38,7 @@ class JobDeleted(BaseModel):
     deleted: bool = True
 
 
-def _job_or_404(r, job_id: str) -> Job:
+def _job_or_404(r: redis.Redis, job_id: str) -> Job:
     job = jobstore.get_job(r, job_id)
     if job is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"job not found: {job_id}")

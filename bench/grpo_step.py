@@ -1,0 +1,116 @@
+"""Seconds per GRPO step against a lower bound measured in the same run.
+
+    python bench/grpo_step.py MODEL_DIR --group-size 4 --batch-size 2 --max-completion-len 64 [--steps 8] [--set beta=0.04 ...]
+
+Prints one JSON line:
+  step_s          median seconds of a whole trainer step (sampling, rewards, loss, update,
+                  metrics), after --warmup steps
+  tokens_per_s    sampled tokens per second during the sampling phase
+  peak_memory_gb  the largest step's peak memory
+  lower_bound_s   mlx_lm's own batch_generate of the same B*G rows and lengths, plus one
+                  forward+backward of the same batch (medians)
+  ratio           step_s / lower_bound_s
+EOS is switched off on both sides so every completion runs to max_completion_len.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from worker.openblas import reexec_with_openblas  # noqa: E402
+
+reexec_with_openblas()
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx_lm  # noqa: E402
+from mlx_lm.sample_utils import make_sampler  # noqa: E402
+
+from shared.schemas import JobCreate  # noqa: E402
+from worker.grpo import GRPOTrainer, TrainState, as_item, prompt_token_ids  # noqa: E402
+from worker.models import attach_lora  # noqa: E402
+from worker.rewards import build_scorer  # noqa: E402
+
+PROMPTS = ["What is 2+2?", "Say hello.", "Name a prime number.", "Write a haiku about rain.",
+           "Count to five.", "What colour is the sky?", "Spell 'queue'.", "Translate 'cat' to French."]
+
+
+def parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def lower_bound(model, tokenizer, prompt_ids, group_size, length, temperature, reps):
+    rows = [p for p in prompt_ids for _ in range(group_size)]
+    sampler = make_sampler(temp=temperature)
+    gen_times, fb_times = [], []
+    width = max(len(p) for p in rows) + length
+    inputs = mx.array([[0] * (width - len(p) - length) + p + [1] * length for p in rows])
+
+    def loss(m):
+        logits = m(inputs)[:, :-1].astype(mx.float32)
+        return nn.losses.cross_entropy(logits, inputs[:, 1:]).mean()
+
+    value_and_grad = nn.value_and_grad(model, loss)
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = mlx_lm.batch_generate(model, tokenizer, rows, max_tokens=length, sampler=sampler, return_token_ids=True)
+        gen_times.append(time.perf_counter() - t)
+        assert all(len(ids) == length for ids in out.token_ids), "a row stopped early"
+        t = time.perf_counter()
+        mx.eval(value_and_grad(model))
+        fb_times.append(time.perf_counter() - t)
+    return statistics.median(gen_times), statistics.median(fb_times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_dir")
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--max-completion-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2, help="steps not timed (compilation)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="job config overrides")
+    args = ap.parse_args()
+
+    config = {"group_size": args.group_size, "batch_size": args.batch_size,
+              "max_completion_len": args.max_completion_len, "iters": args.steps + args.warmup}
+    config.update({k: parse_value(v) for k, v in (kv.split("=", 1) for kv in args.set)})
+    spec = JobCreate.model_validate({"model_id": args.model_dir, "prompts": PROMPTS[: args.batch_size], "config": config})
+
+    model, tokenizer = mlx_lm.load(args.model_dir)
+    tokenizer.eos_token_ids = []  # both sides decode every row to full length
+    mx.random.seed(spec.config.seed)
+    attach_lora(model, spec.config)
+    trainer = GRPOTrainer(model, tokenizer, spec, build_scorer(spec, "bench"))
+    state = TrainState()
+    metrics = [trainer.step(state, lambda: False) for _ in range(args.steps + args.warmup)][args.warmup:]
+
+    prompt_ids = [prompt_token_ids(tokenizer, as_item(p), spec.config.use_chat_template) for p in spec.prompts]
+    temperature = spec.config.temperature
+    gen_s, fb_s = lower_bound(model, tokenizer, prompt_ids, args.group_size, args.max_completion_len, temperature, max(args.steps // 2, 3))
+
+    step_s = statistics.median(m["step_time"] for m in metrics)
+    bound = gen_s + fb_s
+    print(json.dumps({
+        "model": Path(args.model_dir).name, "device": str(mx.default_device()),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "group_size": args.group_size, "batch_size": args.batch_size, "max_completion_len": args.max_completion_len,
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(statistics.median(m["tokens_per_second"] for m in metrics), 1),
+        "peak_memory_gb": round(max(m["peak_memory_gb"] for m in metrics), 4),
+        "lower_bound_s": round(bound, 4), "lower_bound_generate_s": round(gen_s, 4), "lower_bound_fwd_bwd_s": round(fb_s, 4),
+        "ratio": round(step_s / bound, 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()

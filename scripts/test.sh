@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The test command: installs what is missing, then runs the whole test suite
+# (real redis-server, real API and worker processes). Extra arguments go to pytest.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+exec .venv/bin/python -m pytest -q "$@"
