@@ -92,7 +92,7 @@ def main():
     attach_lora(model, spec.config)
     trainer = GRPOTrainer(model, tokenizer, spec, build_scorer(spec, "bench"))
     state = TrainState()
-    metrics = [trainer.step(state, lambda: False) for _ in range(args.steps + args.warmup)][args.warmup:]
+    metrics = [trainer.step(state, lambda: False)[0] for _ in range(args.steps + args.warmup)][args.warmup:]
 
     prompt_ids = [prompt_token_ids(tokenizer, as_item(p), spec.config.use_chat_template) for p in spec.prompts]
     temperature = spec.config.temperature

@@ -55,7 +55,7 @@ def follow(client: httpx.Client, job_id: str) -> None:
             elif event["type"] == "grpo_step":
                 print(f"\r{progress_bar(event['iter'], event['total_iters'])} loss={event['loss']:+.4f} "
                       f"reward={event['mean_reward']:.1f} step={event['step_time']:.2f}s", end="", flush=True)
-            else:
+            elif event["type"] in ("done", "failed", "cancelled"):
                 print(f"\n{event['type']}")
 
 

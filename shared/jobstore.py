@@ -13,11 +13,12 @@ from typing import Any, Iterable
 import redis
 from rq import Queue
 
-from shared.keys import JOBS_INDEX, adapter_key, events_key, job_key
-from shared.schemas import FINISHED_STATUSES, Job, JobCreate, JobStatus, Progress
+from shared.keys import JOBS_INDEX, RUNNING_JOBS, adapter_key, checkpoint_key, events_key, job_key, lease_key
+from shared.schemas import FINISHED_STATUSES, GRPOConfig, Job, JobCreate, JobStatus, Progress
 from shared.settings import QUEUE_NAME
 
 EVENTS_MAXLEN = 10_000
+RESUMABLE_STATUSES = ("failed", "cancelled")
 RUN_JOB_FUNC = "worker.jobs.run_grpo_job"  # a string, so enqueuing never imports the worker (or mlx)
 
 _TRANSITION_LUA = """
@@ -67,10 +68,13 @@ def create_job(r: redis.Redis, spec: JobCreate) -> Job:
     return get_job(r, job_id)  # type: ignore[return-value]
 
 
-def enqueue(r: redis.Redis, job_id: str) -> None:
-    # job_timeout -1: training runs as long as it takes; liveness is the worker's business.
+def enqueue(r: redis.Redis, job_id: str, attempt: int = 0) -> None:
+    """Put the job on rq's queue. Each attempt is its own rq job (`<job_id>-r<attempt>`), so
+    rq's bookkeeping of an abandoned attempt never touches the next one."""
+    # job_timeout -1: training runs as long as it takes; liveness is the worker's business (worker/lease.py).
     Queue(QUEUE_NAME, connection=r).enqueue_call(
-        RUN_JOB_FUNC, args=(job_id,), job_id=job_id, timeout=-1, result_ttl=3600, failure_ttl=7 * 86400
+        RUN_JOB_FUNC, args=(job_id,), job_id=job_id if attempt == 0 else f"{job_id}-r{attempt}",
+        timeout=-1, result_ttl=3600, failure_ttl=7 * 86400,
     )
 
 
@@ -98,6 +102,8 @@ def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
         progress=Progress.model_validate_json(h[b"progress"]),
         worker=_s(h.get(b"worker")),
         checkpoint_step=None if checkpoint is None else int(checkpoint),
+        attempts=int(h.get(b"attempts", 0)),
+        resumed_from=None if h.get(b"resumed_from") is None else int(h[b"resumed_from"]),
     )
 
 
@@ -130,6 +136,10 @@ def list_jobs(
             for job_id in ids:
                 p.hgetall(job_key(job_id))
             hashes = p.execute()
+        expired = [job_id for job_id, h in zip(ids, hashes) if not h]
+        if expired:  # records past their retention time: drop them from the index too
+            r.zrem(JOBS_INDEX, *expired)
+            start -= len(expired)
         for job_id, h in zip(ids, hashes):
             if not h or (status is not None and h[b"status"].decode() != status):
                 continue
@@ -188,10 +198,36 @@ def cancel_requested(r: redis.Redis, job_id: str) -> bool:
     return r.hget(job_key(job_id), "cancel_requested") == b"1"
 
 
+def resume_job(r: redis.Redis, job_id: str, config_overrides: dict[str, Any]) -> bool:
+    """Re-queue a failed or cancelled job, optionally with changed config fields; the worker
+    continues from its last checkpoint. Raises pydantic's ValidationError for bad overrides;
+    False if the job is not (or no longer) resumable."""
+    spec = get_spec(r, job_id)
+    if spec is None:
+        return False
+    overrides = {("clip_ratio" if k == "epsilon" else k): v for k, v in config_overrides.items()}
+    config = GRPOConfig.model_validate({**spec.config.model_dump(), **overrides})
+    spec = spec.model_copy(update={"config": config})
+    if not transition(r, job_id, RESUMABLE_STATUSES, status="queued", spec=spec.model_dump_json(by_alias=True),
+                      error=None, finished_at=None, cancel_requested=None,
+                      progress=Progress.model_validate_json(r.hget(job_key(job_id), "progress")).model_copy(
+                          update={"total_iters": config.iters})):
+        return False
+    with r.pipeline() as p:  # finishing set a retention time on these
+        for key in (job_key(job_id), events_key(job_id), checkpoint_key(job_id)):
+            p.persist(key)
+        p.hincrby(job_key(job_id), "attempts", 1)
+        attempt = p.execute()[-1]
+    append_event(r, job_id, {"type": "resume_requested", "config_overrides": overrides, "attempt": attempt})
+    enqueue(r, job_id, attempt=attempt)
+    return True
+
+
 def delete_job(r: redis.Redis, job_id: str) -> None:
     with r.pipeline() as p:
-        p.delete(job_key(job_id), events_key(job_id), adapter_key(job_id))
+        p.delete(job_key(job_id), events_key(job_id), adapter_key(job_id), checkpoint_key(job_id), lease_key(job_id))
         p.zrem(JOBS_INDEX, job_id)
+        p.srem(RUNNING_JOBS, job_id)
         p.execute()
 
 

@@ -16,3 +16,16 @@ def events_key(job_id: str) -> str:
 def adapter_key(job_id: str) -> str:
     """Hash: the finished adapter's files (file name -> bytes), readable by any machine."""
     return f"mtq:job:{job_id}:adapter"
+
+
+def lease_key(job_id: str) -> str:
+    """String with a TTL: '<worker>:<epoch>' while a live worker holds the job; its heartbeat renews it."""
+    return f"mtq:job:{job_id}:lease"
+
+
+def checkpoint_key(job_id: str) -> str:
+    """Hash: the job's last good checkpoint (LoRA weights, optimizer state, RNG, step, history)."""
+    return f"mtq:job:{job_id}:checkpoint"
+
+
+RUNNING_JOBS = "mtq:running"  # set of job ids whose status is running (what the reaper watches)

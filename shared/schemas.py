@@ -36,7 +36,7 @@ class GRPOConfig(BaseModel):
     group_size: int = Field(4, ge=1, le=256, description="Completions sampled per prompt (G).")
     iters: int = Field(50, ge=1, le=1_000_000, description="Optimizer steps (each samples a new batch).")
     batch_size: int = Field(2, ge=1, le=1024, description="Prompts per step (B).")
-    learning_rate: float = Field(1e-5, ge=0.0, le=10.0)
+    learning_rate: float = Field(1e-5, ge=0.0, allow_inf_nan=False)
     lora_layers: int = Field(16, ge=-1, description="Transformer blocks (from the top) that get LoRA; -1 = all.")
     lora_rank: int = Field(8, ge=1, le=1024)
     lora_alpha: float = Field(16.0, gt=0.0, description="LoRA scale is lora_alpha / lora_rank.")
@@ -126,8 +126,10 @@ class Job(BaseModel):
     finished_at: float | None = None
     error: str | None = None
     progress: Progress
-    worker: str | None = None
-    checkpoint_step: int | None = None
+    worker: str | None = Field(None, description="The worker running (or that last ran) the job.")
+    checkpoint_step: int | None = Field(None, description="Step of the last checkpoint (resume starts there).")
+    attempts: int = Field(0, description="Times the job was re-queued (worker lost, or resumed).")
+    resumed_from: int | None = Field(None, description="Step the current run resumed from, if it did.")
 
 
 class JobList(BaseModel):

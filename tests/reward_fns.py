@@ -25,3 +25,15 @@ def too_few(prompts, completions, **fields):
 
 def not_numbers(prompts, completions, **fields):
     return ["good"] * len(completions)
+
+
+def share_of_e(prompts, completions, **fields):
+    """The share of the letter 'e' among a completion's characters (0 for an empty one): a
+    toy task the tiny random-weight model learns in tens of GRPO steps (tests/test_trainer.py)."""
+    return [c.count("e") / len(c) if c else 0.0 for c in completions]
+
+
+def length_plus_answer(prompts, completions, answer, **fields):
+    """A tenth of the completion's length plus the item's answer (0 where it has none), so an
+    end-to-end test can recompute it and see that item fields reach the function."""
+    return [len(c) / 10 + (a or 0) for c, a in zip(completions, answer)]

@@ -33,12 +33,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from shared.schemas import GRPOConfig, JobCreate, PromptItem
 from worker.sampling import PaddingMaskCache, Samples, SamplingParams, left_pad, make_decode_step, sample, token_logprobs
 
 ADV_EPS = 1e-4
+SAMPLE_TEXT_CHARS = 2000  # completions in the per-step `samples` event are cut to this (the events live in Redis)
+HISTORY_METRICS = ("loss", "reward", "reward_std", "entropy", "completions/mean_length", "learning_rate", "step_time")
 LENGTH_BUCKET = 16  # pad completion lengths to a multiple of this so the loss compiles for few shapes
 
 
@@ -273,8 +275,12 @@ class GRPOTrainer:
 
         self.loss_and_grads = mx.compile(loss_and_grads, inputs=state, outputs=state)
 
-    # One iter: sample, score, update mu times. Returns the step's metrics.
-    def step(self, state: TrainState, should_stop: Callable[[], bool]) -> dict[str, float]:
+    # One iter: sample, score, update mu times. Returns the step's metrics and what was sampled.
+    def step(
+        self, state: TrainState, should_stop: Callable[[], bool], on_finite_loss: Callable[[], None] = lambda: None
+    ) -> tuple[dict[str, float], dict]:
+        """on_finite_loss: called once the current weights gave a finite loss and gradient
+        (before they are updated): the moment they are known to be good to checkpoint."""
         cfg, model, tok = self.cfg, self.model, self.tokenizer
         t0 = time.perf_counter()
         mx.reset_peak_memory()
@@ -282,10 +288,14 @@ class GRPOTrainer:
         items = [self.items[i] for i in idx]
         prompt_ids = [self.prompt_ids[i] for i in idx]
 
+        # Every step's randomness (sampling, LoRA dropout) is a function of (seed, step):
+        # reproducible, and a job resumed from a checkpoint continues as it would have.
+        step_seed = cfg.seed * 1_000_003 + state.step
+        mx.random.seed(step_seed)
         model.eval()
         samples = sample(
             model, self.decode_step, prompt_ids, cfg.group_size, self.sampling, self.eos_ids,
-            mx.random.key(cfg.seed * 1_000_003 + state.step), should_stop,
+            mx.random.key(step_seed), should_stop,
         )
         if samples is None:
             raise Cancelled()
@@ -310,7 +320,7 @@ class GRPOTrainer:
         G = cfg.group_size
         completions = [texts[b * G : (b + 1) * G] for b in range(len(items))]
         rewards, reward_metrics = self.scorer.score(
-            state.step, items, completions, token_counts=[lengths[b * G : (b + 1) * G] for b in range(len(items))]
+            state.step + 1, items, completions, token_counts=[lengths[b * G : (b + 1) * G] for b in range(len(items))]
         )
         advantages = advantages_from_rewards(np.asarray(rewards, dtype=np.float32), cfg.scale_rewards)
         if cfg.mask_truncated_completions:
@@ -323,13 +333,17 @@ class GRPOTrainer:
         ref = batch.ref_logp if batch.ref_logp is not None else batch.old_logp  # unused when beta == 0
 
         model.train()
-        for _ in range(cfg.num_iterations):
+        for mu in range(cfg.num_iterations):
+            if mu and should_stop():
+                raise Cancelled()
             loss, stats, grad_norm, grads = self.loss_and_grads(
                 batch.inputs, batch.left_pad, batch.completion, batch.mask, batch.old_logp, ref, batch.advantages
             )
             mx.eval(loss, grad_norm, stats)
             if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
                 raise NonFiniteLoss(f"non-finite loss or gradient at step {state.step + 1} (loss={loss.item()}, grad_norm={grad_norm.item()})")
+            if mu == 0:
+                on_finite_loss()
             self.optimizer.update(model, grads)
             mx.eval(model.trainable_parameters(), self.optimizer.state)
         model.eval()
@@ -362,7 +376,10 @@ class GRPOTrainer:
         metrics["mean_reward"] = metrics["reward"]
         metrics["step_time"] = time.perf_counter() - t0
         state.step += 1
-        return metrics
+        state.history.append({k: metrics[k] for k in HISTORY_METRICS})
+        shown = [[text[:SAMPLE_TEXT_CHARS] for text in group] for group in completions]
+        samples_record = {"prompt_indices": idx, "completions": shown, "rewards": rewards.tolist()}
+        return metrics, samples_record
 
 
 class lora_disabled:
@@ -379,13 +396,3 @@ class lora_disabled:
     def __exit__(self, *exc):
         for m, s in zip(self.layers, self.scales):
             m.scale = s
-
-
-def lora_parameters(model: nn.Module) -> dict[str, mx.array]:
-    return dict(tree_flatten(model.trainable_parameters()))
-
-
-__all__ = [
-    "GRPOTrainer", "TrainState", "Cancelled", "NonFiniteLoss", "grpo_loss", "advantages_from_rewards",
-    "lora_parameters", "tree_map",
-]

@@ -1,8 +1,10 @@
 """The rq job function: one GRPO job from `queued` to `completed` / `failed` / `cancelled`.
 
 rq calls `run_grpo_job` in the worker process's main thread (worker/rq_worker.py), the
-thread that loaded the model and owns its MLX streams. Every state change goes through
-shared.jobstore, so the API sees progress as it happens.
+thread that loaded the model and owns its MLX streams. The worker holds the job through a
+lease (worker/lease.py): every write it makes is fenced, so a worker that lost the job
+writes nothing more. Checkpoints go to Redis (worker/checkpoints.py), so any worker can
+resume a job whose worker died; a job that finds a checkpoint resumes from it.
 """
 
 import logging
@@ -16,10 +18,11 @@ import mlx.core as mx
 from rq import get_current_job
 
 from shared import jobstore
-from shared.keys import adapter_key
 from shared.schemas import JobCreate, Progress
 from shared.settings import Settings, load_settings
+from worker import checkpoints
 from worker.grpo import Cancelled, GRPOTrainer, NonFiniteLoss, TrainState
+from worker.lease import Lease, LeaseLost, set_current
 from worker.models import ModelNotFound, attach_lora, get_model, save_adapter
 from worker.rewards import RewardError, build_scorer
 
@@ -30,77 +33,113 @@ USER_ERRORS = (ModelNotFound, RewardError, NonFiniteLoss)  # the message says it
 def run_grpo_job(job_id: str) -> str:
     rq_job = get_current_job()
     r = rq_job.connection
-    settings = load_settings()
+    worker_name = rq_job.worker_name or f"pid-{os.getpid()}"
     spec = jobstore.get_spec(r, job_id)
     if spec is None:
         return "deleted"
-    started = jobstore.transition(
-        r, job_id, ["queued"], status="running", started_at=time.time(), worker=rq_job.worker_name or "", error=None
-    )
-    if not started:
+    lease = Lease.acquire(r, job_id, worker_name)
+    if lease is None:
         return f"not started: job is {jobstore.get_status(r, job_id)}"
-    jobstore.append_event(r, job_id, {
-        "type": "started",
-        "worker": rq_job.worker_name,
-        "pid": os.getpid(),
-        "main_thread": threading.current_thread() is threading.main_thread(),
-    })
+    set_current(lease)
     try:
-        adapter_path = train(r, job_id, spec, settings)
+        lease.write(event={
+            "type": "started",
+            "worker": worker_name,
+            "pid": os.getpid(),
+            "main_thread": threading.current_thread() is threading.main_thread(),
+        })
+        return run_with_lease(lease, spec, load_settings())
+    except LeaseLost as e:
+        log.warning("%s; leaving the job to its new owner", e)
+        return "lease lost"
+    finally:
+        set_current(None)
+
+
+def run_with_lease(lease: Lease, spec: JobCreate, settings: Settings) -> str:
+    try:
+        adapter_path = train(lease, spec, settings)
     except Cancelled:
-        finish(r, job_id, "cancelled")
+        lease.finish("cancelled", {"type": "cancelled"})
         return "cancelled"
+    except LeaseLost:
+        raise
     except USER_ERRORS as e:
-        finish(r, job_id, "failed", error=str(e))
+        lease.finish("failed", {"type": "failed", "error": str(e)}, error=str(e))
         return "failed"
     except Exception as e:
-        log.error("job %s failed:\n%s", job_id, traceback.format_exc())
-        finish(r, job_id, "failed", error=f"{type(e).__name__}: {e}")
+        log.error("job %s failed:\n%s", lease.job_id, traceback.format_exc())
+        error = f"{type(e).__name__}: {e}"
+        lease.finish("failed", {"type": "failed", "error": error}, error=error)
         return "failed"
-    finish(r, job_id, "completed", adapter_path=str(adapter_path))
+    lease.finish("completed", {"type": "done", "adapter_path": str(adapter_path)}, adapter_path=str(adapter_path))
     return "completed"
 
 
-def train(r, job_id: str, spec: JobCreate, settings: Settings) -> Path:
+def train(lease: Lease, spec: JobCreate, settings: Settings) -> Path:
     cfg = spec.config
-    model, tokenizer = get_model(spec.model_id, settings)
-    with build_scorer(spec, job_id) as scorer:
+    t0 = time.perf_counter()
+    model, tokenizer, cached = get_model(spec.model_id, settings)
+    lease.write(event={"type": "model_ready", "cached": cached, "load_s": time.perf_counter() - t0})
+    with build_scorer(spec, lease.job_id) as scorer:
         mx.random.seed(cfg.seed)  # LoRA init and dropout
         attach_lora(model, cfg)
         trainer = GRPOTrainer(model, tokenizer, spec, scorer)
         state = TrainState()
+        saved = lease.load_checkpoint()
+        if saved:
+            state = checkpoints.restore(model, trainer.optimizer, saved)
+            lease.write(event={"type": "resumed", "from_step": state.step}, resumed_from=state.step)
+            log.info("job %s: resumed from the checkpoint of step %d", lease.job_id, state.step)
 
-        def should_stop() -> bool:
-            return jobstore.cancel_requested(r, job_id)
-
+        saver = CheckpointSaver(lease, cfg.checkpoint_every, cfg.checkpoint_interval_s)
         while state.step < cfg.iters:
-            if should_stop():
+            if lease.cancel_requested():
                 raise Cancelled()
-            metrics = trainer.step(state, should_stop)
+            metrics, samples = trainer.step(state, lease.cancel_requested, on_finite_loss=saver.flush)
             progress = Progress(iter=state.step, total_iters=cfg.iters, **metrics)
-            jobstore.transition(r, job_id, ["running"], progress=progress)
-            jobstore.append_event(r, job_id, {"type": "grpo_step", **progress.model_dump()})
-            log.info("job %s step %d/%d loss %.4f reward %.4f (%.2fs)", job_id, state.step, cfg.iters,
+            lease.write(event={"type": "grpo_step", "worker": lease.worker, **progress.model_dump()}, progress=progress)
+            lease.write(event={"type": "samples", "iter": state.step, **samples})
+            saver.maybe_snapshot(model, trainer.optimizer, state)
+            log.info("job %s step %d/%d loss %.4f reward %.4f (%.2fs)", lease.job_id, state.step, cfg.iters,
                      metrics["loss"], metrics["reward"], metrics["step_time"])
 
-    out = save_adapter(model, cfg, adapter_dir(settings, spec.model_id, spec.adapter_name or job_id))
+    out = save_adapter(model, cfg, adapter_dir(settings, spec.model_id, spec.adapter_name or lease.job_id))
     # A copy in Redis, so the adapter is not only on this worker's disk.
-    r.hset(adapter_key(job_id), mapping={f.name: f.read_bytes() for f in out.iterdir() if f.is_file()})
+    lease.save_adapter({f.name: f.read_bytes() for f in out.iterdir() if f.is_file()})
     return out
+
+
+class CheckpointSaver:
+    """Writes a checkpoint only once its weights are known to be good.
+
+    A snapshot is taken after a step (every `every` steps, or `interval_s` seconds) but
+    written to Redis only when the next step has computed a finite loss and gradient with
+    those weights (the trainer's on_finite_loss). So after a non-finite loss the last
+    checkpoint is always one that trains, and `resume` continues from it.
+    """
+
+    def __init__(self, lease: Lease, every: int, interval_s: float):
+        self.lease, self.every, self.interval_s = lease, every, interval_s
+        self.pending: dict | None = None
+        self.last_step = 0
+        self.last_time = time.monotonic()
+
+    def maybe_snapshot(self, model, optimizer, state: TrainState) -> None:
+        due = state.step - self.last_step >= self.every or time.monotonic() - self.last_time >= self.interval_s
+        if due:
+            self.pending = checkpoints.snapshot(model, optimizer, state)
+            self.last_step, self.last_time = state.step, time.monotonic()
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            step = self.pending["state"].step
+            self.lease.save_checkpoint(step, checkpoints.to_blobs(self.pending))
+            self.lease.write(event={"type": "checkpoint", "step": step})
+            self.pending = None
 
 
 def adapter_dir(settings: Settings, model_id: str, adapter_name: str) -> Path:
     """$MTQ_HOME/adapters/<model_id>/<adapter_name>; a local model path contributes its directory name."""
     model_part = Path(model_id).name if Path(model_id).expanduser().exists() else model_id
     return settings.adapters_dir / model_part / adapter_name
-
-
-def finish(r, job_id: str, status: str, error: str | None = None, adapter_path: str | None = None) -> None:
-    fields = {"status": status, "finished_at": time.time(), "error": error}
-    if adapter_path:
-        fields["adapter_path"] = adapter_path
-    if jobstore.transition(r, job_id, ["running"], **fields):
-        event = {"done": {"type": "done", "adapter_path": adapter_path},
-                 "failed": {"type": "failed", "error": error},
-                 "cancelled": {"type": "cancelled"}}[{"completed": "done"}.get(status, status)]
-        jobstore.append_event(r, job_id, event)

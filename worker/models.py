@@ -32,12 +32,12 @@ def resolve_model(model_id: str, settings: Settings) -> str:
     return model_id
 
 
-def get_model(model_id: str, settings: Settings) -> tuple[nn.Module, object]:
-    """The loaded (model, tokenizer); loads on first use and keeps the last few loaded."""
+def get_model(model_id: str, settings: Settings) -> tuple[nn.Module, object, bool]:
+    """(model, tokenizer, was_already_loaded); loads on first use and keeps the last few loaded."""
     where = resolve_model(model_id, settings)
     if where in _loaded:
         _loaded.move_to_end(where)
-        return _loaded[where]
+        return (*_loaded[where], True)
     log.info("loading model %s from %s", model_id, where)
     try:
         model, tokenizer = mlx_lm_load(where)
@@ -49,7 +49,7 @@ def get_model(model_id: str, settings: Settings) -> tuple[nn.Module, object]:
     _loaded[where] = (model, tokenizer)
     while len(_loaded) > MAX_LOADED_MODELS:
         _loaded.popitem(last=False)
-    return model, tokenizer
+    return model, tokenizer, False
 
 
 def lora_config(cfg: GRPOConfig) -> dict:

@@ -4,13 +4,13 @@ Routes are plain `def`s: redis-py is blocking, and FastAPI runs sync routes in a
 """
 
 import re
-from typing import Annotated
+from typing import Annotated, Any
 
 import redis
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, ValidationError
 
 from api import sse
 from api.deps import RedisDep, SettingsDep, require_token
@@ -100,6 +100,25 @@ def cancel_job(job_id: str, r: RedisDep) -> Job:
     new_status = jobstore.request_cancel(r, job_id)
     if new_status in ("completed", "failed"):  # it finished between our read and the request
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is already {new_status}")
+    return _job_or_404(r, job_id)
+
+
+class ResumeRequest(BaseModel):
+    config: dict[str, Any] = Field(default_factory=dict, description="Config fields to change, e.g. {\"learning_rate\": 1e-5}.")
+
+
+@router.post("/{job_id}/resume", response_model=Job, responses={**NOT_FOUND, **CONFLICT},
+             summary="Re-queue a failed or cancelled job; it continues from its last checkpoint")
+def resume_job(job_id: str, r: RedisDep, body: ResumeRequest | None = None) -> Job:
+    job = _job_or_404(r, job_id)
+    if job.status not in jobstore.RESUMABLE_STATUSES:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {job.status}; only failed or cancelled jobs resume")
+    try:
+        resumed = jobstore.resume_job(r, job_id, (body or ResumeRequest()).config)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", "config", *err["loc"])} for err in e.errors()]) from None
+    if not resumed:  # its status changed between our read and the request
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {jobstore.get_status(r, job_id)}")
     return _job_or_404(r, job_id)
 
 

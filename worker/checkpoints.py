@@ -1,0 +1,62 @@
+"""Checkpoints as bytes, so they can live in Redis where any worker can resume from them.
+
+A checkpoint holds the LoRA weights, the optimizer state and the trainer's counters and
+metric history. No RNG state: the trainer draws every step's randomness (sampling, LoRA
+dropout) from (seed, step), so a resumed job samples what the original would have.
+"""
+
+import json
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map_with_path
+
+from worker.grpo import TrainState
+from worker.models import lora_weights
+
+HISTORY_KEPT = 1000  # metric history entries carried in a checkpoint
+
+
+def _to_bytes(arrays: dict[str, mx.array]) -> bytes:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "a.safetensors"
+        mx.save_safetensors(str(path), arrays)
+        return path.read_bytes()
+
+
+def _from_bytes(blob: bytes) -> dict[str, mx.array]:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "a.safetensors"
+        path.write_bytes(blob)
+        return mx.load(str(path))
+
+
+def snapshot(model: nn.Module, optimizer: optim.Optimizer, state: TrainState) -> dict:
+    """Cheap: MLX arrays are immutable, so holding references freezes this moment."""
+    return {
+        "lora": lora_weights(model),
+        "optimizer": dict(tree_flatten(optimizer.state)),
+        "state": TrainState(state.step, state.num_tokens, state.history[-HISTORY_KEPT:]),
+    }
+
+
+def to_blobs(snap: dict) -> dict[str, bytes]:
+    return {
+        "lora": _to_bytes(snap["lora"]),
+        "optimizer": _to_bytes(snap["optimizer"]),
+        "state": json.dumps(asdict(snap["state"])).encode(),
+    }
+
+
+def restore(model: nn.Module, optimizer: optim.Optimizer, blobs: dict[bytes, bytes]) -> TrainState:
+    model.load_weights(list(_from_bytes(blobs[b"lora"]).items()), strict=False)
+    # The learning rate comes from the (possibly overridden) config, not the checkpoint.
+    saved = _from_bytes(blobs[b"optimizer"])
+    saved.pop("learning_rate", None)
+    optimizer.state = tree_map_with_path(lambda path, v: saved.get(path, v), optimizer.state)
+    mx.eval(model.parameters(), optimizer.state)
+    return TrainState(**json.loads(blobs[b"state"]))
