@@ -187,17 +187,18 @@ def batch_indices(n_prompts: int, batch_size: int, step: int, seed: int) -> list
     return out
 
 
-def cut_at_stop_strings(tokenizer, tokens: list[int], stops: list[str]) -> tuple[str, int]:
-    """Decoded text and token count, cut just after the first stop string (not included in the text)."""
+def cut_at_stop_strings(tokenizer, tokens: list[int], stops: list[str]) -> tuple[str, int, bool]:
+    """Text cut just before the first stop string, the tokens that stay in the completion
+    (up to the one that completes the stop string), and whether a stop string was found."""
     text = tokenizer.decode(tokens)
     hits = [text.find(s) for s in stops if s and s in text]
     if not hits:
-        return text, len(tokens)
+        return text, len(tokens), False
     cut = min(hits)
     for n in range(1, len(tokens) + 1):  # fewest tokens whose text reaches past the stop string
         if len(tokenizer.decode(tokens[:n])) > cut:
-            return text[:cut], n
-    return text[:cut], len(tokens)
+            return text[:cut], n, True
+    return text[:cut], len(tokens), True
 
 
 # --------------------------------------------------------------------------- training
@@ -306,17 +307,19 @@ class GRPOTrainer:
         lengths = samples.mask.sum(axis=1).tolist()
         ended = samples.ended.tolist()
         texts, mask = [], samples.mask
+        # A row that ended has its EOS as last token: part of the loss, not of the text.
+        bodies = [r[: n - 1] if e else r[:n] for r, n, e in zip(rows, lengths, ended)]
         if cfg.stop:
             cut = []
-            for r, n in zip(rows, lengths):
-                text, k = cut_at_stop_strings(tok, r[:n], cfg.stop)
+            for i, body in enumerate(bodies):
+                text, k, hit = cut_at_stop_strings(tok, body, cfg.stop)
                 texts.append(text)
-                cut.append(k)
-            ended = [e or k < n for e, k, n in zip(ended, cut, lengths)]
+                cut.append(k if hit else lengths[i])
+                ended[i] = ended[i] or hit
             lengths = cut
             mask = mx.arange(mask.shape[1])[None, :] < mx.array(cut)[:, None]
         else:
-            texts = [tok.decode([t for t in r[:n] if t not in self.eos_ids]) for r, n in zip(rows, lengths)]
+            texts = [tok.decode(body) for body in bodies]
         G = cfg.group_size
         completions = [texts[b * G : (b + 1) * G] for b in range(len(items))]
         rewards, reward_metrics = self.scorer.score(
@@ -330,6 +333,7 @@ class GRPOTrainer:
         if cfg.beta > 0:
             with lora_disabled(model):
                 batch.ref_logp, _ = completion_logprobs(model, batch, cfg.temperature)
+                mx.eval(batch.ref_logp)  # now, not fused into the training graph (peak memory)
         ref = batch.ref_logp if batch.ref_logp is not None else batch.old_logp  # unused when beta == 0
 
         model.train()

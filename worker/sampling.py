@@ -58,9 +58,7 @@ class StaticKVCache:
     def make_mask(self, n: int, return_array: bool = False, window_size=None) -> mx.array:
         q_pos = self.write_pos + mx.arange(n)
         k_pos = mx.arange(self.capacity)
-        causal = k_pos[None, :] <= q_pos[:, None]  # also hides slots not written yet
-        not_pad = k_pos[None, :] >= self.left_pad[:, None]
-        return (causal[None] & not_pad[:, None, :])[:, None]  # (rows, 1, n, capacity)
+        return attention_mask(q_pos, k_pos, self.left_pad)
 
 
 class PaddingMaskCache:
@@ -76,9 +74,17 @@ class PaddingMaskCache:
 
     def make_mask(self, n: int, return_array: bool = False, window_size=None) -> mx.array:
         pos = mx.arange(n)
-        causal = pos[None, :] <= pos[:, None]
-        not_pad = pos[None, :] >= self.left_pad[:, None]
-        return (causal[None] & not_pad[:, None, :])[:, None]
+        return attention_mask(pos, pos, self.left_pad)
+
+
+def attention_mask(q_pos: mx.array, k_pos: mx.array, left_pad: mx.array) -> mx.array:
+    """(rows, 1, queries, keys): causal, padding hidden. A padding query sees only itself:
+    a row with every key masked gives NaN in attention (on CUDA), which would reach the
+    gradients even though padding positions are never used."""
+    causal = k_pos[None, :] <= q_pos[:, None]  # also hides buffer slots not written yet
+    not_pad = k_pos[None, :] >= left_pad[:, None]
+    itself = k_pos[None, :] == q_pos[:, None]
+    return ((causal[None] & not_pad[:, None, :]) | itself[None])[:, None]
 
 
 @dataclass(frozen=True)

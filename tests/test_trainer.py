@@ -1,0 +1,398 @@
+"""The GRPO trainer (worker/grpo.py) on a real model: the tiny random-weight Qwen3 of
+conftest's `tiny_model`, loaded with mlx_lm in this process, with a fresh LoRA attached
+the way worker/jobs.py does it (mx.random.seed(cfg.seed), attach_lora, build_scorer,
+GRPOTrainer). Nothing is mocked. The last test runs real jobs in a real worker process.
+
+About the learning test's temperature: the tiny model's lm_head is its (tied) embedding,
+Normal(0, 0.02) over 64 dims, applied after the final RMSNorm (weight 1, not trained by
+LoRA). So whatever LoRA does, |logit| <= |h| * |e_t| = 8 * 0.16 ~ 1.3: at temperature 1 the
+sampling distribution stays within a factor ~e^2.6 of uniform over 1024 tokens and no
+reward can rise visibly (measured: flat for lr up to 5e-2). At temperature 0.1 (the loss
+uses logits / T too) the reachable logit range is 10x larger and the model learns in
+tens of steps.
+"""
+
+import gc
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from shared.schemas import JobCreate, PromptItem
+from worker.grpo import Cancelled, GRPOTrainer, TrainState, prompt_token_ids
+from worker.models import attach_lora
+from worker.rewards import build_scorer
+
+PROMPTS = ["What is 2+2?", "Say hello.", "Count to five.", "Name a color.", "Write a word.", "Tell me a story."]
+SHARE_OF_E = [{"type": "python", "function": "reward_fns:share_of_e"}]
+BASE = dict(group_size=8, batch_size=2, iters=3, learning_rate=5e-2, lora_layers=-1, lora_rank=8,
+            max_completion_len=16, temperature=1.0, seed=0)
+TIMING = ("step_time", "tokens_per_second", "peak_memory_gb")  # vary run to run
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model):
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_model))
+
+
+def make_trainer(lm, prompts=PROMPTS, reward=None, **config) -> GRPOTrainer:
+    """What worker/jobs.py does for a job: seed, fresh LoRA, scorer, trainer."""
+    model, tokenizer = lm
+    spec = JobCreate(model_id="tiny", prompts=prompts, config={**BASE, **config}, reward=reward)
+    mx.random.seed(spec.config.seed)
+    attach_lora(model, spec.config)
+    return GRPOTrainer(model, tokenizer, spec, build_scorer(spec, "test-job"))
+
+
+def run_steps(trainer: GRPOTrainer, n: int) -> list[tuple[dict, dict]]:
+    state = TrainState()
+    return [trainer.step(state, lambda: False) for _ in range(n)]
+
+
+def flat(samples: dict) -> list[str]:
+    return [c for group in samples["completions"] for c in group]
+
+
+# ----------------------------------------------------------------------------------------
+# 1. It learns
+# ----------------------------------------------------------------------------------------
+
+LEARN = dict(iters=20, learning_rate=5e-2, temperature=0.1, group_size=8, batch_size=2, max_completion_len=16, seed=0)
+
+
+def test_learns_a_toy_task_and_does_not_without_a_learning_rate(lm):
+    """Reward = share of the letter 'e' in the completion. With lr 5e-2 the mean reward of
+    the last 5 steps is far above that of the first 5; with lr 0 (same job otherwise) it is not.
+    Measured (seed 0): lr 5e-2 first5 0.11 -> last5 0.32; lr 0 0.09 -> 0.09."""
+    curves = {}
+    for lr in (LEARN["learning_rate"], 0.0):
+        trainer = make_trainer(lm, reward=SHARE_OF_E, **dict(LEARN, learning_rate=lr))
+        curves[lr] = np.array([m["reward"] for m, _ in run_steps(trainer, LEARN["iters"])])
+    for lr, curve in curves.items():
+        print(f"\nreward curve lr={lr}: " + " ".join(f"{r:.3f}" for r in curve)
+              + f"  (first 5: {curve[:5].mean():.3f}, last 5: {curve[-5:].mean():.3f})")
+
+    # Margins from seeds 0-6 with this config: the rise was 0.12-0.28 (seed 0: 0.21), the
+    # drift with lr 0 at most 0.033 either way.
+    learned, frozen = curves[LEARN["learning_rate"]], curves[0.0]
+    assert learned[-5:].mean() > learned[:5].mean() + 0.1
+    assert abs(frozen[-5:].mean() - frozen[:5].mean()) < 0.05  # noise only
+    assert learned[-5:].mean() > frozen[-5:].mean() + 0.1
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Reproducible
+# ----------------------------------------------------------------------------------------
+
+
+def test_same_seed_same_metrics_other_seed_other_completions(lm):
+    config = dict(beta=0.04, lora_dropout=0.1, group_size=4)  # dropout: the update's randomness too
+
+    def run(seed, steps=3, prompts=PROMPTS):
+        trainer = make_trainer(lm, prompts=prompts, reward=SHARE_OF_E, seed=seed, **config)
+        return run_steps(trainer, steps)
+
+    first, again = run(0), run(0)
+    for (m1, s1), (m2, s2) in zip(first, again):
+        assert {k: v for k, v in m1.items() if k not in TIMING} == {k: v for k, v in m2.items() if k not in TIMING}
+        assert s1 == s2
+    for key in ("loss", "reward", "entropy", "kl", "mean_ratio", "grad_norm"):
+        assert key in first[-1][0]
+    assert first[-1][0]["kl"] > 0  # the weights did change, so equal metrics mean equal training
+    # Another seed samples other completions, also for the very same prompt and weights (one
+    # prompt: the seed's choice of prompts plays no part; step 1: the LoRA is still zero).
+    for prompts in (PROMPTS, ["Say hello."]):
+        assert flat(run(1, 1, prompts)[0][1]) != flat(run(0, 1, prompts)[0][1])
+
+
+# ----------------------------------------------------------------------------------------
+# 3. KL against the base model
+# ----------------------------------------------------------------------------------------
+
+
+def test_beta_reports_kl_and_costs_little_memory(lm):
+    peaks, runs = {}, {}
+    for beta in (0.0, 0.1):
+        gc.collect()
+        trainer = make_trainer(lm, beta=beta, max_completion_len=32)
+        runs[beta] = run_steps(trainer, 3)
+        peaks[beta] = max(m["peak_memory_gb"] for m, _ in runs[beta])
+        del trainer
+
+    with_kl = [m for m, _ in runs[0.1]]
+    # Step 1 is computed with the LoRA still at zero (lora_b starts at 0): policy == reference.
+    assert with_kl[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert with_kl[1]["kl"] > 1e-3 and with_kl[2]["kl"] > 1e-3
+    assert all("kl" not in m for m, _ in runs[0.0])
+    print(f"\npeak memory: beta 0 {peaks[0.0] * 1e3:.2f} MB, beta 0.1 {peaks[0.1] * 1e3:.2f} MB")
+    # The reference pass (LoRA off) must not add its forward pass to the training step's
+    # peak: ref_logp is needed, the reference logits are not.
+    assert peaks[0.1] <= 1.10 * peaks[0.0], f"peak with beta > 0 is {peaks[0.1] / peaks[0.0] - 1:.0%} higher"
+
+
+# ----------------------------------------------------------------------------------------
+# 4. num_iterations (mu)
+# ----------------------------------------------------------------------------------------
+
+
+def test_second_update_on_a_batch_sees_a_ratio_off_one(lm):
+    # Metrics are those of the last update of the step. With mu=1 it is the first update on
+    # freshly sampled data: pi_theta == pi_old, so the ratio is 1 up to float noise (this
+    # also checks that sampling's log-probs match the loss's forward pass, at step 2 with a
+    # trained LoRA too). With mu=2 the second update sees weights the first one changed.
+    single = [m for m, _ in run_steps(make_trainer(lm, learning_rate=0.1, num_iterations=1, iters=2), 2)]
+    for m in single:
+        assert abs(m["mean_ratio"] - 1.0) < 1e-3, m["mean_ratio"]
+        assert m["clip_ratio/region_mean"] == 0.0
+
+    def second_update(**config):
+        return run_steps(make_trainer(lm, learning_rate=0.1, num_iterations=2, iters=1, **config), 1)[0][0]
+
+    double = second_update()
+    assert abs(double["mean_ratio"] - 1.0) > 1e-3, double
+    assert double["clip_ratio/low_mean"] > 0 and double["clip_ratio/high_mean"] > 0
+
+    # The same second update (same samples, same first update) under other knobs that only
+    # matter once the ratio is off 1: clip-higher and sequence-level ratios (GSPO).
+    wide = second_update(epsilon_high=5.0)
+    assert wide["clip_ratio/high_mean"] == 0.0 and wide["clip_ratio/low_mean"] == double["clip_ratio/low_mean"]
+    sequence = second_update(importance_sampling_level="sequence")
+    assert abs(sequence["mean_ratio"] - double["mean_ratio"]) > 1e-3
+
+
+# ----------------------------------------------------------------------------------------
+# 5. Chat messages and prompt items with extra fields
+# ----------------------------------------------------------------------------------------
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+
+
+def test_chat_template_is_applied_only_when_asked(lm):
+    _, tok = lm
+    assert tok.chat_template
+    assistant = tok.encode("<|im_start|>assistant\n")
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    assert assistant[0] == im_start and len(assistant) >= 2
+
+    for prompt in (CHAT, "Say hello."):
+        item = PromptItem(prompt=prompt)
+        templated = prompt_token_ids(tok, item, use_chat_template=True)
+        assert templated[-len(assistant):] == assistant  # the generation prompt
+        plain = prompt_token_ids(tok, item, use_chat_template=False)
+        assert im_start not in plain
+
+    assert tok.decode(prompt_token_ids(tok, PromptItem(prompt=CHAT), True)) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tok.decode(prompt_token_ids(tok, PromptItem(prompt=CHAT), False)) == "Be brief.\nSay hello."
+
+
+def test_chat_prompts_and_items_with_fields_train(lm):
+    import reward_fns
+
+    prompts = [
+        "Plain text.",
+        CHAT,
+        {"prompt": "What letter?", "answer": "x"},
+        {"prompt": [{"role": "user", "content": "Pick a letter."}], "answer": "e"},
+    ]
+    reward = [{"type": "python", "function": "reward_fns:echo_inputs"},
+              {"type": "contains", "field": "answer", "case_sensitive": False}]
+    reward_fns.echo_inputs.calls.clear()
+    # batch_size = all four prompts, so one step sees every kind.
+    trainer = make_trainer(lm, prompts=prompts, reward=reward, batch_size=4, group_size=2, iters=1)
+    chat_ids = trainer.prompt_ids[1]
+    assert chat_ids[-len(lm[1].encode("<|im_start|>assistant\n")):] == lm[1].encode("<|im_start|>assistant\n")
+    (metrics, samples), = run_steps(trainer, 1)
+
+    assert math.isfinite(metrics["loss"])
+    assert sorted(samples["prompt_indices"]) == [0, 1, 2, 3]
+    call, = reward_fns.echo_inputs.calls
+    by_prompt = {str(p): a for p, a in zip(call["prompts"], call["answer"])}
+    assert by_prompt == {
+        "Plain text.": None,
+        str(CHAT): None,
+        "What letter?": "x",
+        str([{"role": "user", "content": "Pick a letter."}]): "e",
+    }
+    assert len(call["completions"]) == 8 and call["completions"] == flat(samples)
+    assert "rewards/contains/mean" in metrics  # the items with an answer were scored
+
+
+# ----------------------------------------------------------------------------------------
+# 6. Stop strings
+# ----------------------------------------------------------------------------------------
+
+
+def test_stop_strings_cut_completions_before_them(lm):
+    # 'e' is the tiny model's most frequent character. Step 1 samples the same tokens with
+    # or without stop strings (same seed, LoRA still zero), so each completion with the stop
+    # string must be the one without, cut just before the stop string's first occurrence.
+    config = dict(iters=1, max_completion_len=16, learning_rate=0.0)
+    (m_free, s_free), = run_steps(make_trainer(lm, **config), 1)
+    (m_stop, s_stop), = run_steps(make_trainer(lm, stop=["e", "zzz-never"], **config), 1)
+
+    free, stopped = flat(s_free), flat(s_stop)
+    cut = [t[: t.index("e")] if "e" in t else t for t in free]
+    assert stopped == cut
+    assert sum("e" in t for t in free) >= len(free) // 2  # the stop string was actually hit
+    assert not any("e" in t for t in stopped)
+    # Token counts and 'ended' follow the cut: stopped rows are not truncated ones.
+    assert m_stop["completions/mean_length"] < m_free["completions/mean_length"]
+    assert m_stop["completions/clipped_ratio"] < m_free["completions/clipped_ratio"]
+
+
+def test_stop_strings_keep_eos_text_out_of_completions(lm):
+    # Seed 12: two of the 16 completions end with EOS (<|im_end|>) at step 1. Without stop
+    # strings the EOS token is not part of the text; with a stop string that never occurs
+    # the text must be the same.
+    config = dict(iters=1, max_completion_len=16, learning_rate=0.0, seed=12)
+    (m_free, s_free), = run_steps(make_trainer(lm, **config), 1)
+    (m_stop, s_stop), = run_steps(make_trainer(lm, stop=["zzz-never"], **config), 1)
+    assert m_free["completions/clipped_ratio"] < 1  # some rows did end with EOS
+    assert not any("<|im_end|>" in t for t in flat(s_free))
+    assert flat(s_stop) == flat(s_free)
+
+
+# ----------------------------------------------------------------------------------------
+# 7. The other knobs: each runs, and does what it says where a step can show it
+# ----------------------------------------------------------------------------------------
+
+SMOKE = dict(iters=2, group_size=4, batch_size=2, max_completion_len=8, learning_rate=1e-2)
+KNOBS = [
+    {"loss_type": "grpo"}, {"loss_type": "bnpo"}, {"loss_type": "dr_grpo"}, {"loss_type": "dapo"},
+    {"importance_sampling_level": "sequence"},
+    {"scale_rewards": "batch"}, {"scale_rewards": "none"},
+    {"mask_truncated_completions": True},
+    {"lr_scheduler": "cosine", "warmup_steps": 1}, {"lr_scheduler": "linear"},
+    {"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.05},
+    {"temperature": 0.0}, {"top_k": 1}, {"top_p": 1e-4}, {"min_p": 0.99},
+    {"epsilon_high": 0.28}, {"max_grad_norm": None}, {"weight_decay": 0.1}, {"lora_dropout": 0.1},
+    {"num_iterations": 2, "beta": 0.04, "importance_sampling_level": "sequence", "loss_type": "grpo"},
+]
+GREEDY = ({"temperature": 0.0}, {"top_k": 1}, {"top_p": 1e-4}, {"min_p": 0.99})  # leave one token
+
+
+@pytest.mark.parametrize("knob", KNOBS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
+def test_knob_runs_with_finite_loss(lm, knob):
+    steps = run_steps(make_trainer(lm, **dict(SMOKE, **knob)), SMOKE["iters"])
+    for m, s in steps:
+        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+        assert m["n_samples"] == SMOKE["group_size"] * SMOKE["batch_size"]
+    m, s = steps[0]
+    if knob in GREEDY:  # one token to choose from: a group's completions are all the same
+        assert all(len(set(group)) == 1 for group in s["completions"])
+        assert m["frac_reward_zero_std"] == 1.0
+    elif knob.get("temperature", 1.0) > 0:
+        assert all(len(set(group)) > 1 for group in s["completions"])
+    if knob == {"mask_truncated_completions": True} and m["completions/clipped_ratio"] == 1.0:
+        # Every completion was cut at max_completion_len: nothing is left to learn from.
+        assert m["loss"] == 0.0 and m["grad_norm"] == 0.0
+
+
+def test_without_masking_truncated_completions_there_is_a_gradient(lm):
+    # The control for the mask_truncated_completions case above.
+    m, _ = run_steps(make_trainer(lm, **SMOKE), 1)[0]
+    assert m["completions/clipped_ratio"] == 1.0 and m["grad_norm"] > 0
+
+
+def test_loss_types_normalise_the_same_batch_differently(lm):
+    # Step 1 samples the same batch whatever the loss type, and pi_theta == pi_old, so
+    # per-token loss = -A_i. With stop strings the rows have different lengths n_i and
+    # (length reward) A correlates with n:  dapo = bnpo = -sum A n / sum n,
+    # dr_grpo = -sum A n / (rows * max_completion_len), grpo = mean_i(-A_i) = 0.
+    config = dict(iters=1, max_completion_len=16, stop=["e"], learning_rate=0.0)
+    loss, mean_length = {}, {}
+    for loss_type in ("grpo", "bnpo", "dapo", "dr_grpo"):
+        m, _ = run_steps(make_trainer(lm, loss_type=loss_type, **config), 1)[0]
+        loss[loss_type], mean_length[loss_type] = m["loss"], m["completions/mean_length"]
+    assert len(set(mean_length.values())) == 1
+    assert abs(loss["dapo"]) > 1e-2
+    assert loss["grpo"] == pytest.approx(0.0, abs=1e-5)
+    assert loss["bnpo"] == pytest.approx(loss["dapo"], rel=1e-4)
+    assert loss["dr_grpo"] == pytest.approx(loss["dapo"] * mean_length["dapo"] / 16, rel=1e-3)
+
+    # scale_rewards changes the advantages' scale, hence the loss.
+    none, _ = run_steps(make_trainer(lm, loss_type="dapo", scale_rewards="none", **config), 1)[0]
+    assert abs(none["loss"]) > 2 * abs(loss["dapo"])  # rewards are lengths in characters: std >> 1
+
+
+def test_learning_rate_follows_warmup_then_cosine(lm):
+    lr, iters, warmup = 1e-2, 5, 2
+    trainer = make_trainer(lm, **dict(SMOKE, iters=iters, learning_rate=lr, lr_scheduler="cosine", warmup_steps=warmup))
+    got = [m["learning_rate"] for m, _ in run_steps(trainer, iters)]
+    # The learning rate each update used (0-based update s), as Hugging Face's
+    # get_cosine_schedule_with_warmup computes it: linear from 0, then half a cosine to 0.
+    expected = [lr * s / warmup if s < warmup else lr * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (iters - warmup)))
+                for s in range(iters)]
+    assert got == pytest.approx(expected, abs=1e-7)
+    assert expected == pytest.approx([0.0, 0.005, 0.01, 0.0075, 0.0025])
+
+
+# ----------------------------------------------------------------------------------------
+# 9. Cancelling while sampling
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop_at_call", [1, 2])
+def test_cancel_during_sampling_raises_cancelled(lm, stop_at_call):
+    # max_completion_len 64 = four chunks of sampling, so should_stop is asked several times
+    # while sampling; the step gives up at the first True, before scoring or updating.
+    import reward_fns
+
+    trainer = make_trainer(lm, max_completion_len=64, reward=[{"type": "python", "function": "reward_fns:echo_inputs"}])
+    reward_fns.echo_inputs.calls.clear()
+    calls = []
+
+    def should_stop():
+        calls.append(1)
+        return len(calls) >= stop_at_call
+
+    state = TrainState()
+    before = {k: np.array(v) for k, v in tree_flatten(trainer.model.trainable_parameters())}
+    with pytest.raises(Cancelled):
+        trainer.step(state, should_stop)
+    assert len(calls) == stop_at_call
+    assert state.step == 0 and state.num_tokens == 0
+    assert reward_fns.echo_inputs.calls == []  # never got to scoring
+    after = dict(tree_flatten(trainer.model.trainable_parameters()))
+    assert all(np.array_equal(before[k], np.array(after[k])) for k in before)  # no update
+
+    # The same trainer still runs a step when not asked to stop.
+    metrics, _ = trainer.step(state, lambda: False)
+    assert state.step == 1 and math.isfinite(metrics["loss"])
+
+
+# ----------------------------------------------------------------------------------------
+# 8. End to end: the model stays loaded between jobs on one worker
+# ----------------------------------------------------------------------------------------
+
+JOBS = "/admin/api/fine-tune/grpo/jobs"
+
+
+def test_second_job_on_a_worker_reuses_the_loaded_model(stack, workers):
+    from shared.jobstore import read_events
+
+    workers()
+    body = {"model_id": stack.tiny_model.name, "prompts": ["What is 2+2?", "Say hello."],
+            "config": {"iters": 1, "group_size": 2, "batch_size": 1, "max_completion_len": 8,
+                       "lora_layers": 2, "lora_rank": 4}}
+    ready = []
+    for name in ("first", "second"):
+        with stack.client() as c:
+            created = c.post(JOBS, json=dict(body, adapter_name=f"cache-{name}"))
+            assert created.status_code == 200, created.text
+            job_id = created.json()["job_id"]
+        job = stack.wait_job(job_id)
+        assert job["status"] == "completed", job["error"]
+        events = [e for _, e in read_events(stack.redis, job_id)]
+        ready += [e for e in events if e["type"] == "model_ready"]
+        samples = [e for e in events if e["type"] == "samples"]
+        assert len(samples) == 1 and samples[0]["iter"] == 1
+        assert len(samples[0]["completions"]) == 1 and len(samples[0]["completions"][0]) == 2
+    assert [e["cached"] for e in ready] == [False, True]
+    assert ready[1]["load_s"] < ready[0]["load_s"]
