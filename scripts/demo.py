@@ -21,14 +21,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 HOME = ROOT / ".mtq" / "demo"
 JOBS = "/admin/api/fine-tune/grpo/jobs"
-SEED_BODY = {
-    "model_id": "Qwen3-0.6B-4bit",
-    "prompts": ["What is 2+2?", "Say hello."],
-    "adapter_name": "grpo_smoke",
-    "config": {"group_size": 2, "iters": 2, "batch_size": 1, "learning_rate": 1e-5,
-               "lora_layers": 4, "lora_rank": 4, "lora_alpha": 8.0,
-               "max_completion_len": 16, "temperature": 0.8},
-}
+# The seed bug report's request body (only model_id is changed below).
+SEED_BODY = json.loads((ROOT / "examples" / "seed_job.json").read_text())
 
 
 def free_port() -> int:

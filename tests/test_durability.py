@@ -4,8 +4,6 @@ import os
 import signal
 import time
 
-import httpx
-import pytest
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
 from conftest import wait_for

@@ -1,22 +1,13 @@
 """End to end: REST -> Redis/rq -> a real worker process (main-thread MLX) -> progress -> adapter."""
 
 import json
-import threading
+from pathlib import Path
 
-import httpx
-import pytest
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 
-# The seed bug report's request body, verbatim but for model_id.
-SEED_BODY = {
-    "model_id": "Qwen3-0.6B-4bit",
-    "prompts": ["What is 2+2?", "Say hello."],
-    "adapter_name": "grpo_smoke",
-    "config": {"group_size": 2, "iters": 2, "batch_size": 1, "learning_rate": 1e-5,
-               "lora_layers": 4, "lora_rank": 4, "lora_alpha": 8.0,
-               "max_completion_len": 16, "temperature": 0.8},
-}
+# The seed bug report's request body, verbatim; tests change only model_id.
+SEED_BODY = json.loads((Path(__file__).resolve().parents[1] / "examples" / "seed_job.json").read_text())
 
 
 def events_of(stack, job_id) -> list[dict]:

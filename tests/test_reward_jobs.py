@@ -7,13 +7,12 @@ the scorer-level details are in tests/test_rewards.py.
 
 import json
 import re
-import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+
+from reward_server import closed_port_url, serving
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 ITERS, B, G = 2, 2, 2
@@ -27,76 +26,23 @@ CONFIG = {"iters": ITERS, "batch_size": B, "group_size": G, "max_completion_len"
 # ----------------------------------------------------------------------------------------
 
 
-class RewardServer:
-    """An HTTP reward server on 127.0.0.1. It answers every request with distinct numbers
-    (request k, completion i: k + i/8, exact in float32), in either protocol. Scripted
-    replies in `replies` are used first (FIFO): {"delay": s} answers normally after s
-    seconds, {"json": answer} answers that instead. `requests` records each request's body,
-    headers and the rewards answered."""
+def distinct(body: dict, k: int) -> dict:
+    """Distinct rewards: request k, completion i -> k + i/8 (exact in float32), in either protocol."""
+    if "groups" in body:
+        return {"rewards": [[k + (g * G + i) / 8 for i in range(len(grp["completions"]))]
+                            for g, grp in enumerate(body["groups"])]}
+    return {"rewards": [k + i / 8 for i in range(len(body["completions"]))]}
 
-    def __init__(self):
-        self.requests: list[dict] = []
-        self.replies: list[dict] = []
-        self._lock = threading.Lock()
-        server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                server._handle(self)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}/reward"
-
-    def _handle(self, handler: BaseHTTPRequestHandler):
-        body = json.loads(handler.rfile.read(int(handler.headers.get("Content-Length", 0))))
-        with self._lock:
-            k = len(self.requests)
-            reply = self.replies.pop(0) if self.replies else {}
-            if "groups" in body:
-                rewards = [[k + (g * G + i) / 8 for i in range(len(grp["completions"]))] for g, grp in enumerate(body["groups"])]
-            else:
-                rewards = [k + i / 8 for i in range(len(body["completions"]))]
-            answer = reply.get("json", {"rewards": rewards})
-            self.requests.append({
-                "body": body,
-                "headers": {key.lower(): v for key, v in handler.headers.items()},
-                "answer": answer.get("rewards"),
-                "delayed": "delay" in reply,
-            })
-        time.sleep(reply.get("delay", 0))
-        payload = json.dumps(answer).encode()
-        try:
-            handler.send_response(200)
-            handler.send_header("Content-Type", "application/json")
-            handler.send_header("Content-Length", str(len(payload)))
-            handler.end_headers()
-            handler.wfile.write(payload)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the worker stopped waiting (the timeout test)
-
-    def answered(self) -> list[dict]:
-        """The requests that the worker got an answer to (not the delayed ones)."""
-        return [r for r in self.requests if not r["delayed"]]
+def answered(server) -> list[dict]:
+    """The requests that the worker got an answer to (not the delayed ones)."""
+    return [r for r in server.requests if not r["delayed"]]
 
 
 @pytest.fixture
 def server():
-    s = RewardServer()
-    thread = threading.Thread(target=s.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    yield s
-    s.httpd.shutdown()
-    s.httpd.server_close()
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}/reward"
+    with serving(distinct) as s:
+        yield s
 
 
 # ----------------------------------------------------------------------------------------
@@ -215,10 +161,10 @@ def test_timeout_then_answer_job_completes(stack, worker, server):
     requests = server.requests
     assert requests[0]["delayed"] and requests[1]["body"] == requests[0]["body"]  # the same request, again
     # Each group was answered once (a spurious retry under load would only repeat a body).
-    answered = server.answered()
-    bodies = [json.dumps(r["body"], sort_keys=True) for r in answered]
+    answers = answered(server)
+    bodies = [json.dumps(r["body"], sort_keys=True) for r in answers]
     assert len(set(bodies)) == ITERS * B
-    assert samples[0]["rewards"][0] == answered[0]["answer"]
+    assert samples[0]["rewards"][0] == answers[0]["answer"]
     assert time.monotonic() - started < 30
 
 

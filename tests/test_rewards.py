@@ -1,17 +1,14 @@
 """Reward sources (worker/rewards.py): built-ins on hand-made completions, python sources,
 and HTTP endpoints against a real reward server on 127.0.0.1 (no mocks)."""
 
-import json
-import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from reward_server import closed_port_url, serving
 from shared.schemas import JobCreate, PromptItem
 from worker.rewards import (
     RewardError,
@@ -43,71 +40,17 @@ def item(prompt="What is 2+2?", **fields) -> PromptItem:
 # ----------------------------------------------------------------------------------------
 
 
-class RewardServer:
-    """An HTTP reward server on 127.0.0.1 and a free port. By default it rewards each
-    completion with its length (in both protocols). A test queues scripted replies in
-    `replies` (used first-in first-out, one per request): {"delay": s, "status": code,
-    "json": answer} or {"raw": text}; `requests` records what arrived."""
-
-    def __init__(self):
-        self.requests: list[dict] = []
-        self.replies: list[dict] = []
-        self._lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                server._handle(self)
-
-            def log_message(self, *args):  # keep pytest's output clean
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}/reward"
-
-    def _handle(self, handler: BaseHTTPRequestHandler):
-        body = json.loads(handler.rfile.read(int(handler.headers.get("Content-Length", 0))))
-        with self._lock:
-            self.requests.append({
-                "path": handler.path,
-                "headers": {k.lower(): v for k, v in handler.headers.items()},
-                "body": body,
-            })
-            reply = self.replies.pop(0) if self.replies else {}
-        time.sleep(reply.get("delay", 0))
-        payload = reply["raw"] if "raw" in reply else json.dumps(reply.get("json", self._lengths(body)))
-        try:
-            handler.send_response(reply.get("status", 200))
-            handler.send_header("Content-Type", "application/json")
-            handler.send_header("Content-Length", str(len(payload.encode())))
-            handler.end_headers()
-            handler.wfile.write(payload.encode())
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client stopped waiting (the timeout tests)
-
-    @staticmethod
-    def _lengths(body: dict) -> dict:
-        if "groups" in body:
-            return {"rewards": [[len(c) for c in g["completions"]] for g in body["groups"]]}
-        return {"rewards": [len(c) for c in body["completions"]]}
+def lengths(body: dict, k: int) -> dict:
+    """By default each completion is rewarded with its length, in both protocols."""
+    if "groups" in body:
+        return {"rewards": [[len(c) for c in g["completions"]] for g in body["groups"]]}
+    return {"rewards": [len(c) for c in body["completions"]]}
 
 
 @pytest.fixture
 def server():
-    s = RewardServer()
-    thread = threading.Thread(target=s.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    yield s
-    s.httpd.shutdown()
-    s.httpd.server_close()
-
-
-def closed_port_url() -> str:
-    """A URL nobody listens on: connections are refused at once."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}/reward"
+    with serving(lengths) as s:
+        yield s
 
 
 def endpoint(url: str, **options) -> dict:

@@ -1,0 +1,76 @@
+"""A real HTTP reward server for the tests: 127.0.0.1, a free port, a thread of its own."""
+
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+
+class RewardServer:
+    """Answers each POST with `answer(body, k)` (k: the request's number). Scripted replies
+    in `replies` come first (FIFO, one per request): {"delay": s} answers after s seconds,
+    {"status": code} with that status, {"json": answer} or {"raw": text} with that body.
+    `requests` records each request: path, headers, body, the rewards answered, delayed."""
+
+    def __init__(self, answer: Callable[[dict, int], dict]):
+        self.answer = answer
+        self.requests: list[dict] = []
+        self.replies: list[dict] = []
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                server._handle(self)
+
+            def log_message(self, *args):  # keep pytest's output clean
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/reward"
+
+    def _handle(self, handler: BaseHTTPRequestHandler):
+        body = json.loads(handler.rfile.read(int(handler.headers.get("Content-Length", 0))))
+        with self._lock:
+            reply = self.replies.pop(0) if self.replies else {}
+            answer = reply.get("json", self.answer(body, len(self.requests)))
+            self.requests.append({
+                "path": handler.path,
+                "headers": {k.lower(): v for k, v in handler.headers.items()},
+                "body": body,
+                "answer": answer.get("rewards") if isinstance(answer, dict) else None,
+                "delayed": "delay" in reply,
+            })
+        time.sleep(reply.get("delay", 0))
+        payload = (reply["raw"] if "raw" in reply else json.dumps(answer)).encode()
+        try:
+            handler.send_response(reply.get("status", 200))
+            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", str(len(payload)))
+            handler.end_headers()
+            handler.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client stopped waiting (the timeout tests)
+
+
+@contextmanager
+def serving(answer: Callable[[dict, int], dict]):
+    server = RewardServer(answer)
+    thread = threading.Thread(target=server.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.httpd.shutdown()
+        server.httpd.server_close()
+
+
+def closed_port_url() -> str:
+    """A URL nobody listens on: connections are refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}/reward"
