@@ -62,7 +62,10 @@ def main() -> int:
     model_dir = HOME / "models" / "demo-small"
     subprocess.run([*mtq, "make-model", str(model_dir), "--size", "small"], check=True, env=env, cwd=ROOT)
 
-    stack = subprocess.Popen([*mtq, "up", "--workers", "1"], env=env, cwd=ROOT)
+    log_path = HOME / "stack.log"
+    print(f"starting the stack (redis-server, API, 1 worker); its logs go to {log_path}")
+    stack = subprocess.Popen([*mtq, "up", "--workers", "1"], env=env, cwd=ROOT,
+                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{env['MTQ_API_PORT']}"
     try:
         client = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {env['MTQ_API_TOKEN']}"}, timeout=30)
@@ -74,7 +77,7 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             if stack.poll() is not None or time.monotonic() > deadline:
-                print("the stack did not come up", file=sys.stderr)
+                print(f"the stack did not come up; see {log_path}", file=sys.stderr)
                 return 1
             time.sleep(0.2)
 
@@ -98,6 +101,7 @@ def main() -> int:
     finally:
         stack.send_signal(signal.SIGTERM)
         stack.wait(60)
+        print("stopped the stack")
 
 
 if __name__ == "__main__":
