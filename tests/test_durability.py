@@ -210,3 +210,22 @@ def test_finished_jobs_expire_after_retention_and_leave_the_index(stack, workers
     for i in range(EVENTS_MAXLEN + 2000):
         append_event(stack.redis, "capped", {"type": "x", "i": i})
     assert stack.redis.xlen(events_key("capped")) < EVENTS_MAXLEN + 1000
+
+
+def test_sigterm_checkpoints_and_hands_the_job_back_at_once(stack, workers):
+    env = short_lease_env(stack)
+    procs = {p.pid: p for p in (workers(env=env), workers(env=env))}
+    job_id = submit(stack, body(stack, iters=40, checkpoint_every=1000))  # no periodic checkpoint
+    wait_for(lambda: get(stack, job_id)["progress"]["iter"] >= 3, 120, "three steps")
+    leaving = owner_pid(stack, job_id)
+    sent_at = time.time()
+    os.kill(leaving, signal.SIGTERM)
+    assert procs[leaving].wait(20) == 0  # a warm shutdown that does not wait for the job to end
+
+    requeued = [(t, e) for t, e in events(stack, job_id) if e["type"] == "requeued"]
+    assert requeued and requeued[0][1]["reason"] == "worker shutting down"
+    assert requeued[0][0] - sent_at < 5
+    job = stack.wait_job(job_id, timeout=180)
+    assert job["status"] == "completed", job["error"]
+    assert job["resumed_from"] >= 3  # from the checkpoint written on the way out
+    assert owner_pid(stack, job_id) != leaving

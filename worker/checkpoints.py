@@ -44,6 +44,11 @@ def snapshot(model: nn.Module, optimizer: optim.Optimizer, state: TrainState) ->
     }
 
 
+def all_finite(snap: dict) -> bool:
+    arrays = [*snap["lora"].values(), *(v for v in snap["optimizer"].values() if mx.issubdtype(v.dtype, mx.floating))]
+    return all(bool(mx.isfinite(a).all()) for a in arrays)
+
+
 def to_blobs(snap: dict) -> dict[str, bytes]:
     return {
         "lora": _to_bytes(snap["lora"]),

@@ -60,6 +60,9 @@ def run_with_lease(lease: Lease, spec: JobCreate, settings: Settings) -> str:
     try:
         adapter_path = train(lease, spec, settings)
     except Cancelled:
+        if lease.hand_back_requested.is_set():
+            lease.hand_back()
+            return "handed back"
         lease.finish("cancelled", {"type": "cancelled"})
         return "cancelled"
     except LeaseLost:
@@ -92,17 +95,22 @@ def train(lease: Lease, spec: JobCreate, settings: Settings) -> Path:
             lease.write(event={"type": "resumed", "from_step": state.step}, resumed_from=state.step)
             log.info("job %s: resumed from the checkpoint of step %d", lease.job_id, state.step)
 
-        saver = CheckpointSaver(lease, cfg.checkpoint_every, cfg.checkpoint_interval_s)
-        while state.step < cfg.iters:
-            if lease.cancel_requested():
-                raise Cancelled()
-            metrics, samples = trainer.step(state, lease.cancel_requested, on_finite_loss=saver.flush)
-            progress = Progress(iter=state.step, total_iters=cfg.iters, **metrics)
-            lease.write(event={"type": "grpo_step", "worker": lease.worker, **progress.model_dump()}, progress=progress)
-            lease.write(event={"type": "samples", "iter": state.step, **samples})
-            saver.maybe_snapshot(model, trainer.optimizer, state)
-            log.info("job %s step %d/%d loss %.4f reward %.4f (%.2fs)", lease.job_id, state.step, cfg.iters,
-                     metrics["loss"], metrics["reward"], metrics["step_time"])
+        saver = CheckpointSaver(lease, cfg.checkpoint_every, cfg.checkpoint_interval_s, start_step=state.step)
+        try:
+            while state.step < cfg.iters:
+                if lease.should_stop():
+                    raise Cancelled()
+                metrics, samples = trainer.step(state, lease.should_stop, on_finite_loss=saver.flush)
+                progress = Progress(iter=state.step, total_iters=cfg.iters, **metrics)
+                lease.write(event={"type": "grpo_step", "worker": lease.worker, **progress.model_dump()}, progress=progress)
+                lease.write(event={"type": "samples", "iter": state.step, **samples})
+                saver.maybe_snapshot(model, trainer.optimizer, state)
+                log.info("job %s step %d/%d loss %.4f reward %.4f (%.2fs)", lease.job_id, state.step, cfg.iters,
+                         metrics["loss"], metrics["reward"], metrics["step_time"])
+        except Cancelled:
+            if lease.hand_back_requested.is_set():  # the worker is shutting down: keep what was done
+                saver.save_now(model, trainer.optimizer, state)
+            raise
 
     out = save_adapter(model, cfg, adapter_dir(settings, spec.model_id, spec.adapter_name or lease.job_id))
     # A copy in Redis, so the adapter is not only on this worker's disk.
@@ -119,10 +127,11 @@ class CheckpointSaver:
     checkpoint is always one that trains, and `resume` continues from it.
     """
 
-    def __init__(self, lease: Lease, every: int, interval_s: float):
+    def __init__(self, lease: Lease, every: int, interval_s: float, start_step: int):
         self.lease, self.every, self.interval_s = lease, every, interval_s
         self.pending: dict | None = None
-        self.last_step = 0
+        self.last_step = start_step  # of the last snapshot
+        self.last_written = start_step  # of the last checkpoint in Redis
         self.last_time = time.monotonic()
 
     def maybe_snapshot(self, model, optimizer, state: TrainState) -> None:
@@ -131,10 +140,19 @@ class CheckpointSaver:
             self.pending = checkpoints.snapshot(model, optimizer, state)
             self.last_step, self.last_time = state.step, time.monotonic()
 
+    def save_now(self, model, optimizer, state: TrainState) -> None:
+        """Checkpoint the weights as they are (the worker is shutting down), unless they are
+        not finite: then the last good checkpoint stays."""
+        snap = checkpoints.snapshot(model, optimizer, state)
+        if state.step > self.last_written and checkpoints.all_finite(snap):
+            self.pending = snap
+            self.flush()
+
     def flush(self) -> None:
         if self.pending is not None:
             step = self.pending["state"].step
             self.lease.save_checkpoint(step, checkpoints.to_blobs(self.pending))
+            self.last_written = step
             self.lease.write(event={"type": "checkpoint", "step": step})
             self.pending = None
 

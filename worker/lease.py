@@ -6,7 +6,8 @@ events, checkpoints, the final status) runs as a Lua script that first checks th
 `lease_epoch` is still the worker's own. When a worker dies, its lease expires, the
 reaper (worker/reaper.py) re-queues the job and bumps the epoch: from then on a worker
 that was only paused (SIGSTOP, a laptop asleep) can no longer write anything; it notices
-at its next write or heartbeat and drops the job.
+at its next write or heartbeat and drops the job. A worker asked to shut down (SIGTERM)
+checkpoints and hands its job back to the queue instead of finishing it first.
 
 Redis being restarted must not fail a job, so every call here retries connection errors
 with backoff for up to MTQ_REDIS_RETRY_S seconds.
@@ -117,10 +118,23 @@ def _pairs(fields: dict[str, Any]) -> list[str]:
     return out
 
 
+# KEYS: job, events, lease, running. ARGV: epoch, job_id, event json, maxlen.
+# Returns the attempt number to enqueue, or 0 if the lease was not current.
+_FENCED_HAND_BACK = """
+if redis.call('HGET', KEYS[1], 'lease_epoch') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'queued')
+redis.call('DEL', KEYS[3])
+redis.call('SREM', KEYS[4], ARGV[2])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', ARGV[3])
+return redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+"""
+
+
 class Lease:
     def __init__(self, r: redis.Redis, job_id: str, worker: str, epoch: int):
         self.r, self.job_id, self.worker, self.epoch = r, job_id, worker, epoch
         self.lost = threading.Event()
+        self.hand_back_requested = threading.Event()  # the worker is shutting down
 
     @classmethod
     def acquire(cls, r: redis.Redis, job_id: str, worker: str) -> "Lease | None":
@@ -173,9 +187,22 @@ class Lease:
                 json.dumps(event), EVENTS_MAXLEN, *_pairs(fields)]
         self._check(retrying(lambda: self.r.eval(_FENCED_FINISH, len(keys), *keys, *args), "job finish"))
 
-    def cancel_requested(self) -> bool:
+    def hand_back(self) -> None:
+        """Put the job back on the queue (the worker is shutting down); another worker
+        resumes it from its last checkpoint."""
+        keys = (job_key(self.job_id), events_key(self.job_id), lease_key(self.job_id), RUNNING_JOBS)
+        event = {"type": "requeued", "reason": "worker shutting down", "lost_worker": self.worker}
+        attempt = retrying(lambda: self.r.eval(
+            _FENCED_HAND_BACK, len(keys), *keys, self.epoch, self.job_id, json.dumps(event), EVENTS_MAXLEN), "hand back")
+        self._check(1 if attempt else 0)
+        jobstore.enqueue(self.r, self.job_id, attempt=int(attempt))
+
+    def should_stop(self) -> bool:
+        """Checked between decode chunks and steps: a cancel, or this worker shutting down."""
         if self.lost.is_set():
             raise LeaseLost(f"job {self.job_id}: lease lost")
+        if self.hand_back_requested.is_set():
+            return True
         return retrying(lambda: jobstore.cancel_requested(self.r, self.job_id), "cancel check")
 
     def load_checkpoint(self) -> dict[bytes, bytes]:

@@ -36,6 +36,14 @@ class GRPOWorker(SimpleWorker):
         # and the heartbeat thread keeps a live one's entries fresh.
         return max(int(lease.lease_ttl_s()), 1) + 5
 
+    def handle_warm_shutdown_request(self):
+        # SIGTERM / Ctrl-C: do not train on until the job ends (hours, maybe). The job
+        # checkpoints at its next decode chunk and goes back on the queue for another worker.
+        super().handle_warm_shutdown_request()
+        current = lease.current()
+        if current is not None:
+            current.hand_back_requested.set()
+
     def execute_job(self, job, queue):
         execution = self.prepare_execution(job)
         self._running = (job, execution)
