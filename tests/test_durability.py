@@ -20,8 +20,10 @@ def body(stack, **config):
             "config": {**base, **config}}
 
 
-def short_lease_env(stack):
-    return dict(stack.env, MTQ_LEASE_TTL=TTL)
+def two_workers(stack, workers) -> dict:
+    """Two workers with a short lease, by pid: one can take over the other's job."""
+    env = dict(stack.env, MTQ_LEASE_TTL=TTL)
+    return {p.pid: p for p in (workers(env=env), workers(env=env))}
 
 
 def events(stack, job_id):
@@ -52,8 +54,7 @@ def owner_pid(stack, job_id) -> int:
 
 
 def test_killed_worker_job_is_requeued_and_resumed_elsewhere(stack, workers):
-    env = short_lease_env(stack)
-    procs = {p.pid: p for p in (workers(env=env), workers(env=env))}
+    procs = two_workers(stack, workers)
     job_id = submit(stack, body(stack, iters=24))
     wait_checkpoint(stack, job_id, 4)
     victim = owner_pid(stack, job_id)
@@ -98,8 +99,7 @@ def test_long_job_is_never_declared_abandoned_while_its_worker_lives(stack, work
 
 
 def test_paused_worker_writes_nothing_after_losing_its_job(stack, workers):
-    env = short_lease_env(stack)
-    procs = {p.pid: p for p in (workers(env=env), workers(env=env))}
+    procs = two_workers(stack, workers)
     job_id = submit(stack, body(stack, iters=30))
     wait_checkpoint(stack, job_id, 2)
     paused = owner_pid(stack, job_id)
@@ -213,8 +213,7 @@ def test_finished_jobs_expire_after_retention_and_leave_the_index(stack, workers
 
 
 def test_sigterm_checkpoints_and_hands_the_job_back_at_once(stack, workers):
-    env = short_lease_env(stack)
-    procs = {p.pid: p for p in (workers(env=env), workers(env=env))}
+    procs = two_workers(stack, workers)
     job_id = submit(stack, body(stack, iters=40, checkpoint_every=1000))  # no periodic checkpoint
     wait_for(lambda: get(stack, job_id)["progress"]["iter"] >= 3, 120, "three steps")
     leaving = owner_pid(stack, job_id)
