@@ -53,10 +53,13 @@ async def job_events(redis_url: str, job_id: str, after: str = "0-0") -> AsyncIt
     r = jobstore.connect(redis_url)
     try:
         last_sent = time.monotonic()
+        last_type = None
         while True:
-            # The status is read *before* the events: if the job was already finished and
-            # nothing is left to read, its terminal event is not coming (trimmed, or the
-            # job was finished without one), so we make it up from the record.
+            # The status is read *before* the events: once the job is finished and nothing
+            # is left to read, the stream ends. A terminal event seen while the job is not
+            # finished is history (the job was resumed since), so we keep following. If the
+            # stream's last event is not terminal (trimmed, or the job was finished without
+            # one), we make one up from the record.
             status = await _in_thread(jobstore.get_status, r, job_id)
             if status is None:
                 return  # deleted while we were streaming
@@ -66,14 +69,12 @@ async def job_events(redis_url: str, job_id: str, after: str = "0-0") -> AsyncIt
             )
             for event_id, event in events:
                 yield format_event(event, event_id)
-                after = event_id
-                if event.get("type") in TERMINAL_TYPES:
-                    return
+                after, last_type = event_id, event.get("type")
             if events:
                 last_sent = time.monotonic()
             elif finished:
                 job = await _in_thread(jobstore.get_job, r, job_id)
-                if job is not None:
+                if job is not None and last_type not in TERMINAL_TYPES:
                     yield format_event(terminal_event_from_record(job))
                 return
             elif time.monotonic() - last_sent >= KEEPALIVE_S:

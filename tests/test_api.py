@@ -235,6 +235,13 @@ def test_running_job_cancel_is_requested_and_delete_is_409(stack, client):
 
 STEP = {"type": "grpo_step", "iter": 1, "total_iters": 2, "loss": 0.5, "mean_reward": 1.0,
         "mean_ratio": 1.0, "n_samples": 8}
+DONE = {"type": "done", "adapter_path": "/a"}
+
+
+def finish(r, job_id, status="completed", event=DONE):
+    """What a worker's last write does (atomically): final status, then the terminal event."""
+    assert jobstore.transition(r, job_id, ["queued", "running"], status=status)
+    jobstore.append_event(r, job_id, event)
 
 
 def test_stream_replays_follows_and_ends_after_the_terminal_event(stack, client):
@@ -252,7 +259,7 @@ def test_stream_replays_follows_and_ends_after_the_terminal_event(stack, client)
                 received.append(json.loads(line.removeprefix("data:")))
                 if len(received) == 2:
                     jobstore.append_event(stack.redis, job_id, {**STEP, "iter": 2})
-                    jobstore.append_event(stack.redis, job_id, {"type": "done", "adapter_path": "/a"})
+                    finish(stack.redis, job_id)
         # The loop ended: the server closed the response after "done".
     assert [e["type"] for e in received] == ["started", "grpo_step", "grpo_step", "done"]
     assert received[1] == STEP and received[2]["iter"] == 2 and received[3]["adapter_path"] == "/a"
@@ -260,8 +267,9 @@ def test_stream_replays_follows_and_ends_after_the_terminal_event(stack, client)
 
 def test_stream_ids_are_the_stream_ids_and_last_event_id_resumes(stack, client):
     job_id = create(client)["job_id"]
-    for event in ({"type": "started"}, STEP, {**STEP, "iter": 2}, {"type": "done", "adapter_path": "/a"}):
+    for event in ({"type": "started"}, STEP, {**STEP, "iter": 2}):
         jobstore.append_event(stack.redis, job_id, event)
+    finish(stack.redis, job_id)
     stream_ids = [eid for eid, _ in jobstore.read_events(stack.redis, job_id)]
 
     with client.stream("GET", f"{JOBS}/{job_id}/stream") as res:
@@ -275,6 +283,24 @@ def test_stream_ids_are_the_stream_ids_and_last_event_id_resumes(stack, client):
 
     bad = client.get(f"{JOBS}/{job_id}/stream", headers={"Last-Event-ID": "not-an-id"})
     assert bad.status_code == 400
+
+
+def test_stream_of_a_resumed_job_goes_on_past_the_earlier_terminal_event(stack, client):
+    job_id = create(client)["job_id"]
+    jobstore.append_event(stack.redis, job_id, STEP)
+    finish(stack.redis, job_id, status="failed", event={"type": "failed", "error": "non-finite loss"})
+    assert jobstore.transition(stack.redis, job_id, ["failed"], status="running")  # resumed
+    jobstore.append_event(stack.redis, job_id, {"type": "resumed", "from_step": 1})
+
+    with client.stream("GET", f"{JOBS}/{job_id}/stream") as res:
+        received = []
+        for line in lines_until_closed(res):
+            if line.startswith("data:"):
+                received.append(json.loads(line.removeprefix("data:"))["type"])
+                if received[-1] == "resumed":
+                    jobstore.append_event(stack.redis, job_id, {**STEP, "iter": 2})
+                    finish(stack.redis, job_id)
+    assert received == ["grpo_step", "failed", "resumed", "grpo_step", "done"]
 
 
 def test_stream_of_a_cancelled_job_ends_with_cancelled(client):
