@@ -151,10 +151,16 @@ def list_jobs(
 
 def transition(r: redis.Redis, job_id: str, allowed_from: Iterable[str], **fields: Any) -> bool:
     """Set `fields` (None deletes one) only if the job's status is one of `allowed_from`."""
-    args: list[str] = [json.dumps(list(allowed_from))]
+    args = [json.dumps(list(allowed_from)), *field_args(fields)]
+    return r.eval(_TRANSITION_LUA, 1, job_key(job_id), *args) == 1
+
+
+def field_args(fields: dict[str, Any]) -> list[str]:
+    """Hash fields as the Lua scripts take them: name, value, ...; '' means delete the field."""
+    args: list[str] = []
     for name, value in fields.items():
         args += [name, "" if value is None else value if isinstance(value, str) else _encode(value)]
-    return r.eval(_TRANSITION_LUA, 1, job_key(job_id), *args) == 1
+    return args
 
 
 def _encode(value: Any) -> str:

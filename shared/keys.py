@@ -24,7 +24,7 @@ def lease_key(job_id: str) -> str:
 
 
 def checkpoint_key(job_id: str) -> str:
-    """Hash: the job's last good checkpoint (LoRA weights, optimizer state, RNG, step, history)."""
+    """Hash: the job's last good checkpoint (LoRA weights, optimizer state, step, metric history)."""
     return f"mtq:job:{job_id}:checkpoint"
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, TypeVar
 import redis
 
 from shared import jobstore
-from shared.jobstore import EVENTS_MAXLEN, _encode
+from shared.jobstore import EVENTS_MAXLEN, field_args
 from shared.keys import RUNNING_JOBS, adapter_key, checkpoint_key, events_key, job_key, lease_key
 
 log = logging.getLogger(__name__)
@@ -111,13 +111,6 @@ return 1
 """
 
 
-def _pairs(fields: dict[str, Any]) -> list[str]:
-    out: list[str] = []
-    for name, value in fields.items():
-        out += [name, "" if value is None else value if isinstance(value, str) else _encode(value)]
-    return out
-
-
 # KEYS: job, events, lease, running. ARGV: epoch, job_id, event json, maxlen.
 # Returns the attempt number to enqueue, or 0 if the lease was not current.
 _FENCED_HAND_BACK = """
@@ -153,7 +146,7 @@ class Lease:
     def write(self, event: dict | None = None, renew: bool = False, **fields: Any) -> None:
         """Set job fields and append an event, only while this worker holds the job."""
         ttl_ms = int(lease_ttl_s() * 1000) if renew else 0
-        args = [self.epoch, ttl_ms, json.dumps(event) if event else "", EVENTS_MAXLEN, *_pairs(fields)]
+        args = [self.epoch, ttl_ms, json.dumps(event) if event else "", EVENTS_MAXLEN, *field_args(fields)]
         keys = (job_key(self.job_id), events_key(self.job_id), lease_key(self.job_id))
         self._check(retrying(lambda: self.r.eval(_FENCED_WRITE, 3, *keys, *args), "job write"))
 
@@ -184,7 +177,7 @@ class Lease:
         keys = (job_key(self.job_id), events_key(self.job_id), lease_key(self.job_id), RUNNING_JOBS,
                 checkpoint_key(self.job_id), adapter_key(self.job_id))
         args = [self.epoch, self.job_id, retention_s(), "1" if status == "completed" else "0",
-                json.dumps(event), EVENTS_MAXLEN, *_pairs(fields)]
+                json.dumps(event), EVENTS_MAXLEN, *field_args(fields)]
         self._check(retrying(lambda: self.r.eval(_FENCED_FINISH, len(keys), *keys, *args), "job finish"))
 
     def hand_back(self) -> None:
