@@ -14,10 +14,11 @@ import redis
 
 from shared.jobstore import EVENTS_MAXLEN, enqueue
 from shared.keys import RUNNING_JOBS, events_key, job_key, lease_key
+from worker.lease import retention_s
 
 log = logging.getLogger(__name__)
 
-# KEYS: job, lease, running, events. ARGV: job_id, now, maxlen.
+# KEYS: job, lease, running, events. ARGV: job_id, now, maxlen, retention_s.
 # Returns 0: nothing to do, -1: marked cancelled, n >= 1: re-queued as attempt n.
 _REQUEUE = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
@@ -29,6 +30,8 @@ local step = tonumber(redis.call('HGET', KEYS[1], 'checkpoint_step') or '0')
 if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[2])
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', 'data', cjson.encode({type = 'cancelled'}))
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  redis.call('EXPIRE', KEYS[4], ARGV[4])
   return -1
 end
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
@@ -58,7 +61,7 @@ class Reaper:
             if now - since < self.grace_s:
                 continue
             keys = (job_key(job_id), lease_key(job_id), RUNNING_JOBS, events_key(job_id))
-            result = self.r.eval(_REQUEUE, 4, *keys, job_id, repr(time.time()), EVENTS_MAXLEN)
+            result = self.r.eval(_REQUEUE, 4, *keys, job_id, repr(time.time()), EVENTS_MAXLEN, retention_s())
             del self.missing_since[job_id]
             if result >= 1:
                 enqueue(self.r, job_id, attempt=int(result))
