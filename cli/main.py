@@ -17,7 +17,7 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from worker.rq_worker import run_worker
+    from worker.supervisor import run_worker
 
     run_worker(args.queues, args.name)
     return 0

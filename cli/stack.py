@@ -2,8 +2,9 @@
 
 Starts a private redis-server (only when REDIS_URL is unset), the API and N workers as
 child processes, each in its own process group, and supervises them: Ctrl-C / SIGTERM /
-SIGHUP stops them all, and if one of them dies the rest are stopped and `mtq up` exits 1.
-Nothing it started is left running when it returns.
+SIGHUP stops them all. A worker that dies is started again (with a growing pause if it keeps
+dying at once); if Redis or the API dies the rest are stopped and `mtq up` exits 1. Nothing it
+started is left running when it returns.
 """
 
 import os
@@ -46,6 +47,10 @@ def free_port() -> int:
 class Child:
     name: str
     proc: subprocess.Popen
+    argv: list[str]
+    started_at: float = 0.0
+    restart_delay: float = 0.0  # grows while the child keeps dying soon after starting
+    restart_at: float | None = None  # set while a dead worker waits to be started again
 
 
 class LocalStack:
@@ -63,16 +68,33 @@ class LocalStack:
         # start_new_session: own process group, so (1) Ctrl-C in the terminal reaches only
         # `mtq up`, which then stops the children in order, and (2) a signal to the group
         # also reaches anything a child started.
-        child = Child(name, subprocess.Popen(argv, env=self.env, start_new_session=True))
+        child = Child(name, self._spawn(argv), argv, time.monotonic())
         self.children.append(child)
         say(f"started {name} (pid {child.proc.pid})")
         return child
 
+    def _spawn(self, argv: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(argv, env=self.env, start_new_session=True)
+
     def check_children(self) -> None:
         for child in self.children:
             code = child.proc.poll()
-            if code is not None:
+            if code is None:
+                continue
+            if not child.name.startswith("worker"):
                 raise StackError(f"{child.name} (pid {child.proc.pid}) exited unexpectedly with code {code}")
+            # A worker's jobs survive its death (they are re-queued); the worker is started again.
+            now = time.monotonic()
+            if child.restart_at is None:
+                quick = now - child.started_at < 30
+                child.restart_delay = min(max(child.restart_delay * 2, 1.0), 30.0) if quick else 0.0
+                child.restart_at = now + child.restart_delay
+                say(f"{child.name} (pid {child.proc.pid}) exited with code {code}; "
+                    f"starting it again in {child.restart_delay:.0f}s")
+            elif now >= child.restart_at:
+                _signal_group(child, signal.SIGKILL)  # whatever it left behind
+                child.proc, child.started_at, child.restart_at = self._spawn(child.argv), now, None
+                say(f"started {child.name} (pid {child.proc.pid})")
 
     def wait_until(self, predicate, timeout: float, what: str) -> bool:
         """True once predicate() holds; False if a stop was requested meanwhile."""

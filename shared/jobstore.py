@@ -1,39 +1,25 @@
-"""Job records in Redis: the one place both the API and the worker read and write jobs.
+"""Job records in Redis: reading them, and the GRPO-specific parts of creating and resuming.
 
-A job is a hash (shared.keys.job_key) plus an event stream (shared.keys.events_key).
-Status changes go through `transition`, an atomic compare-and-set, so that e.g. a
-worker can never move a cancelled job back to running.
+A job is a hash (shared.keys.job_key) plus an event stream (shared.keys.events_key). Every
+status change goes through shared/lifecycle.py; this module reads records and turns API
+requests into lifecycle calls.
 """
 
 import json
-import time
 import uuid
-from typing import Any, Iterable
+from typing import Any
 
 import redis
-from rq import Queue
 
-from shared.keys import JOBS_INDEX, RUNNING_JOBS, adapter_key, checkpoint_key, events_key, job_key, lease_key
+from shared import lifecycle
+from shared.keys import JOBS_INDEX, events_key, job_key
 from shared.schemas import FINISHED_STATUSES, GRPOConfig, Job, JobCreate, JobStatus, Progress
-from shared.settings import QUEUE_NAME
+from shared.settings import QUEUE_NAME, load_settings
 
-EVENTS_MAXLEN = 10_000
-RESUMABLE_STATUSES = ("failed", "cancelled")
-RUN_JOB_FUNC = "worker.jobs.run_grpo_job"  # a string, so enqueuing never imports the worker (or mlx)
-
-_TRANSITION_LUA = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return -1 end
-local allowed = cjson.decode(ARGV[1])
-local ok = false
-for _, s in ipairs(allowed) do if s == status then ok = true end end
-if not ok then return 0 end
-for i = 2, #ARGV, 2 do
-  if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i])
-  else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-end
-return 1
-"""
+EVENTS_MAXLEN = lifecycle.EVENTS_MAXLEN
+RESUMABLE_STATUSES = lifecycle.RESUMABLE
+# Changing these on resume would not fit the checkpoint's LoRA (shape, placement or scale).
+LORA_SHAPE_FIELDS = ("lora_rank", "lora_layers", "lora_alpha")
 
 
 def connect(url: str) -> redis.Redis:
@@ -49,33 +35,18 @@ def _f(value: bytes | None) -> float | None:
     return None if value in (None, b"") else float(value)
 
 
+def max_attempts(config: GRPOConfig) -> int:
+    return min(config.max_attempts, load_settings().max_attempts_cap)
+
+
 def create_job(r: redis.Redis, spec: JobCreate) -> Job:
-    """Store a new job as queued and put it on the rq queue."""
+    """Store a new job as queued and put it on the rq queue (one atomic step)."""
     job_id = uuid.uuid4().hex
     spec = spec.model_copy(update={"adapter_name": spec.adapter_name or f"grpo-{job_id[:8]}"})
-    now = time.time()
     progress = Progress(iter=0, total_iters=spec.config.iters)
-    with r.pipeline() as p:
-        p.hset(job_key(job_id), mapping={
-            "spec": spec.model_dump_json(by_alias=True),
-            "status": "queued",
-            "created_at": repr(now),
-            "progress": progress.model_dump_json(),
-        })
-        p.zadd(JOBS_INDEX, {job_id: now})
-        p.execute()
-    enqueue(r, job_id)
+    lifecycle.create(r, job_id, "grpo", QUEUE_NAME, spec.model_dump_json(by_alias=True),
+                     progress=progress.model_dump_json(), max_attempts=max_attempts(spec.config))
     return get_job(r, job_id)  # type: ignore[return-value]
-
-
-def enqueue(r: redis.Redis, job_id: str, attempt: int = 0) -> None:
-    """Put the job on rq's queue. Each attempt is its own rq job (`<job_id>-r<attempt>`), so
-    rq's bookkeeping of an abandoned attempt never touches the next one."""
-    # job_timeout -1: training runs as long as it takes; liveness is the worker's business (worker/lease.py).
-    Queue(QUEUE_NAME, connection=r).enqueue_call(
-        RUN_JOB_FUNC, args=(job_id,), job_id=job_id if attempt == 0 else f"{job_id}-r{attempt}",
-        timeout=-1, result_ttl=3600, failure_ttl=7 * 86400,
-    )
 
 
 def get_spec(r: redis.Redis, job_id: str) -> JobCreate | None:
@@ -103,6 +74,8 @@ def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
         worker=_s(h.get(b"worker")),
         checkpoint_step=None if checkpoint is None else int(checkpoint),
         attempts=int(h.get(b"attempts", 0)),
+        failed_attempts=int(h.get(b"failed_attempts", 0)),
+        max_attempts=int(h.get(b"max_attempts", 0)) or spec.config.max_attempts,
         resumed_from=None if h.get(b"resumed_from") is None else int(h[b"resumed_from"]),
     )
 
@@ -149,30 +122,6 @@ def list_jobs(
         start += chunk
 
 
-def transition(r: redis.Redis, job_id: str, allowed_from: Iterable[str], **fields: Any) -> bool:
-    """Set `fields` (None deletes one) only if the job's status is one of `allowed_from`."""
-    args = [json.dumps(list(allowed_from)), *field_args(fields)]
-    return r.eval(_TRANSITION_LUA, 1, job_key(job_id), *args) == 1
-
-
-def field_args(fields: dict[str, Any]) -> list[str]:
-    """Hash fields as the Lua scripts take them: name, value, ...; '' means delete the field."""
-    args: list[str] = []
-    for name, value in fields.items():
-        args += [name, "" if value is None else value if isinstance(value, str) else _encode(value)]
-    return args
-
-
-def _encode(value: Any) -> str:
-    if hasattr(value, "model_dump_json"):
-        return value.model_dump_json()
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, (dict, list)):
-        return json.dumps(value)
-    return str(value)
-
-
 def append_event(r: redis.Redis, job_id: str, event: dict[str, Any]) -> None:
     r.xadd(events_key(job_id), {"data": json.dumps(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
 
@@ -187,54 +136,27 @@ def read_events(
     return [(eid.decode(), json.loads(fields[b"data"])) for eid, fields in res[0][1]]
 
 
-def request_cancel(r: redis.Redis, job_id: str) -> JobStatus | None:
-    """Cancel a job: a queued one ends at once, a running one at its next check.
-
-    Returns the status after the request, or None for an unknown job.
-    """
-    now = repr(time.time())
-    if transition(r, job_id, ["queued"], status="cancelled", finished_at=now, cancel_requested="1"):
-        append_event(r, job_id, {"type": "cancelled"})
-        return "cancelled"
-    transition(r, job_id, ["running"], cancel_requested="1")
-    return get_status(r, job_id)
-
-
-def cancel_requested(r: redis.Redis, job_id: str) -> bool:
-    return r.hget(job_key(job_id), "cancel_requested") == b"1"
-
-
 def resume_job(r: redis.Redis, job_id: str, config_overrides: dict[str, Any]) -> bool:
     """Re-queue a failed or cancelled job, optionally with changed config fields; the worker
-    continues from its last checkpoint. Raises pydantic's ValidationError for bad overrides;
-    False if the job is not (or no longer) resumable."""
+    continues from its last checkpoint. Raises pydantic's ValidationError for bad overrides and
+    ValueError for overrides that would not fit the checkpoint; False if the job is not (or no
+    longer) resumable."""
     spec = get_spec(r, job_id)
     if spec is None:
         return False
     overrides = {("clip_ratio" if k == "epsilon" else k): v for k, v in config_overrides.items()}
     config = GRPOConfig.model_validate({**spec.config.model_dump(), **overrides})
+    changed = [name for name in LORA_SHAPE_FIELDS if getattr(config, name) != getattr(spec.config, name)]
+    if changed:
+        raise ValueError(f"cannot change {', '.join(changed)} on resume: the checkpoint's LoRA has another "
+                         "shape or scale (only optimisation and sampling settings may change)")
     spec = spec.model_copy(update={"config": config})
-    if not transition(r, job_id, RESUMABLE_STATUSES, status="queued", spec=spec.model_dump_json(by_alias=True),
-                      error=None, finished_at=None, cancel_requested=None,
-                      progress=Progress.model_validate_json(r.hget(job_key(job_id), "progress")).model_copy(
-                          update={"total_iters": config.iters})):
-        return False
-    with r.pipeline() as p:  # finishing set a retention time on these
-        for key in (job_key(job_id), events_key(job_id), checkpoint_key(job_id)):
-            p.persist(key)
-        p.hincrby(job_key(job_id), "attempts", 1)
-        attempt = p.execute()[-1]
-    append_event(r, job_id, {"type": "resume_requested", "config_overrides": overrides, "attempt": attempt})
-    enqueue(r, job_id, attempt=attempt)
-    return True
+    return lifecycle.resume(r, job_id, spec.model_dump_json(by_alias=True), config.iters, overrides,
+                            max_attempts=max_attempts(config))
 
 
-def delete_job(r: redis.Redis, job_id: str) -> None:
-    with r.pipeline() as p:
-        p.delete(job_key(job_id), events_key(job_id), adapter_key(job_id), checkpoint_key(job_id), lease_key(job_id))
-        p.zrem(JOBS_INDEX, job_id)
-        p.srem(RUNNING_JOBS, job_id)
-        p.execute()
+def cancel_requested(r: redis.Redis, job_id: str) -> bool:
+    return r.hget(job_key(job_id), "cancel_requested") == b"1"
 
 
 def is_finished(status: str | None) -> bool:

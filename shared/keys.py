@@ -28,4 +28,5 @@ def checkpoint_key(job_id: str) -> str:
     return f"mtq:job:{job_id}:checkpoint"
 
 
-RUNNING_JOBS = "mtq:running"  # set of job ids whose status is running (what the reaper watches)
+RUNNING_JOBS = "mtq:running"  # set of job ids whose status is running (the reconciler checks their leases)
+QUEUED_JOBS = "mtq:queued"  # set of job ids whose status is queued (the reconciler checks their rq jobs)

@@ -72,6 +72,16 @@ class GRPOConfig(BaseModel):
     # Durability.
     checkpoint_every: int = Field(10, ge=1, description="Save a checkpoint every N steps.")
     checkpoint_interval_s: float = Field(300.0, gt=0.0, description="...and at least this often.")
+    max_attempts: int = Field(
+        3, ge=1, le=100,
+        description="Fail the job once this many of its runs ended their worker (crash, kill, stall); "
+        "capped by the server's MTQ_MAX_ATTEMPTS. A clean worker shutdown does not count.",
+    )
+    stall_timeout_s: float = Field(
+        600.0, ge=1.0, le=86_400.0,
+        description="The worker's supervisor ends a training process that made no progress (decode chunk, "
+        "reward call, optimizer step) for this long; the first step gets MTQ_COMPILE_GRACE_S more.",
+    )
 
     @property
     def epsilon_low(self) -> float:
@@ -128,7 +138,9 @@ class Job(BaseModel):
     progress: Progress
     worker: str | None = Field(None, description="The worker running (or that last ran) the job.")
     checkpoint_step: int | None = Field(None, description="Step of the last checkpoint (resume starts there).")
-    attempts: int = Field(0, description="Times the job was re-queued (worker lost, or resumed).")
+    attempts: int = Field(0, description="Runs of the job started by workers (a clean hand-back included).")
+    failed_attempts: int = Field(0, description="Runs that ended their worker (crash, kill, stall) since creation or resume.")
+    max_attempts: int = Field(3, description="The job fails when failed_attempts reaches this.")
     resumed_from: int | None = Field(None, description="Step the current run resumed from, if it did.")
 
 

@@ -16,6 +16,10 @@ class Settings:
     api_host: str
     api_port: int
     reward_hosts: tuple[str, ...]
+    lease_ttl_s: float  # a running job's lease; a dead worker's job is re-queued about this long after
+    redis_retry_s: float  # how long workers retry Redis calls before giving up
+    job_retention_s: int  # finished jobs' keys expire after this long
+    max_attempts_cap: int  # server cap on a job's max_attempts
 
     @property
     def adapters_dir(self) -> Path:
@@ -34,4 +38,8 @@ def load_settings() -> Settings:
         api_host=os.environ.get("MTQ_API_HOST", "127.0.0.1"),
         api_port=int(os.environ.get("MTQ_API_PORT", "8000")),
         reward_hosts=tuple(h.strip() for h in hosts.split(",") if h.strip()),
+        lease_ttl_s=float(os.environ.get("MTQ_LEASE_TTL", "20")),
+        redis_retry_s=float(os.environ.get("MTQ_REDIS_RETRY_S", "600")),
+        job_retention_s=int(float(os.environ.get("MTQ_JOB_RETENTION_S", str(30 * 86400)))),
+        max_attempts_cap=int(os.environ.get("MTQ_MAX_ATTEMPTS", "10")),
     )

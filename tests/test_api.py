@@ -10,7 +10,7 @@ import httpx
 import pytest
 from rq import Queue
 
-from shared import jobstore
+from shared import jobstore, lifecycle
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -224,7 +224,7 @@ def test_delete_queued_is_409_then_cancelled_deletes_record_and_events(stack, cl
 
 def test_running_job_cancel_is_requested_and_delete_is_409(stack, client):
     job_id = create(client)["job_id"]
-    assert jobstore.transition(stack.redis, job_id, ["queued"], status="running")  # as a worker would
+    assert lifecycle.start(stack.redis, job_id, "test-worker", lease_ttl_s=60)  # as a worker would
     assert client.delete(f"{JOBS}/{job_id}").status_code == 409
     res = client.post(f"{JOBS}/{job_id}/cancel")
     assert res.status_code == 200 and res.json()["status"] == "running"  # stops at its next step
@@ -238,10 +238,10 @@ STEP = {"type": "grpo_step", "iter": 1, "total_iters": 2, "loss": 0.5, "mean_rew
 DONE = {"type": "done", "adapter_path": "/a"}
 
 
-def finish(r, job_id, status="completed", event=DONE):
-    """What a worker's last write does (atomically): final status, then the terminal event."""
-    assert jobstore.transition(r, job_id, ["queued", "running"], status=status)
-    jobstore.append_event(r, job_id, event)
+def finish(r, job_id, status="completed", event=DONE, **fields):
+    """What a worker does: take the job, then its last write (final status + terminal event, atomically)."""
+    epoch = lifecycle.start(r, job_id, "test-worker", lease_ttl_s=60) or int(r.hget(f"mtq:job:{job_id}", "lease_epoch"))
+    lifecycle.finish(r, job_id, epoch, status, event, **fields)
 
 
 def test_stream_replays_follows_and_ends_after_the_terminal_event(stack, client):
@@ -289,8 +289,9 @@ def test_stream_of_a_resumed_job_goes_on_past_the_earlier_terminal_event(stack, 
     job_id = create(client)["job_id"]
     jobstore.append_event(stack.redis, job_id, STEP)
     finish(stack.redis, job_id, status="failed", event={"type": "failed", "error": "non-finite loss"})
-    assert jobstore.transition(stack.redis, job_id, ["failed"], status="running")  # resumed
-    jobstore.append_event(stack.redis, job_id, {"type": "resumed", "from_step": 1})
+    assert client.post(f"{JOBS}/{job_id}/resume").status_code == 200
+    epoch = lifecycle.start(stack.redis, job_id, "test-worker", lease_ttl_s=60)
+    lifecycle.write(stack.redis, job_id, epoch, {"type": "resumed", "from_step": 1})
 
     with client.stream("GET", f"{JOBS}/{job_id}/stream") as res:
         received = []
@@ -300,7 +301,7 @@ def test_stream_of_a_resumed_job_goes_on_past_the_earlier_terminal_event(stack, 
                 if received[-1] == "resumed":
                     jobstore.append_event(stack.redis, job_id, {**STEP, "iter": 2})
                     finish(stack.redis, job_id)
-    assert received == ["grpo_step", "failed", "resumed", "grpo_step", "done"]
+    assert received == ["grpo_step", "failed", "resume_requested", "resumed", "grpo_step", "done"]
 
 
 def test_stream_of_a_cancelled_job_ends_with_cancelled(client):
@@ -315,7 +316,8 @@ def test_stream_synthesizes_the_terminal_event_of_a_finished_job_without_one(sta
     job_id = create(client)["job_id"]
     jobstore.append_event(stack.redis, job_id, {"type": "started"})
     # Finished, but the terminal event is not in the stream (trimmed, or never written).
-    jobstore.transition(stack.redis, job_id, ["queued"], status="failed", error="boom", finished_at=1.0)
+    finish(stack.redis, job_id, status="failed", event={"type": "failed", "error": "boom"}, error="boom")
+    stack.redis.xdel(f"mtq:job:{job_id}:events", jobstore.read_events(stack.redis, job_id)[-1][0])
     with client.stream("GET", f"{JOBS}/{job_id}/stream") as res:
         events = [json.loads(e["data"]) for e in read_sse(res)]
     assert events[0] == {"type": "started"}

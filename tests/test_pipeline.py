@@ -38,9 +38,10 @@ def test_seed_job_completes_with_progress_and_adapter(stack, workers):
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["num_layers"] == 4 and config["lora_parameters"]["rank"] == 4
 
-    # The job ran in the worker process's main thread.
+    # The job ran on the main thread of the worker's training process (a child of `mtq worker`).
     started = [e for e in events_of(stack, job_id) if e["type"] == "started"]
-    assert started and started[0]["main_thread"] is True and started[0]["pid"] == worker.pid
+    assert started and started[0]["main_thread"] is True and started[0]["supervisor_pid"] == worker.pid
+    assert started[0]["pid"] != worker.pid
     steps = [e for e in events_of(stack, job_id) if e["type"] == "grpo_step"]
     assert [e["iter"] for e in steps] == [1, 2]
 

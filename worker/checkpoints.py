@@ -21,6 +21,10 @@ from worker.models import lora_weights
 HISTORY_KEPT = 1000  # metric history entries carried in a checkpoint
 
 
+class CheckpointMismatch(Exception):
+    """The checkpoint's LoRA tensors do not fit the job's model and LoRA settings."""
+
+
 def _to_bytes(arrays: dict[str, mx.array]) -> bytes:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "a.safetensors"
@@ -58,7 +62,15 @@ def to_blobs(snap: dict) -> dict[str, bytes]:
 
 
 def restore(model: nn.Module, optimizer: optim.Optimizer, blobs: dict[bytes, bytes]) -> TrainState:
-    model.load_weights(list(_from_bytes(blobs[b"lora"]).items()), strict=False)
+    saved_lora = _from_bytes(blobs[b"lora"])
+    expected = {name: p.shape for name, p in tree_flatten(model.trainable_parameters())}
+    got = {name: a.shape for name, a in saved_lora.items()}
+    if got != expected:
+        diff = sorted(n for n in expected.keys() | got.keys() if expected.get(n) != got.get(n))
+        raise CheckpointMismatch(
+            f"the checkpoint does not fit this job's LoRA ({len(diff)} tensors differ, e.g. {diff[0]}: "
+            f"checkpoint {got.get(diff[0])}, job {expected.get(diff[0])})")
+    model.load_weights(list(saved_lora.items()), strict=False)  # strict=False: the base weights are not in it
     # The learning rate comes from the (possibly overridden) config, not the checkpoint.
     saved = _from_bytes(blobs[b"optimizer"])
     saved.pop("learning_rate", None)

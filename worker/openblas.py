@@ -2,8 +2,9 @@
 
 MLX's Linux CPU wheel bundles a reference BLAS (about 6 GFLOP/s for a 1024x1024 fp32
 matmul); with Debian's libopenblas0-pthread preloaded the same matmul runs about 30x
-faster. LD_PRELOAD only works at process start, so the worker re-executes itself once
-with it set. MTQ_OPENBLAS=0 turns this off; MTQ_OPENBLAS=/path/libblas.so.3 picks a library.
+faster. LD_PRELOAD only works at process start: the worker's supervisor sets it for the
+training process it starts; a benchmark re-executes itself once with it set.
+MTQ_OPENBLAS=0 turns this off; MTQ_OPENBLAS=/path/libblas.so.3 picks a library.
 """
 
 import os
@@ -27,11 +28,25 @@ def find_openblas() -> str | None:
     return None
 
 
-def reexec_with_openblas() -> None:
-    """Call before importing mlx. Replaces this process (same pid) when it has work to do."""
+def _preload_value() -> str | None:
+    """LD_PRELOAD with OpenBLAS added; None when there is nothing to add."""
     lib = find_openblas()
     preload = os.environ.get("LD_PRELOAD", "")
-    if lib is None or lib in preload.split(":") or "mlx.core" in sys.modules:
+    if lib is None or lib in preload.split(":"):
+        return None
+    return ":".join(p for p in (lib, preload) if p)
+
+
+def preload_for_children() -> None:
+    """Processes started from now on (the training process) get OpenBLAS preloaded."""
+    value = _preload_value()
+    if value is not None:
+        os.environ["LD_PRELOAD"] = value
+
+
+def reexec_with_openblas() -> None:
+    """Call before importing mlx. Replaces this process (same pid) when it has work to do."""
+    value = _preload_value()
+    if value is None or "mlx.core" in sys.modules:
         return
-    env = dict(os.environ, LD_PRELOAD=":".join(p for p in (lib, preload) if p))
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], dict(os.environ, LD_PRELOAD=value))

@@ -22,11 +22,14 @@ This module must not import mlx: plain Python, numpy, httpx and jsonschema, so i
 tested without a model.
 """
 
+import contextlib
 import importlib
 import json
 import math
 import numbers
 import re
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -263,12 +266,42 @@ def load_reward_function(path: str) -> Callable:
     return function
 
 
+class _TimedOut(BaseException):
+    """Raised into a reward function that ran past its time (a BaseException: `except Exception` in
+    the function does not swallow it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Interrupt Python code running longer than `seconds` (SIGALRM; the job runs on the main
+    thread). Native code that never returns to Python is caught by the worker's supervisor."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise _TimedOut()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def call_reward_function(
     function: Callable, path: str, prompts: list, completions: list[str], fields: dict[str, list],
+    timeout: float = 30.0,
 ) -> list[Reward]:
-    """Call it the way TRL calls reward functions: f(prompts=..., completions=..., **fields)."""
+    """Call it the way TRL calls reward functions: f(prompts=..., completions=..., **fields),
+    for at most `timeout` seconds."""
     try:
-        values = function(prompts=prompts, completions=completions, **fields)
+        with time_limit(timeout):
+            values = function(prompts=prompts, completions=completions, **fields)
+    except _TimedOut:
+        raise RewardError(f"reward function {path} timed out after {timeout:g}s (config.reward_timeout)") from None
     except Exception as e:
         raise RewardError(f"reward function {path} raised {type(e).__name__}: {e}") from e
     return check_rewards(values, len(completions), f"reward function {path}")
@@ -419,7 +452,8 @@ def _bind(source, client: httpx.Client | None, default_timeout: float) -> Reward
         return lambda b: json_valid_rewards(b.flat_completions(), validator)
     if isinstance(source, PythonReward):
         function = load_reward_function(source.function)
-        return lambda b: call_reward_function(function, source.function, b.flat_prompts(), b.flat_completions(), b.flat_fields())
+        return lambda b: call_reward_function(
+            function, source.function, b.flat_prompts(), b.flat_completions(), b.flat_fields(), default_timeout)
     if isinstance(source, EndpointReward):
         return EndpointCaller(source, client, timeout=source.timeout or default_timeout).rewards
     raise TypeError(f"unknown reward source {type(source).__name__}")

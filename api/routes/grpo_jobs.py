@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from api import sse
 from api.deps import RedisDep, SettingsDep, require_token
-from shared import jobstore
+from shared import jobstore, lifecycle
 from shared.reward_specs import disallowed_endpoint_hosts, endpoint_urls
 from shared.schemas import ErrorBody, Job, JobCreate, JobList, JobStatus
 
@@ -87,7 +87,8 @@ def delete_job(job_id: str, r: RedisDep) -> JobDeleted:
             status.HTTP_409_CONFLICT,
             f"job {job_id} is {job.status}; cancel it first (POST {router.prefix}/{job_id}/cancel)",
         )
-    jobstore.delete_job(r, job_id)
+    if not lifecycle.delete(r, job_id):  # it was resumed meanwhile
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {jobstore.get_status(r, job_id)}")
     return JobDeleted(job_id=job_id)
 
 
@@ -97,7 +98,7 @@ def cancel_job(job_id: str, r: RedisDep) -> Job:
     job = _job_or_404(r, job_id)
     if jobstore.is_finished(job.status):
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is already {job.status}")
-    new_status = jobstore.request_cancel(r, job_id)
+    new_status = lifecycle.cancel(r, job_id)
     if new_status in ("completed", "failed"):  # it finished between our read and the request
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is already {new_status}")
     return _job_or_404(r, job_id)
@@ -117,6 +118,8 @@ def resume_job(job_id: str, r: RedisDep, body: ResumeRequest | None = None) -> J
         resumed = jobstore.resume_job(r, job_id, (body or ResumeRequest()).config)
     except ValidationError as e:
         raise RequestValidationError([{**err, "loc": ("body", "config", *err["loc"])} for err in e.errors()]) from None
+    except ValueError as e:  # a change that does not fit the checkpoint
+        raise RequestValidationError([{"loc": ("body", "config"), "msg": str(e), "type": "value_error"}]) from None
     if not resumed:  # its status changed between our read and the request
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {jobstore.get_status(r, job_id)}")
     return _job_or_404(r, job_id)

@@ -1,0 +1,416 @@
+"""The job lifecycle: every status change of a job, of every kind, in one place.
+
+    from               event           to          side effects (all in one MULTI/EXEC)
+    -                  create          queued      record + index; rq job pushed
+    queued             start           running     lease_epoch + 1; lease key (TTL); attempts + 1
+    queued             cancel          cancelled   retention
+    queued             requeue         queued      (reconciler) its rq job is gone: a new one pushed
+    running            request_cancel  running     cancel_requested; the worker stops at its next check
+    running            complete        completed   fenced; checkpoint dropped; retention
+    running            fail            failed      fenced; retention
+    running            cancelled       cancelled   fenced; retention
+    running            hand_back       queued      fenced; lease_epoch + 1; rq job pushed; attempt not counted
+    running            lose            queued      worker died, stalled or lease expired: lease_epoch + 1;
+                                                   failed_attempts + 1; rq job pushed
+    running            lose            failed      ...once failed_attempts reaches max_attempts; retention
+    running            lose            cancelled   ...when a cancel was pending; retention
+    failed|cancelled   resume          queued      spec replaced; failed_attempts = 0; TTLs removed; rq job pushed
+    finished           delete          -           every key of the job deleted
+    finished           (time)          -           Redis TTLs of MTQ_JOB_RETENTION_S expire every key
+
+"Fenced": only the worker holding the job's current `lease_epoch` may do it; a worker that
+lost the job (paused past its lease, then resumed) changes nothing. Progress, checkpoints
+and the adapter copy are fenced writes that change no status (`write`, `save_blobs`).
+
+Every transition reads the record under WATCH and commits in one MULTI/EXEC together with
+its rq enqueue (rq's `enqueue_call(..., pipeline=...)`), so there is no moment where a job
+is `queued` without an rq job, whoever dies when. The reconciler (`reconcile`, run by every
+worker's heartbeat) repairs what a lost worker leaves: a `running` job whose lease expired,
+and a `queued` job whose rq job is gone (its worker died between dequeuing it and starting).
+Nothing else in the project writes a job's status.
+"""
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import redis
+from rq import Queue
+
+from shared.keys import (
+    JOBS_INDEX,
+    QUEUED_JOBS,
+    RUNNING_JOBS,
+    adapter_key,
+    checkpoint_key,
+    events_key,
+    job_key,
+    lease_key,
+)
+from shared.settings import load_settings
+
+FINISHED = ("completed", "failed", "cancelled")
+RESUMABLE = ("failed", "cancelled")
+EVENTS_MAXLEN = 10_000
+RUN_JOB_FUNC = "worker.jobs.run_job"  # a string, so enqueuing never imports the worker (or mlx)
+RQ_JOB_PREFIX = "rq:job:"
+
+# (from statuses, event, to statuses): the table above, enforced by _commit.
+TABLE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "start": (("queued",), ("running",)),
+    "cancel": (("queued",), ("cancelled",)),
+    "requeue": (("queued",), ("queued",)),
+    "request_cancel": (("running",), ("running",)),
+    "complete": (("running",), ("completed",)),
+    "fail": (("running",), ("failed",)),
+    "cancelled": (("running",), ("cancelled",)),
+    "hand_back": (("running",), ("queued",)),
+    "lose": (("running",), ("queued", "failed", "cancelled")),
+    "resume": (RESUMABLE, ("queued",)),
+    "delete": (FINISHED, ()),
+}
+
+
+class LeaseLost(Exception):
+    """Another worker owns the job now (or it ended); this one must stop touching it."""
+
+
+@dataclass
+class Change:
+    """What one transition writes. fields: None deletes a field."""
+
+    status: str | None  # None: delete the job
+    fields: dict[str, Any] = field(default_factory=dict)
+    event: dict | None = None
+    enqueue: bool = False  # push a new rq job for the job
+    lease: str | None = None  # set the lease key to this value (start)
+
+
+# --------------------------------------------------------------------------- transitions
+
+
+def create(r: redis.Redis, job_id: str, kind: str, queue: str, spec_json: str, *, max_attempts: int,
+           **fields: Any) -> None:
+    """Store a new job as queued and push its rq job on `queue`, atomically."""
+    now = time.time()
+    record = {"kind": kind, "queue": queue, "spec": spec_json, "created_at": repr(now), "attempts": 0,
+              "failed_attempts": 0, "max_attempts": max_attempts, **fields}
+    with r.pipeline() as p:
+        p.multi()
+        p.zadd(JOBS_INDEX, {job_id: now})
+        _write(p, r, job_id, {}, Change("queued", record, enqueue=True))
+        p.execute()
+
+
+def start(r: redis.Redis, job_id: str, worker: str, lease_ttl_s: float) -> int | None:
+    """A worker takes a queued job. Returns the new lease epoch; None if it is not queued."""
+    def decide(rec):
+        epoch = int(rec.get("lease_epoch", 0)) + 1
+        fields = {"lease_epoch": epoch, "worker": worker, "attempts": int(rec.get("attempts", 0)) + 1,
+                  "error": None, "finished_at": None}
+        if not rec.get("started_at"):
+            fields["started_at"] = repr(time.time())
+        return Change("running", fields, lease=f"{worker}:{epoch}")
+
+    change = _commit(r, job_id, "start", decide, lease_ttl_s=lease_ttl_s)
+    return None if change is None else int(change.fields["lease_epoch"])
+
+
+def cancel(r: redis.Redis, job_id: str) -> str | None:
+    """Cancel: a queued job ends at once, a running one is asked to stop at its next check.
+    Returns the status after the request; None for an unknown job."""
+    if _commit(r, job_id, "cancel", lambda rec: Change("cancelled", {"cancel_requested": 1}, {"type": "cancelled"})):
+        return "cancelled"
+    _commit(r, job_id, "request_cancel", lambda rec: Change("running", {"cancel_requested": 1}))
+    status = r.hget(job_key(job_id), "status")
+    return None if status is None else status.decode()
+
+
+def finish(r: redis.Redis, job_id: str, epoch: int, status: str, event: dict, **fields: Any) -> None:
+    """The holder's last word: completed, failed or cancelled. Raises LeaseLost if it no longer holds the job."""
+    name = {"completed": "complete", "failed": "fail", "cancelled": "cancelled"}[status]
+    _fenced_commit(r, job_id, name, epoch, lambda rec: Change(status, fields, event))
+
+
+def hand_back(r: redis.Redis, job_id: str, epoch: int, reason: str) -> None:
+    """The holder is shutting down: back on the queue; the attempt does not count."""
+    def decide(rec):
+        event = {"type": "requeued", "reason": reason, "lost_worker": rec.get("worker"), "counted": False}
+        return Change("queued", {"lease_epoch": int(rec["lease_epoch"]) + 1}, event, enqueue=True)
+
+    _fenced_commit(r, job_id, "hand_back", epoch, decide)
+
+
+def lose(r: redis.Redis, job_id: str, reason: str, epoch: int | None = None) -> str | None:
+    """The job's worker died, stalled, or its lease expired. With `epoch`: the supervisor that
+    holds the lease says so; without: the reconciler, only while the lease key is gone.
+    Re-queues the job, or fails it once it has ended max_attempts workers, or cancels it if a
+    cancel was pending. Returns the new status, or None if nothing was done."""
+    def decide(rec):
+        if epoch is None and rec.get("_lease_alive"):
+            return None
+        if epoch is not None and rec.get("lease_epoch") != str(epoch):
+            return None
+        fenced = {"lease_epoch": int(rec.get("lease_epoch", 0)) + 1}
+        if rec.get("cancel_requested") == "1":
+            return Change("cancelled", fenced, {"type": "cancelled", "reason": reason})
+        failed = int(rec.get("failed_attempts", 0)) + 1
+        limit = int(rec.get("max_attempts", 3))
+        step = json.loads(rec.get("progress") or "{}").get("iter", 0)
+        if failed >= limit:
+            error = (f"gave up after {failed} attempts: each ended its worker (max_attempts={limit}); "
+                     f"last: {reason} (after step {step})")
+            return Change("failed", {**fenced, "failed_attempts": failed, "error": error},
+                          {"type": "failed", "error": error})
+        event = {"type": "requeued", "reason": reason, "lost_worker": rec.get("worker"), "counted": True,
+                 "failed_attempts": failed, "checkpoint_step": int(rec.get("checkpoint_step", 0))}
+        return Change("queued", {**fenced, "failed_attempts": failed}, event, enqueue=True)
+
+    change = _commit(r, job_id, "lose", decide, check_lease=epoch is None)
+    return None if change is None else change.status
+
+
+def resume(r: redis.Redis, job_id: str, spec_json: str, total_iters: int, overrides: dict, *,
+           max_attempts: int) -> bool:
+    """Re-queue a failed or cancelled job with its (possibly changed) spec; its worker continues
+    from the last checkpoint. False if it is not (or no longer) resumable."""
+    def decide(rec):
+        progress = {**json.loads(rec.get("progress") or "{}"), "total_iters": total_iters}
+        fields = {"spec": spec_json, "error": None, "finished_at": None, "cancel_requested": None,
+                  "failed_attempts": 0, "max_attempts": max_attempts, "progress": json.dumps(progress)}
+        event = {"type": "resume_requested", "config_overrides": overrides}
+        return Change("queued", fields, event, enqueue=True)
+
+    return _commit(r, job_id, "resume", decide) is not None
+
+
+def delete(r: redis.Redis, job_id: str) -> bool:
+    """Delete a finished job and everything it stored. False if it is not finished."""
+    return _commit(r, job_id, "delete", lambda rec: Change(None)) is not None
+
+
+def requeue_if_orphaned(r: redis.Redis, job_id: str, rq_job_id: str) -> bool:
+    """Reconciler: push a new rq job for a queued job whose rq job `rq_job_id` is gone."""
+    def decide(rec):
+        if rec.get("rq_job") != rq_job_id:
+            return None  # someone re-queued it meanwhile
+        return Change("queued", {}, {"type": "requeued", "reason": f"rq job {rq_job_id} was lost", "counted": False},
+                      enqueue=True)
+
+    return _commit(r, job_id, "requeue", decide) is not None
+
+
+# --------------------------------------------------------------------------- fenced writes (no status change)
+
+# KEYS: job, events, blobs (or ''). ARGV: epoch, event json ('' none), maxlen, nblobs, blob pairs..., field pairs...
+_FENCED_WRITE = """
+if redis.call('HGET', KEYS[1], 'lease_epoch') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'status') ~= 'running' then
+  return 0
+end
+local n = tonumber(ARGV[4])
+if n > 0 then
+  redis.call('DEL', KEYS[3])
+  for i = 5, 4 + 2 * n, 2 do redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
+end
+for i = 5 + 2 * n, #ARGV, 2 do
+  if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i]) else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+if ARGV[2] ~= '' then redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'data', ARGV[2]) end
+return 1
+"""
+
+# KEYS: job, lease. ARGV: epoch, ttl_ms.
+_RENEW = """
+if redis.call('HGET', KEYS[1], 'lease_epoch') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'status') ~= 'running' then
+  return 0
+end
+redis.call('SET', KEYS[2], redis.call('HGET', KEYS[1], 'worker') .. ':' .. ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+
+def write(r: redis.Redis, job_id: str, epoch: int, event: dict | None = None, blobs_key: str | None = None,
+          blobs: dict[str, bytes] | None = None, **fields: Any) -> None:
+    """Set job fields, append an event, replace a blob hash (checkpoint, adapter): all or
+    nothing, and only while `epoch` holds the job. Raises LeaseLost otherwise."""
+    blobs = blobs or {}
+    args: list = [epoch, json.dumps(event) if event else "", EVENTS_MAXLEN, len(blobs)]
+    for name, blob in blobs.items():
+        args += [name, blob]
+    args += field_args(fields)
+    keys = (job_key(job_id), events_key(job_id), blobs_key or job_key(job_id) + ":none")
+    if r.eval(_FENCED_WRITE, 3, *keys, *args) != 1:
+        raise LeaseLost(f"job {job_id}: lease epoch {epoch} is no longer current")
+
+
+def renew(r: redis.Redis, job_id: str, epoch: int, lease_ttl_s: float) -> bool:
+    """Heartbeat: extend the lease. False once the job belongs to someone else (or ended)."""
+    return r.eval(_RENEW, 2, job_key(job_id), lease_key(job_id), epoch, int(lease_ttl_s * 1000)) == 1
+
+
+# --------------------------------------------------------------------------- the reconciler
+
+
+@dataclass
+class Reconciler:
+    """Run every few seconds by every worker: re-queues running jobs whose lease has been gone
+    for `grace_s` (so a live owner can renew after, say, a Redis restart), and queued jobs
+    whose rq job is gone or was abandoned by a dead worker."""
+
+    r: redis.Redis
+    grace_s: float
+    missing_since: dict[str, float] = field(default_factory=dict)
+
+    def scan(self) -> list[str]:
+        return self.scan_running() + self.scan_queued()
+
+    def scan_running(self) -> list[str]:
+        running = [j.decode() for j in self.r.smembers(RUNNING_JOBS)]
+        with self.r.pipeline(transaction=False) as p:
+            for job_id in running:
+                p.exists(lease_key(job_id))
+            alive = p.execute()
+        now = time.monotonic()
+        self.missing_since = {j: self.missing_since.get(j, now) for j, a in zip(running, alive) if not a}
+        reaped = []
+        for job_id, since in list(self.missing_since.items()):
+            if now - since >= self.grace_s:
+                del self.missing_since[job_id]
+                if lose(self.r, job_id, "worker lost (its lease expired)"):
+                    reaped.append(job_id)
+        return reaped
+
+    def scan_queued(self) -> list[str]:
+        queued = [j.decode() for j in self.r.smembers(QUEUED_JOBS)]
+        with self.r.pipeline(transaction=False) as p:
+            for job_id in queued:
+                p.hget(job_key(job_id), "rq_job")
+            rq_ids = [None if v is None else v.decode() for v in p.execute()]
+        with self.r.pipeline(transaction=False) as p:
+            for rq_id in rq_ids:
+                p.hmget(RQ_JOB_PREFIX + (rq_id or "-"), "status", "worker_name")
+            rq_states = p.execute()
+        with self.r.pipeline(transaction=False) as p:
+            for status, worker in rq_states:
+                p.exists(f"rq:worker:{(worker or b'-').decode()}")
+            workers_alive = p.execute()
+        repaired = []
+        for job_id, rq_id, (status, _), worker_alive in zip(queued, rq_ids, rq_states, workers_alive):
+            if rq_id is None:
+                continue  # the record is gone (expired or deleted)
+            status = None if status is None else status.decode()
+            if status in ("queued", "scheduled", "deferred") or (status == "started" and worker_alive):
+                continue
+            if requeue_if_orphaned(self.r, job_id, rq_id):
+                repaired.append(job_id)
+        return repaired
+
+
+# --------------------------------------------------------------------------- the one place that commits
+
+
+def _commit(r: redis.Redis, job_id: str, name: str, decide: Callable[[dict], Change | None], *,
+            lease_ttl_s: float | None = None, check_lease: bool = False) -> Change | None:
+    """Read the record under WATCH; if its status allows event `name`, write decide(record)
+    and everything that goes with it in one MULTI/EXEC. None when nothing was written."""
+    from_statuses, to_statuses = TABLE[name]
+    with r.pipeline() as p:
+        while True:
+            try:
+                p.watch(job_key(job_id), lease_key(job_id))
+                rec = {k.decode(): v.decode() for k, v in p.hgetall(job_key(job_id)).items()}
+                if rec.get("status") not in from_statuses:
+                    return None
+                if check_lease:
+                    rec["_lease_alive"] = bool(p.exists(lease_key(job_id)))
+                change = decide(rec)
+                if change is None:
+                    return None
+                assert (change.status in to_statuses) or (change.status is None and not to_statuses), (name, change)
+                p.multi()
+                _write(p, r, job_id, rec, change, lease_ttl_s)
+                p.execute()
+                return change
+            except redis.WatchError:
+                continue
+
+
+def _fenced_commit(r: redis.Redis, job_id: str, name: str, epoch: int, decide: Callable[[dict], Change]) -> None:
+    def fenced(rec):
+        if rec.get("lease_epoch") != str(epoch):
+            return None
+        return decide(rec)
+
+    if _commit(r, job_id, name, fenced) is None:
+        raise LeaseLost(f"job {job_id}: lease epoch {epoch} is no longer current")
+
+
+def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_s: float | None = None) -> None:
+    """Queue on pipeline `p` every write of `change`: status, fields, event, the sets the
+    reconciler scans, the lease, the rq job, and retention."""
+    keys = [job_key(job_id), events_key(job_id), checkpoint_key(job_id), adapter_key(job_id)]
+    if change.status is None:  # delete
+        p.delete(*keys, lease_key(job_id))
+        p.zrem(JOBS_INDEX, job_id)
+        p.srem(QUEUED_JOBS, job_id)
+        p.srem(RUNNING_JOBS, job_id)
+        return
+    fields = {"status": change.status, **change.fields}
+    if change.status in FINISHED:
+        fields["finished_at"] = repr(time.time())
+    if change.enqueue:
+        attempt = int(rec.get("enqueues", 0))
+        rq_id = job_id if attempt == 0 else f"{job_id}-r{attempt}"
+        fields.update(enqueues=attempt + 1, rq_job=rq_id)
+        if rec.get("rq_job"):  # the previous attempt's rq job: rq's own bookkeeping may keep it otherwise
+            p.expire(RQ_JOB_PREFIX + rec["rq_job"], _retention_s())
+        # job_timeout -1: training runs as long as it takes; liveness is the supervisor's business.
+        Queue(rec.get("queue") or change.fields["queue"], connection=r).enqueue_call(
+            RUN_JOB_FUNC, args=(job_id,), job_id=rq_id, timeout=-1, result_ttl=3600, failure_ttl=7 * 86400,
+            pipeline=p,
+        )
+    sets = {"queued": QUEUED_JOBS, "running": RUNNING_JOBS}
+    for status, key in sets.items():
+        (p.sadd if change.status == status else p.srem)(key, job_id)
+    to_set = {k: v for k, v in fields.items() if v is not None}
+    p.hset(job_key(job_id), mapping={k: v if isinstance(v, str) else _encode(v) for k, v in to_set.items()})
+    to_delete = [k for k, v in fields.items() if v is None]
+    if to_delete:
+        p.hdel(job_key(job_id), *to_delete)
+    if change.event is not None:
+        p.xadd(events_key(job_id), {"data": json.dumps(change.event)}, maxlen=EVENTS_MAXLEN, approximate=True)
+    if change.lease is not None:
+        p.set(lease_key(job_id), change.lease, px=int(lease_ttl_s * 1000))
+    elif change.status != "running":
+        p.delete(lease_key(job_id))
+    if change.status in FINISHED:
+        if change.status == "completed":
+            p.delete(checkpoint_key(job_id))  # nothing left to resume
+        for key in keys + ([RQ_JOB_PREFIX + rec["rq_job"]] if rec.get("rq_job") else []):
+            p.expire(key, _retention_s())
+    elif rec.get("status") in FINISHED:  # resumed: keep everything again
+        for key in keys:
+            p.persist(key)
+
+
+def _retention_s() -> int:
+    return load_settings().job_retention_s
+
+
+def field_args(fields: dict[str, Any]) -> list[str]:
+    """Hash fields as the Lua script takes them: name, value, ...; '' means delete the field."""
+    args: list[str] = []
+    for name, value in fields.items():
+        args += [name, "" if value is None else value if isinstance(value, str) else _encode(value)]
+    return args
+
+
+def _encode(value: Any) -> str:
+    if hasattr(value, "model_dump_json"):
+        return value.model_dump_json()
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return str(value)

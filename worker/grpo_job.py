@@ -1,0 +1,129 @@
+"""The GRPO job kind: load the model, attach a LoRA, run the steps, checkpoint, write the adapter.
+
+Runs in the training process (worker/training_process.py), on its main thread. The math is
+in worker/grpo.py; this module is the job around it: progress and sample events, checkpoints
+in Redis that any worker resumes from, and the adapter committed through the job's lease.
+"""
+
+import logging
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from shared.schemas import JobCreate, Progress
+from shared.settings import Settings, load_settings
+from worker import checkpoints
+from worker.grpo import Cancelled, GRPOTrainer, NonFiniteLoss, TrainState
+from worker.models import ModelNotFound, attach_lora, get_model, save_adapter
+from worker.rewards import RewardError, build_scorer
+from worker.training_process import JobRun
+
+log = logging.getLogger(__name__)
+USER_ERRORS = (ModelNotFound, RewardError, NonFiniteLoss, checkpoints.CheckpointMismatch)
+
+
+def run(job: JobRun, spec_json: str) -> dict:
+    spec = JobCreate.model_validate_json(spec_json)
+    settings = load_settings()
+    cfg = spec.config
+    t0 = time.perf_counter()
+    job.mark("loading_model")
+    model, tokenizer, cached = get_model(spec.model_id, settings)
+    job.write(event={"type": "model_ready", "cached": cached, "load_s": time.perf_counter() - t0})
+    with build_scorer(spec, job.job_id) as scorer:
+        mx.random.seed(cfg.seed)  # LoRA init and dropout
+        attach_lora(model, cfg)
+        trainer = GRPOTrainer(model, tokenizer, spec, MarkedScorer(scorer, job))
+        state = TrainState()
+        saved = job.load_checkpoint()
+        if saved:
+            state = checkpoints.restore(model, trainer.optimizer, saved)
+            job.write(event={"type": "resumed", "from_step": state.step}, resumed_from=state.step)
+            log.info("job %s: resumed from the checkpoint of step %d", job.job_id, state.step)
+
+        saver = CheckpointSaver(job, cfg.checkpoint_every, cfg.checkpoint_interval_s, start_step=state.step)
+        try:
+            while state.step < cfg.iters:
+                if job.should_stop():
+                    raise Cancelled()
+                job.mark("sampling")
+                metrics, samples = trainer.step(state, job.should_stop, on_finite_loss=saver.flush)
+                job.marks.step_done()
+                progress = Progress(iter=state.step, total_iters=cfg.iters, **metrics)
+                job.write(event={"type": "grpo_step", "worker": job.lease.worker, **progress.model_dump()},
+                          progress=progress)
+                job.write(event={"type": "samples", "iter": state.step, **samples})
+                saver.maybe_snapshot(model, trainer.optimizer, state)
+                log.info("job %s step %d/%d loss %.4f reward %.4f (%.2fs)", job.job_id, state.step, cfg.iters,
+                         metrics["loss"], metrics["reward"], metrics["step_time"])
+        except Cancelled:
+            if job.marks.hand_back_requested:  # the worker is shutting down: keep what was done
+                saver.save_now(model, trainer.optimizer, state)
+            raise
+
+    out = adapter_dir(settings, spec.model_id, spec.adapter_name or job.job_id)
+    job.commit_adapter(out, lambda d: save_adapter(model, cfg, d))
+    # The history holds the last steps, one entry each (a resumed run restored the earlier ones).
+    kept = state.history[-checkpoints.HISTORY_KEPT:]
+    first = state.step - len(kept) + 1
+    return {"adapter_path": str(out), "history": [{"step": first + i, **h} for i, h in enumerate(kept)]}
+
+
+class MarkedScorer:
+    """The job's reward scorer, leaving progress marks around each call (a reward call that
+    never returns shows up as a stall in phase 'scoring')."""
+
+    def __init__(self, scorer, job: JobRun):
+        self.scorer, self.job = scorer, job
+
+    def score(self, *args, **kwargs):
+        self.job.mark("scoring")
+        try:
+            return self.scorer.score(*args, **kwargs)
+        finally:
+            self.job.mark("updating")
+
+
+class CheckpointSaver:
+    """Writes a checkpoint only once its weights are known to be good.
+
+    A snapshot is taken after a step (every `every` steps, or `interval_s` seconds) but
+    written to Redis only when the next step has computed a finite loss and gradient with
+    those weights (the trainer's on_finite_loss). So after a non-finite loss the last
+    checkpoint is always one that trains, and `resume` continues from it.
+    """
+
+    def __init__(self, job: JobRun, every: int, interval_s: float, start_step: int):
+        self.job, self.every, self.interval_s = job, every, interval_s
+        self.pending: dict | None = None
+        self.last_step = start_step  # of the last snapshot
+        self.last_written = start_step  # of the last checkpoint in Redis
+        self.last_time = time.monotonic()
+
+    def maybe_snapshot(self, model, optimizer, state: TrainState) -> None:
+        due = state.step - self.last_step >= self.every or time.monotonic() - self.last_time >= self.interval_s
+        if due:
+            self.pending = checkpoints.snapshot(model, optimizer, state)
+            self.last_step, self.last_time = state.step, time.monotonic()
+
+    def save_now(self, model, optimizer, state: TrainState) -> None:
+        """Checkpoint the weights as they are (the worker is shutting down), unless they are
+        not finite: then the last good checkpoint stays."""
+        snap = checkpoints.snapshot(model, optimizer, state)
+        if state.step > self.last_written and checkpoints.all_finite(snap):
+            self.pending = snap
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            step = self.pending["state"].step
+            self.job.save_checkpoint(step, checkpoints.to_blobs(self.pending))
+            self.last_written = step
+            self.pending = None
+
+
+def adapter_dir(settings: Settings, model_id: str, adapter_name: str) -> Path:
+    """$MTQ_HOME/adapters/<model_id>/<adapter_name>; a local model path contributes its directory name."""
+    model_part = Path(model_id).name if Path(model_id).expanduser().exists() else model_id
+    return settings.adapters_dir / model_part / adapter_name

@@ -1,0 +1,260 @@
+"""`mtq worker`: a supervisor process without MLX, and the training process it runs.
+
+Liveness must not depend on the training interpreter: a reward function stuck in native
+code, a kernel that never returns, or an out-of-memory kill would take a heartbeat thread in
+the same process down with it. So `mtq worker` is two processes:
+
+- the supervisor (this module): an rq SimpleWorker. It dequeues jobs, takes each job's lease
+  (worker/lease.py), and from a heartbeat thread renews the lease and rq's heartbeats and runs
+  the reconciler (shared/lifecycle.py). It never imports MLX, so it always answers.
+- the training process (worker/training_process.py): a long-lived child whose main thread
+  owns MLX, keeps models loaded between jobs and runs one job at a time.
+
+While a job runs, the supervisor's main thread watches (Supervisor.watch):
+  the child exits (crash, os._exit, OOM kill)   -> the job is re-queued, an attempt counted; a fresh child starts
+  no progress mark for stall_timeout_s          -> the child is killed, likewise
+  a cancel the child ignores for CANCEL_GRACE_S -> the child is killed, the job cancelled
+  SIGTERM / Ctrl-C (warm shutdown)              -> the child checkpoints and hands the job back (no attempt
+                                                   counted), or is killed after SHUTDOWN_GRACE_S and the job
+                                                   handed back anyway
+  the lease is lost (another worker has the job) -> the child drops it at its next write, or is killed
+"""
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import redis
+from rq import SimpleWorker
+from rq.worker import WorkerStatus
+
+from shared.jobstore import connect, get_spec
+from shared.lifecycle import Reconciler
+from shared.settings import QUEUE_NAME, load_settings
+from worker import openblas
+from worker.lease import Lease, LeaseLost, retrying
+from worker.training_process import Marks
+from worker.training_process import main as training_main
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+CANCEL_GRACE_S = 10.0
+SHUTDOWN_GRACE_S = 30.0
+LEASE_LOST_GRACE_S = 10.0
+READY_TIMEOUT_S = 300.0  # importing MLX and the trainer
+
+
+def compile_grace_s() -> float:
+    """Extra room before the first step: MLX compiles kernels on first use (about a minute on a
+    fresh Linux CPU machine, about six on a fresh CUDA machine)."""
+    return float(os.environ.get("MTQ_COMPILE_GRACE_S", "600"))
+
+
+class TrainingProcess:
+    """The supervisor's handle on its child."""
+
+    def __init__(self, worker_name: str):
+        self.ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: never fork a process with MLX in it
+        self.marks = Marks(self.ctx)
+        self.worker_name = worker_name
+        self.proc = None
+        self.conn = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def start(self) -> None:
+        """Start the child and wait until it has loaded MLX and the trainers."""
+        ours, theirs = self.ctx.Pipe()
+        self.proc = self.ctx.Process(target=training_main, name="mtq-training", daemon=True,
+                                     args=(theirs, self.marks, self.worker_name, os.getpid()))
+        self.proc.start()
+        theirs.close()
+        self.conn = ours
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ours.poll(POLL_S):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the training process did not start ({self.exit_description()})")
+        assert ours.recv() == "ready"
+        log.info("training process %d ready", self.proc.pid)
+
+    def exit_description(self) -> str:
+        code = None if self.proc is None else self.proc.exitcode
+        if code is None:
+            return "still running"
+        if code < 0:
+            name = signal.Signals(-code).name
+            return f"was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+        return f"exited with code {code}"
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            if self.proc.is_alive():
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.join(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        """Let the child end on its own (it exits when the pipe closes), else kill it."""
+        if self.conn is not None:
+            self.conn.close()
+        if self.proc is not None:
+            self.proc.join(5)
+        self.kill()
+
+
+class Supervisor(SimpleWorker):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.training = TrainingProcess(self.name)
+        self.lease: Lease | None = None  # of the job being run, for the heartbeat thread
+        self._running = None  # (rq job, execution) while a job runs
+
+    def get_heartbeat_ttl(self, job, working_time: float = 0.0) -> int:
+        # rq's registry entries live as long as our lease: a dead worker is noticed quickly,
+        # and the heartbeat thread keeps a live one's entries fresh.
+        return max(int(load_settings().lease_ttl_s), 1) + 5
+
+    def execute_job(self, job, queue):
+        execution = self.prepare_execution(job)
+        self._running = (job, execution)
+        try:
+            self.perform_job(job, queue, execution)
+        finally:
+            self._running = None
+        self.set_state(WorkerStatus.IDLE)
+
+    def work(self, *args, **kwargs):
+        stop = threading.Event()
+        beat = threading.Thread(target=self._heartbeat_loop, args=(stop,), name="mtq-heartbeat", daemon=True)
+        beat.start()
+        try:
+            self.training.start()
+            return super().work(*args, **kwargs)
+        finally:
+            stop.set()
+            self.training.stop()
+
+    def _heartbeat_loop(self, stop: threading.Event) -> None:
+        ttl = load_settings().lease_ttl_s
+        reconciler = Reconciler(self.connection, grace_s=ttl / 2)
+        while not stop.wait(ttl / 4):
+            try:
+                lease = self.lease
+                if lease is not None and not lease.renew():
+                    log.warning("job %s: lease lost to another worker; dropping it", lease.job_id)
+                running = self._running
+                if running is not None:
+                    self.maintain_heartbeats(*running)
+                for job_id in reconciler.scan():
+                    log.warning("job %s: repaired by the reconciler (its worker or rq job was lost)", job_id)
+            except redis.RedisError as e:
+                log.warning("heartbeat: redis error %s", e)
+            except Exception:
+                log.exception("heartbeat failed")
+
+    # ------------------------------------------------------------------ one job
+
+    def run(self, job_id: str) -> str:
+        """rq's job function (worker/jobs.py) calls this: take the job, let the child run it, watch."""
+        spec = retrying(lambda: get_spec(self.connection, job_id), "job read")
+        if spec is None:
+            return "deleted"
+        lease = Lease.start(self.connection, job_id, self.name)
+        if lease is None:
+            return "not started: the job is no longer queued"
+        self.lease = lease
+        try:
+            return self.watch(lease, spec.config.stall_timeout_s)
+        except LeaseLost:
+            return "lease lost"
+        except BaseException:  # e.g. a cold shutdown (second Ctrl-C): end the child, give the job back now
+            self.training.kill()
+            try:
+                lease.hand_back("worker stopped")
+            except Exception:
+                log.exception("job %s: could not hand it back; the reconciler will re-queue it", job_id)
+            raise
+        finally:
+            self.lease = None
+
+    def watch(self, lease: Lease, stall_timeout_s: float) -> str:
+        t = self.training
+        if not t.alive():
+            t.start()
+        t.marks.reset()
+        t.conn.send((lease.job_id, lease.epoch))
+        cancel_seen = stop_seen = lost_seen = None
+        next_cancel_check = 0.0
+        while True:
+            if t.conn.poll(POLL_S):
+                try:
+                    return t.conn.recv()
+                except EOFError:
+                    pass  # it died: below
+            now = time.monotonic()
+            if not t.alive():
+                t.proc.join(5)
+                return self._lost(lease, f"training process {t.exit_description()}")
+            if lease.lost.is_set():  # another worker has the job: the child stops at its next write
+                lost_seen = lost_seen or now
+                if now - lost_seen > LEASE_LOST_GRACE_S:
+                    t.kill()
+                    return "lease lost"
+                continue
+            silence = now - t.marks.last
+            allowed = stall_timeout_s
+            if t.marks.steps == 0 and t.marks.phase != "scoring":
+                allowed += compile_grace_s()
+            if silence > allowed:
+                t.kill()
+                return self._lost(lease, f"stalled: no progress for {silence:.0f}s in phase {t.marks.phase} "
+                                         f"(stall_timeout_s={stall_timeout_s:g}); its training process was ended")
+            if self._stop_requested:
+                if stop_seen is None:
+                    stop_seen = now
+                    t.marks.request_hand_back()
+                elif now - stop_seen > SHUTDOWN_GRACE_S:
+                    t.kill()
+                    lease.hand_back(f"worker shutting down (its training process did not stop within "
+                                    f"{SHUTDOWN_GRACE_S:g}s and was ended)")
+                    return "handed back"
+            if now >= next_cancel_check:
+                next_cancel_check = now + 1.0
+                if cancel_seen is None and lease.cancel_requested():
+                    cancel_seen = now
+            if cancel_seen is not None and now - cancel_seen > CANCEL_GRACE_S:
+                t.kill()
+                lease.finish("cancelled", {"type": "cancelled", "reason": f"the training process did not stop "
+                                           f"within {CANCEL_GRACE_S:g}s of the cancel and was ended"})
+                return "cancelled"
+
+    def _lost(self, lease: Lease, reason: str) -> str:
+        phase, steps = self.training.marks.phase, self.training.marks.steps
+        reason = f"{reason} (phase {phase}, {steps} steps done in this run)"
+        log.error("job %s: %s", lease.job_id, reason)
+        self.training.kill()
+        status = lease.lose(reason)
+        self.training.start()  # a fresh child for the next job
+        return f"lost: {reason}; job is now {status}"
+
+
+_current: Supervisor | None = None
+
+
+def current() -> Supervisor:
+    assert _current is not None, "not running inside `mtq worker`"
+    return _current
+
+
+def run_worker(queues: list[str] | None = None, name: str | None = None) -> None:
+    global _current
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    openblas.preload_for_children()  # before the training process starts (and imports mlx)
+    settings = load_settings()
+    _current = Supervisor(queues or [QUEUE_NAME], connection=connect(settings.redis_url), name=name)
+    _current.work(with_scheduler=False, logging_level="INFO")

@@ -1,0 +1,195 @@
+"""The training process: a long-lived child of the supervisor (worker/supervisor.py).
+
+Its main thread owns MLX (streams are per thread: the seed bug), runs one job at a time and
+keeps models loaded between jobs. It takes jobs from the supervisor over a pipe, with the
+lease epoch the supervisor took, and makes every write for the job itself, fenced by that
+epoch. It leaves progress marks in memory shared with the supervisor, which ends it when the
+marks stop (a stall), and tells it through the same memory to hand its job back.
+
+Job kinds: KINDS maps a record's `kind` to the module that runs it; a kind module has
+`run(job: JobRun, spec_json: str) -> dict` (the fields of the completed record, e.g.
+adapter_path), `Cancelled` (raised when job.should_stop() said so) and USER_ERRORS
+(exceptions whose message is the whole story: no traceback).
+"""
+
+import ctypes
+import importlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from shared.jobstore import connect
+from shared.keys import adapter_key, checkpoint_key, job_key
+from shared.settings import load_settings
+from worker.lease import Lease, LeaseLost, retrying
+
+log = logging.getLogger(__name__)
+
+KINDS = {"grpo": "worker.grpo_job"}
+PHASES = ("idle", "loading_model", "sampling", "scoring", "updating", "checkpointing", "saving")
+
+
+class Marks:
+    """Shared memory between supervisor and child: progress marks one way, hand-back the other.
+    Plain doubles, no lock: one writer each, and a reader that only needs a recent value."""
+
+    def __init__(self, ctx):
+        self._a = ctx.RawArray(ctypes.c_double, 4)  # [last mark (monotonic), phase, steps done, hand back]
+
+    def mark(self, phase: str | None = None) -> None:
+        if phase is not None:
+            self._a[1] = PHASES.index(phase)
+        self._a[0] = time.monotonic()
+
+    def step_done(self) -> None:
+        self._a[2] += 1
+        self.mark()
+
+    def reset(self) -> None:
+        self._a[0], self._a[1], self._a[2], self._a[3] = time.monotonic(), 0, 0, 0
+
+    @property
+    def last(self) -> float:
+        return self._a[0]
+
+    @property
+    def phase(self) -> str:
+        return PHASES[int(self._a[1])]
+
+    @property
+    def steps(self) -> int:
+        return int(self._a[2])
+
+    def request_hand_back(self) -> None:
+        self._a[3] = 1
+
+    @property
+    def hand_back_requested(self) -> bool:
+        return self._a[3] == 1
+
+
+class JobRun:
+    """What a job kind gets: fenced writes for its job, progress marks, stop checks,
+    checkpoints and the adapter commit."""
+
+    def __init__(self, lease: Lease, marks: Marks, parent_pid: int):
+        self.lease, self.marks, self.parent_pid = lease, marks, parent_pid
+        self.job_id = lease.job_id
+
+    def mark(self, phase: str | None = None) -> None:
+        self.marks.mark(phase)
+
+    def should_stop(self) -> bool:
+        """Checked at every decode chunk and between optimizer updates: a progress mark, and
+        True on a cancel or a shutdown. Raises LeaseLost when the job moved to another worker."""
+        self.marks.mark()
+        if os.getppid() != self.parent_pid:  # the supervisor died: its lease lapses, someone else resumes
+            os._exit(1)
+        if self.lease.lost.is_set():
+            raise LeaseLost(f"job {self.job_id}: lease lost")
+        return self.marks.hand_back_requested or self.lease.cancel_requested()
+
+    def write(self, event: dict | None = None, **fields) -> None:
+        self.lease.write(event, **fields)
+
+    def load_checkpoint(self) -> dict[bytes, bytes]:
+        return self.lease.load_checkpoint()
+
+    def save_checkpoint(self, step: int, blobs: dict[str, bytes]) -> None:
+        self.marks.mark("checkpointing")
+        self.lease.save_blobs(checkpoint_key(self.job_id), blobs, {"type": "checkpoint", "step": step},
+                              checkpoint_step=step)
+
+    def commit_adapter(self, out_dir: Path, write_files: Callable[[Path], None]) -> Path:
+        """Write the adapter's files with write_files(dir) into a private directory, store them
+        in Redis (fenced: a worker that lost the job stops here), then rename the directory
+        into place, so the files on disk are only ever the current holder's."""
+        self.marks.mark("saving")
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{self.job_id}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            write_files(tmp)
+            blobs = {f.name: f.read_bytes() for f in tmp.iterdir() if f.is_file()}
+            self.lease.save_blobs(adapter_key(self.job_id), blobs, adapter_stored=1)
+            old = out_dir.parent / f".{out_dir.name}.old-{self.job_id}"
+            if out_dir.exists():
+                out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out_dir
+
+
+def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: int) -> str:
+    """Run one job whose lease the supervisor holds; every outcome is written by this process."""
+    lease = Lease(r, job_id, worker, epoch)
+    job = JobRun(lease, marks, parent_pid)
+    record = retrying(lambda: r.hmget(job_key(job_id), "kind", "spec"), "job read")
+    if record[1] is None:
+        return "deleted"
+    kind = importlib.import_module(KINDS[(record[0] or b"grpo").decode()])
+    try:
+        lease.write(event={"type": "started", "worker": worker, "pid": os.getpid(), "supervisor_pid": parent_pid,
+                           "main_thread": threading.current_thread() is threading.main_thread()})
+        fields = kind.run(job, record[1].decode())
+        lease.finish("completed", {"type": "done", **fields}, **fields)
+        return "completed"
+    except kind.Cancelled:
+        if marks.hand_back_requested:  # the worker is shutting down: keep what was done
+            lease.hand_back("worker shutting down")
+            return "handed back"
+        lease.finish("cancelled", {"type": "cancelled"})
+        return "cancelled"
+    except LeaseLost as e:
+        log.warning("%s; leaving the job to its new owner", e)
+        return "lease lost"
+    except kind.USER_ERRORS as e:
+        return _fail(lease, str(e))
+    except Exception as e:
+        log.error("job %s failed:\n%s", job_id, traceback.format_exc())
+        return _fail(lease, f"{type(e).__name__}: {e}")
+
+
+def _fail(lease: Lease, error: str) -> str:
+    try:
+        lease.finish("failed", {"type": "failed", "error": error}, error=error)
+    except LeaseLost:
+        return "lease lost"
+    return "failed"
+
+
+def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
+    """The child's entry point (multiprocessing 'spawn': a fresh interpreter, no fork of MLX)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s [training {os.getpid()}] %(name)s %(levelname)s %(message)s")
+    for module in set(KINDS.values()):
+        importlib.import_module(module)  # mlx and the trainers load now, on this main thread
+    r = connect(load_settings().redis_url)
+    conn.send("ready")
+    while True:
+        try:
+            job_id, epoch = conn.recv()
+        except (EOFError, OSError):
+            return
+        marks.mark("idle")
+        conn.send(run_one(r, job_id, epoch, worker, marks, parent_pid))
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the supervisor dies (even if this one hangs
+    in native code). Elsewhere should_stop notices the new parent at its next check."""
+    if sys.platform == "linux":
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
