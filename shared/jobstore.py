@@ -122,6 +122,12 @@ def list_jobs(
         start += chunk
 
 
+def get_history(r: redis.Redis, job_id: str) -> list[dict[str, Any]]:
+    """The per-step metrics a completed job recorded ([] before it completes)."""
+    raw = r.hget(job_key(job_id), "history")
+    return [] if raw is None else json.loads(raw)
+
+
 def append_event(r: redis.Redis, job_id: str, event: dict[str, Any]) -> None:
     r.xadd(events_key(job_id), {"data": json.dumps(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
 

@@ -366,9 +366,10 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
         if rec.get("rq_job"):  # the previous attempt's rq job: rq's own bookkeeping may keep it otherwise
             p.expire(RQ_JOB_PREFIX + rec["rq_job"], _retention_s())
         # job_timeout -1: training runs as long as it takes; liveness is the supervisor's business.
+        # rq's own record of the attempt lives no longer than ours.
         Queue(rec.get("queue") or change.fields["queue"], connection=r).enqueue_call(
-            RUN_JOB_FUNC, args=(job_id,), job_id=rq_id, timeout=-1, result_ttl=3600, failure_ttl=7 * 86400,
-            pipeline=p,
+            RUN_JOB_FUNC, args=(job_id,), job_id=rq_id, timeout=-1, pipeline=p,
+            result_ttl=min(3600, _retention_s()), failure_ttl=min(7 * 86400, _retention_s()),
         )
     sets = {"queued": QUEUED_JOBS, "running": RUNNING_JOBS}
     for status, key in sets.items():

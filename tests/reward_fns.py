@@ -37,3 +37,26 @@ def length_plus_answer(prompts, completions, answer, **fields):
     """A tenth of the completion's length plus the item's answer (0 where it has none), so an
     end-to-end test can recompute it and see that item fields reach the function."""
     return [len(c) / 10 + (a or 0) for c, a in zip(completions, answer)]
+
+
+def exit_process(prompts, completions, **fields):
+    """Ends the process that calls it, like a native crash would (tests/test_lifecycle.py)."""
+    import os
+
+    os._exit(1)
+
+
+def sleep_forever(prompts, completions, **fields):
+    """Python that never returns: the reward time limit (config.reward_timeout) interrupts it."""
+    import time
+
+    time.sleep(1e9)
+
+
+def native_hang(prompts, completions, **fields):
+    """Native code that never returns to Python (signal handlers cannot run): only the worker's
+    supervisor can end it."""
+    import hashlib
+
+    while True:  # about six minutes per call, in C
+        hashlib.pbkdf2_hmac("sha256", b"x", b"y", 2**31 - 1)

@@ -104,6 +104,19 @@ def cancel_job(job_id: str, r: RedisDep) -> Job:
     return _job_or_404(r, job_id)
 
 
+class JobHistory(BaseModel):
+    job_id: str
+    history: list[dict[str, Any]] = Field(description="One entry per step (the last 1000), each step once, "
+                                          "also across resumes: {step, loss, reward, ...}.")
+
+
+@router.get("/{job_id}/history", response_model=JobHistory, responses=NOT_FOUND,
+            summary="A completed job's per-step metrics")
+def job_history(job_id: str, r: RedisDep) -> JobHistory:
+    _job_or_404(r, job_id)
+    return JobHistory(job_id=job_id, history=jobstore.get_history(r, job_id))
+
+
 class ResumeRequest(BaseModel):
     config: dict[str, Any] = Field(default_factory=dict, description="Config fields to change, e.g. {\"learning_rate\": 1e-5}.")
 

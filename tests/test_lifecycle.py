@@ -1,0 +1,303 @@
+"""The job lifecycle (shared/lifecycle.py) and the worker's supervisor, with real processes:
+poison jobs, atomic enqueues, the reconciler, stalls, resume rules, fenced artefacts, retention."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import redis
+from rq import Queue
+
+from conftest import wait_for
+from shared import lifecycle
+from shared.jobstore import read_events
+from shared.keys import job_key, lease_key
+
+JOBS = "/admin/api/fine-tune/grpo/jobs"
+TTL = "2"  # seconds: the lease, so lost workers and jobs are noticed within seconds
+
+
+def body(stack, reward=None, **config):
+    base = {"group_size": 2, "batch_size": 2, "iters": 6, "max_completion_len": 8,
+            "lora_layers": 2, "learning_rate": 1e-3, "checkpoint_every": 2}
+    spec = {"model_id": stack.tiny_model.name, "prompts": ["What is 2+2?", "Say hello."],
+            "config": {**base, **config}}
+    if reward:
+        spec["reward"] = [{"type": "python", "function": f"tests.reward_fns:{reward}"}]
+    return spec
+
+
+def submit(stack, spec) -> str:
+    with stack.client() as c:
+        resp = c.post(JOBS, json=spec)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["job_id"]
+
+
+def get(stack, job_id) -> dict:
+    with stack.client() as c:
+        return c.get(f"{JOBS}/{job_id}").json()
+
+
+def events(stack, job_id) -> list[dict]:
+    return [e for _, e in read_events(stack.redis, job_id, count=100_000)]
+
+
+def short_lease(stack, **more) -> dict:
+    return dict(stack.env, MTQ_LEASE_TTL=TTL, **more)
+
+
+def test_poison_job_fails_after_max_attempts_and_the_workers_live_on(stack, workers):
+    procs = [workers(env=short_lease(stack)) for _ in range(3)]
+    job_id = submit(stack, body(stack, reward="exit_process", max_attempts=3))
+    job = stack.wait_job(job_id, timeout=180)
+
+    assert job["status"] == "failed"
+    assert job["failed_attempts"] == 3 and job["attempts"] == 3
+    assert "gave up after 3 attempts" in job["error"] and "exited with code 1" in job["error"], job["error"]
+    assert "phase scoring" in job["error"]
+    requeued = [e for e in events(stack, job_id) if e["type"] == "requeued"]
+    assert len(requeued) == 2 and all(e["counted"] for e in requeued)
+
+    # Each death cost a training process, not a worker: all three are alive and take work.
+    assert all(p.poll() is None for p in procs)
+    normal = submit(stack, body(stack))
+    assert stack.wait_job(normal, timeout=120)["status"] == "completed"
+
+
+class Monitor:
+    """Redis MONITOR in a thread: every command, with the connection that sent it."""
+
+    def __init__(self, r: redis.Redis):
+        self.r, self.commands, self.ready = r, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with self.r.monitor() as m:
+            self.ready.set()
+            for cmd in m.listen():
+                self.commands.append((cmd["client_port"], cmd["command"]))
+                if "MONITOR-STOP" in cmd["command"]:
+                    return
+
+    def __enter__(self):
+        self.thread.start()
+        self.ready.wait(5)
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc):
+        self.r.get("MONITOR-STOP")
+        self.thread.join(10)
+
+    def transactions(self) -> list[list[str]]:
+        """The commands of each MULTI ... EXEC, per connection."""
+        open_tx: dict[str, list[str]] = {}
+        done = []
+        for port, cmd in self.commands:
+            if cmd == "MULTI":
+                open_tx[port] = []
+            elif cmd == "EXEC":
+                done.append(open_tx.pop(port))
+            elif port in open_tx:
+                open_tx[port].append(cmd)
+        return done
+
+
+def _one_transaction_queues_it(monitor: Monitor, job_id: str) -> bool:
+    """Some MULTI/EXEC both set the job's status to queued and pushed its rq job."""
+    for tx in monitor.transactions():
+        sets_queued = any(c.startswith(f"HSET {job_key(job_id)} ") and " status queued" in c for c in tx)
+        pushes = any(c.startswith(("RPUSH rq:queue:grpo", "LPUSH rq:queue:grpo")) and job_id in c for c in tx)
+        if sets_queued and pushes:
+            return True
+    return False
+
+
+def test_every_transition_to_queued_is_one_transaction_with_its_rq_job(stack):
+    """No two halves to die between: create, resume, hand-back and re-queue (lose) each write
+    the status and push the rq job in one MULTI/EXEC."""
+    r = stack.redis
+    with Monitor(r) as mon:
+        job_id = submit(stack, body(stack))
+    assert _one_transaction_queues_it(mon, job_id), "create"
+
+    epoch = lifecycle.start(r, job_id, "test-worker", lease_ttl_s=60)
+    with Monitor(r) as mon:
+        lifecycle.hand_back(r, job_id, epoch, "test")
+    assert _one_transaction_queues_it(mon, job_id), "hand back"
+
+    epoch = lifecycle.start(r, job_id, "test-worker", lease_ttl_s=60)
+    with Monitor(r) as mon:
+        assert lifecycle.lose(r, job_id, "test", epoch=epoch) == "queued"
+    assert _one_transaction_queues_it(mon, job_id), "re-queue of a lost job"
+
+    epoch = lifecycle.start(r, job_id, "test-worker", lease_ttl_s=60)
+    lifecycle.finish(r, job_id, epoch, "failed", {"type": "failed"})
+    with Monitor(r) as mon, stack.client() as c:
+        assert c.post(f"{JOBS}/{job_id}/resume").status_code == 200
+    assert _one_transaction_queues_it(mon, job_id), "resume"
+
+    # A transaction that never reaches EXEC (its process died) leaves nothing behind.
+    before = r.dbsize()
+    with r.pipeline() as p:
+        p.multi()
+        p.zadd("mtq:jobs", {"never": 1.0})
+        lifecycle._write(p, r, "never", {}, lifecycle.Change("queued", {"queue": "grpo", "spec": "{}"}, enqueue=True))
+        p.reset()  # the client dies here
+    assert r.dbsize() == before and not r.exists(job_key("never"))
+    lifecycle.cancel(r, job_id)
+
+
+def test_reconciler_repairs_a_queued_job_without_rq_job_and_a_running_job_without_lease(stack, workers):
+    r = stack.redis
+    orphan = submit(stack, body(stack))
+    r.delete(f"rq:job:{orphan}")  # as if the rq job had been lost
+    r.lrem("rq:queue:grpo", 0, orphan)
+    leaseless = submit(stack, body(stack))
+    assert lifecycle.start(r, leaseless, "gone-worker", lease_ttl_s=60)  # taken by a worker...
+    r.lrem("rq:queue:grpo", 0, leaseless)
+    r.delete(lease_key(leaseless))  # ...that died without a trace
+
+    t0 = time.time()
+    workers(env=short_lease(stack))
+    for job_id in (orphan, leaseless):
+        job = stack.wait_job(job_id, timeout=120)
+        assert job["status"] == "completed", job["error"]
+        assert job["progress"]["iter"] == 6
+        requeued = [(int(eid.split("-")[0]) / 1000, e) for eid, e in read_events(r, job_id) if e["type"] == "requeued"]
+        assert requeued, job_id
+        assert requeued[0][0] - t0 < 20  # the worker's start, then one reconciler period (TTL/4, plus TTL/2 grace)
+    assert any("rq job" in e["reason"] for e in events(stack, orphan) if e["type"] == "requeued")
+    assert any("lease expired" in e["reason"] for e in events(stack, leaseless) if e["type"] == "requeued")
+
+
+def test_python_reward_that_never_returns_fails_the_job_within_its_timeout(stack, workers):
+    workers(env=short_lease(stack))
+    job_id = submit(stack, body(stack, reward="sleep_forever", reward_timeout=2))
+    stack.wait_job(job_id, statuses=("running",), timeout=60)
+    t0 = time.monotonic()
+    job = stack.wait_job(job_id, timeout=60)
+    assert job["status"] == "failed"
+    assert "reward function tests.reward_fns:sleep_forever timed out after 2s" in job["error"]
+    assert time.monotonic() - t0 < 2 + 20  # model load + first decode, then the 2 s limit
+    assert job["failed_attempts"] == 0  # a clean failure, not a lost worker
+
+
+def test_native_hang_is_ended_by_the_watchdog_and_counts_as_an_attempt(stack, workers):
+    worker = workers(env=short_lease(stack))
+    job_id = submit(stack, body(stack, reward="native_hang", stall_timeout_s=3, max_attempts=2, reward_timeout=1))
+    job = stack.wait_job(job_id, timeout=120)
+    assert job["status"] == "failed"
+    assert "gave up after 2 attempts" in job["error"] and "stalled: no progress" in job["error"], job["error"]
+    assert "phase scoring" in job["error"]
+    pids = [e["pid"] for e in events(stack, job_id) if e["type"] == "started"]
+    assert len(pids) == 2
+    for pid in pids:  # the stuck training processes are gone (not left spinning)
+        wait_for(lambda: not _alive(pid), 10, f"training process {pid} to exit")
+    assert worker.poll() is None
+    assert stack.wait_job(submit(stack, body(stack)), timeout=120)["status"] == "completed"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has exited; it only waits for its parent to read its status
+        return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_killed_training_process_is_replaced_and_its_job_resumed(stack, workers):
+    worker = workers(env=short_lease(stack))
+    job_id = submit(stack, body(stack, iters=60, checkpoint_every=2))
+    wait_for(lambda: (get(stack, job_id)["checkpoint_step"] or 0) >= 2, 120, "a checkpoint")
+    child = [e for e in events(stack, job_id) if e["type"] == "started"][-1]["pid"]
+    os.kill(child, signal.SIGKILL)
+    job = stack.wait_job(job_id, timeout=120)
+    assert job["status"] == "completed", job["error"]
+    assert job["failed_attempts"] == 1 and job["resumed_from"] >= 2 and job["progress"]["iter"] == 60
+    requeued = [e for e in events(stack, job_id) if e["type"] == "requeued"]
+    assert "killed by SIGKILL" in requeued[0]["reason"]
+    assert worker.poll() is None
+
+
+def test_resume_refuses_lora_shape_changes_and_a_mismatched_checkpoint_fails_loudly(stack, workers):
+    workers()
+    job_id = submit(stack, body(stack, iters=4, checkpoint_every=1, learning_rate=1e30, warmup_steps=2,
+                                max_grad_norm=None))
+    job = stack.wait_job(job_id)
+    assert job["status"] == "failed" and job["checkpoint_step"] >= 1
+    with stack.client() as c:
+        resp = c.post(f"{JOBS}/{job_id}/resume", json={"config": {"lora_rank": 16, "learning_rate": 1e-3}})
+        assert resp.status_code == 422 and "lora_rank" in resp.text
+        resp = c.post(f"{JOBS}/{job_id}/resume", json={"config": {"lora_alpha": 3.0}})
+        assert resp.status_code == 422 and "lora_alpha" in resp.text
+    # A checkpoint that does not fit (e.g. a record edited by hand) fails the job, naming the tensors.
+    raw = stack.redis.hget(job_key(job_id), "spec").decode().replace('"lora_rank":8', '"lora_rank":4')
+    stack.redis.hset(job_key(job_id), "spec", raw)
+    with stack.client() as c:
+        assert c.post(f"{JOBS}/{job_id}/resume", json={"config": {"learning_rate": 1e-3}}).status_code == 200
+    job = stack.wait_job(job_id)
+    assert job["status"] == "failed" and "does not fit this job's LoRA" in job["error"], job["error"]
+
+
+def test_a_worker_that_lost_the_lease_writes_no_adapter_files(stack, tmp_path):
+    from worker.lease import Lease
+    from worker.training_process import JobRun, Marks
+    import multiprocessing
+
+    r = stack.redis
+    job_id = submit(stack, body(stack))
+    old = lifecycle.start(r, job_id, "old-worker", lease_ttl_s=60)
+    assert lifecycle.lose(r, job_id, "test", epoch=old) == "queued"  # the job moved on
+    lifecycle.start(r, job_id, "new-worker", lease_ttl_s=60)
+
+    stale = JobRun(Lease(r, job_id, "old-worker", old), Marks(multiprocessing.get_context("spawn")), os.getppid())
+    out = tmp_path / "adapters" / "m" / "a"
+    with pytest.raises(lifecycle.LeaseLost):
+        stale.commit_adapter(out, lambda d: (d / "adapters.safetensors").write_bytes(b"stale"))
+    assert not out.exists() and list(out.parent.iterdir()) == []  # no files, no leftovers
+    assert not r.exists(f"mtq:job:{job_id}:adapter")
+    lifecycle.cancel(r, job_id)
+
+
+def test_every_terminal_path_leaves_no_key_after_retention(stack, workers):
+    """completed, failed, cancelled while queued, cancelled while running, cancelled by the
+    reconciler, failed out of attempts: after MTQ_JOB_RETENTION_S nothing of them is left."""
+    r = stack.redis
+    env = short_lease(stack, MTQ_JOB_RETENTION_S="4")
+    stack.stop_proc(stack.api)
+    stack.api = stack.spawn("api", "api", env=env)  # the API cancels queued jobs: same retention
+    wait_for(stack._api_up, 30, "the API")
+    try:
+        workers(env=env)
+        jobs = {"completed": submit(stack, body(stack, iters=2))}
+        jobs["failed"] = submit(stack, body(stack, reward="raises"))
+        jobs["poisoned"] = submit(stack, body(stack, reward="exit_process", max_attempts=1))
+        jobs["running-cancel"] = submit(stack, body(stack, iters=100_000))
+        stack.wait_job(jobs["running-cancel"], statuses=("running",), timeout=120)
+        jobs["queued-cancel"] = submit(stack, body(stack))
+        jobs["reaper-cancel"] = submit(stack, body(stack))
+        with stack.client() as c:
+            assert c.post(f"{JOBS}/{jobs['queued-cancel']}/cancel").json()["status"] == "cancelled"
+            r.lrem("rq:queue:grpo", 0, jobs["reaper-cancel"])
+            assert lifecycle.start(r, jobs["reaper-cancel"], "gone-worker", lease_ttl_s=60)
+            assert c.post(f"{JOBS}/{jobs['reaper-cancel']}/cancel").json()["status"] == "running"
+            r.delete(lease_key(jobs["reaper-cancel"]))  # its worker died: the reconciler cancels it
+            assert c.post(f"{JOBS}/{jobs['running-cancel']}/cancel").status_code == 200
+        expected = {"completed": "completed", "failed": "failed", "poisoned": "failed", "running-cancel": "cancelled",
+                    "queued-cancel": "cancelled", "reaper-cancel": "cancelled"}
+        for name, job_id in jobs.items():
+            assert stack.wait_job(job_id, timeout=120)["status"] == expected[name], name
+        for name, job_id in jobs.items():
+            keys = r.keys(f"*{job_id}*")
+            assert keys and all(r.ttl(k) > 0 for k in keys), (name, [(k, r.ttl(k)) for k in keys])
+        wait_for(lambda: not any(r.keys(f"*{j}*") for j in jobs.values()), 30, "every key to expire")
+    finally:
+        stack.stop_proc(stack.api)
+        stack.start_api()
