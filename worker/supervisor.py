@@ -239,6 +239,7 @@ class Supervisor(SimpleWorker):
         log.error("job %s: %s", lease.job_id, reason)
         self.training.kill()
         status = lease.lose(reason)
+        self.lease = None  # nothing left to renew
         self.training.start()  # a fresh child for the next job
         return f"lost: {reason}; job is now {status}"
 

@@ -142,7 +142,7 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
         lease.write(event={"type": "started", "worker": worker, "pid": os.getpid(), "supervisor_pid": parent_pid,
                            "main_thread": threading.current_thread() is threading.main_thread()})
         fields = kind.run(job, record[1].decode())
-        lease.finish("completed", {"type": "done", **fields}, **fields)
+        lease.finish("completed", {"type": "done", "adapter_path": fields.get("adapter_path")}, **fields)
         return "completed"
     except kind.Cancelled:
         if marks.hand_back_requested:  # the worker is shutting down: keep what was done
