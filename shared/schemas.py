@@ -41,7 +41,8 @@ def json_value_error(value: Any, where: str = "body") -> str | None:
     return None
 
 
-def _check_json_values(data: Any) -> Any:
+def check_json_values(data: Any) -> Any:
+    """A `mode="before"` model validator: json_value_error as a ValueError (a 422)."""
     error = json_value_error(data)
     if error:
         raise ValueError(error)
@@ -134,7 +135,7 @@ class JobCreate(BaseModel):
         description="Reward sources, summed with their weights. Default: config.reward_endpoint if set, else length in characters.",
     )
 
-    _json_values = model_validator(mode="before")(_check_json_values)
+    _json_values = model_validator(mode="before")(check_json_values)
 
     @model_validator(mode="after")
     def _no_empty_prompt(self):

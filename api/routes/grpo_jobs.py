@@ -23,7 +23,7 @@ from api.deps import PrincipalDep, RedisDep, SettingsDep, WriterDep, get_async_r
 from api.json_body import JSONBodyRoute
 from api.submission import check_spec
 from shared import jobstore
-from shared.schemas import ErrorBody, Job, JobCreate, JobList, JobStatus, UnreadableJob, json_value_error
+from shared.schemas import ErrorBody, Job, JobCreate, JobList, JobStatus, UnreadableJob, check_json_values
 
 router = APIRouter(
     prefix="/admin/api/fine-tune/grpo/jobs",
@@ -124,12 +124,7 @@ def cancel_job(job_id: str, r: RedisDep, who: WriterDep) -> Job:
 class ResumeRequest(BaseModel):
     config: dict[str, Any] = Field(default_factory=dict, description="Config fields to change, e.g. {\"learning_rate\": 1e-5}.")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _storable(cls, data: Any) -> Any:
-        if error := json_value_error(data):
-            raise ValueError(error)
-        return data
+    _json_values = model_validator(mode="before")(check_json_values)
 
 
 @router.post("/{job_id}/resume", response_model=Job, responses={**NOT_FOUND, **CONFLICT, **FORBIDDEN},
