@@ -47,7 +47,7 @@ class _Source(BaseModel):
 class LengthReward(_Source):
     type: Literal["length"] = "length"
     unit: Literal["chars", "tokens"] = "chars"
-    target: int | None = Field(None, ge=0, description="If set: reward is -|length - target| instead of length.")
+    target: int | None = Field(None, ge=0, le=10**9, description="If set: reward is -|length - target| instead of length.")
 
 
 class RegexReward(_Source):

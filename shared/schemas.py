@@ -6,7 +6,7 @@ clients work unchanged; the extra knobs follow Hugging Face TRL's GRPOTrainer.
 
 import math
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
@@ -75,7 +75,7 @@ class GRPOConfig(BaseModel):
     iters: int = Field(50, ge=1, le=1_000_000, description="Optimizer steps (each samples a new batch).")
     batch_size: int = Field(2, ge=1, le=1024, description="Prompts per step (B).")
     learning_rate: float = Field(1e-5, ge=0.0, allow_inf_nan=False)
-    lora_layers: int = Field(16, ge=-1, description="Transformer blocks (from the top) that get LoRA; -1 = all.")
+    lora_layers: int = Field(16, ge=-1, le=4096, description="Transformer blocks (from the top) that get LoRA; -1 = all.")
     lora_rank: int = Field(8, ge=1, le=1024)
     lora_alpha: float = Field(16.0, gt=0.0, description="LoRA scale is lora_alpha / lora_rank.")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -99,16 +99,16 @@ class GRPOConfig(BaseModel):
     mask_truncated_completions: bool = False
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the LoRA gradients' global norm; null = off.")
     lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=1_000_000)
     weight_decay: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 = off.")
+    top_k: int = Field(0, ge=0, le=1_000_000, description="0 = off; at most the model's vocabulary (checked at job start).")
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
-    stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings (besides EOS).")
+    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16, description="Stop strings (besides EOS).")
     use_chat_template: bool = True
 
     # Durability.
-    checkpoint_every: int = Field(10, ge=1, description="Save a checkpoint every N steps.")
+    checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Save a checkpoint every N steps.")
     checkpoint_interval_s: float = Field(300.0, gt=0.0, description="...and at least this often.")
 
     @property

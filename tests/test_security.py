@@ -538,6 +538,25 @@ def test_a_remote_ref_is_never_fetched_by_the_worker():
     assert json_valid_rewards(['{"a": 1}', '{"a": "x"}'], local) == [1.0, 0.0]
 
 
+def test_a_module_that_exits_on_import_is_a_reward_error(tmp_path, monkeypatch):
+    """Like unittest.__main__ (SystemExit on import), were an operator to allow one: the job
+    fails with a message instead of taking the worker down (and being re-queued forever)."""
+    from worker.rewards import RewardError, load_reward_function
+
+    (tmp_path / "exits_on_import.py").write_text("raise SystemExit(2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match="cannot import module 'exits_on_import' \\(SystemExit: 2\\)"):
+        load_reward_function("exits_on_import:f", ("exits_on_import",))
+    with pytest.raises(RewardError, match="not allowed"):
+        load_reward_function("exits_on_import:f", ("other",))
+
+
+@pytest.mark.parametrize("config", [{"lora_layers": 10**30}, {"top_k": 10**30}, {"warmup_steps": 10**30},
+                                    {"checkpoint_every": 10**30}, {"stop": ["x" * 257]}, {"stop": [""]}])
+def test_unbounded_numbers_and_strings_are_422(stack, client, config):
+    assert client.post(JOBS, json=body(stack, config={**SMALL, **config})).status_code == 422
+
+
 def test_prompt_fields_reach_only_the_parameters_a_function_declares():
     from worker.rewards import declared_fields
 
