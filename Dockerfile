@@ -19,7 +19,11 @@ COPY shared ./shared
 COPY worker ./worker
 RUN pip install .
 
-# Models and adapters live on the /data volume (MTQ_HOME, MTQ_MODELS_DIR).
+# Models and adapters live on the /data volume (MTQ_HOME, MTQ_MODELS_DIR). Everything runs
+# as an unprivileged user that owns /data (a new named volume takes this ownership).
+RUN useradd --system --uid 10001 --user-group --home-dir /data --no-create-home mtq \
+    && mkdir -p /data/models && chown -R mtq:mtq /data
+USER mtq
 WORKDIR /data
 EXPOSE 8000
 CMD ["mtq", "api", "--host", "0.0.0.0"]

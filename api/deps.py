@@ -1,13 +1,14 @@
-"""Dependencies shared by the routers: settings, the Redis client, the admin token check."""
+"""Dependencies shared by the routers: settings, the Redis clients, who is asking."""
 
-import hmac
 from functools import lru_cache
 from typing import Annotated
 
 import redis
+import redis.asyncio
 from fastapi import Depends, HTTPException, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from api.auth import Principal, TokenEntry, authenticate, load_tokens
 from shared import jobstore
 from shared.settings import Settings, load_settings
 
@@ -18,34 +19,63 @@ def get_settings() -> Settings:
 
 
 @lru_cache
+def get_tokens() -> list[TokenEntry]:
+    return load_tokens(get_settings())
+
+
+@lru_cache
 def get_redis() -> redis.Redis:
     """One client (and connection pool) for the whole app; it connects lazily, so the
     API starts even while Redis is down and answers 503 until it is back."""
     return jobstore.connect(get_settings().redis_url)
 
 
+@lru_cache
+def get_async_redis() -> redis.asyncio.Redis:
+    """The event streams' client: each open stream borrows a pooled connection while it
+    waits in XREAD BLOCK, on the event loop, without a thread of its own."""
+    # redis.asyncio's pool allows 100 connections by default; each open stream holds one
+    # (the per-token cap, MTQ_MAX_STREAMS_PER_TOKEN, bounds them; Redis's maxclients is 10000).
+    return redis.asyncio.Redis.from_url(
+        get_settings().redis_url, socket_connect_timeout=5, socket_timeout=30, max_connections=8192
+    )
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]
+AsyncRedisDep = Annotated[redis.asyncio.Redis, Depends(get_async_redis)]
 
 # auto_error=False: we answer a missing header ourselves, with the same 401 as a wrong one.
 # Declaring the scheme also gives /docs its "Authorize" button.
-_bearer = HTTPBearer(auto_error=False, description="The server's MTQ_API_TOKEN.")
+_bearer = HTTPBearer(auto_error=False, description="A token of MTQ_TOKENS_FILE, or MTQ_API_TOKEN (admin).")
 
 
 def _unauthorized(detail: str) -> HTTPException:
     return HTTPException(status.HTTP_401_UNAUTHORIZED, detail, headers={"WWW-Authenticate": "Bearer"})
 
 
-def require_token(
-    settings: SettingsDep,
+async def require_token(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> None:
-    """Every /admin route needs `Authorization: Bearer $MTQ_API_TOKEN`."""
-    if not settings.api_token:
-        # Fail closed: an unset token must not mean "no auth".
-        raise _unauthorized("the server has no API token configured (set MTQ_API_TOKEN); /admin is disabled")
-    # compare_digest: the time taken must not reveal how much of the token matched.
-    if credentials is None or not hmac.compare_digest(
-        credentials.credentials.encode(), settings.api_token.encode()
-    ):
+) -> Principal:
+    """Every /admin route needs `Authorization: Bearer <token>`; returns whose token it is."""
+    tokens = get_tokens()
+    if not tokens:
+        # Fail closed: no token configured must not mean "no auth".
+        raise _unauthorized("the server has no API token configured (set MTQ_API_TOKEN or MTQ_TOKENS_FILE); /admin is disabled")
+    principal = None if credentials is None else authenticate(tokens, credentials.credentials)
+    if principal is None:
         raise _unauthorized("missing or invalid bearer token")
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(require_token)]
+
+
+async def require_writer(principal: PrincipalDep) -> Principal:
+    """Routes that change something: admin and trainer tokens only."""
+    if principal.role == "viewer":
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"token {principal.name!r} has the viewer role: it can only read")
+    return principal
+
+
+WriterDep = Annotated[Principal, Depends(require_writer)]

@@ -1,34 +1,59 @@
-"""A job's event stream (Redis stream) as server-sent events.
+"""A job's event stream (Redis stream) as server-sent events, served on the event loop.
 
 Wire format, one block per event:  `id: <stream id>\\ndata: <json>\\n\\n`.
 Clients that reconnect send the last id back in `Last-Event-ID` and resume after it.
+
+Each open stream is a coroutine waiting in XREAD BLOCK on a connection of the async Redis
+client's pool: no thread per stream. Open streams are counted per token
+(MTQ_MAX_STREAMS_PER_TOKEN).
 """
 
-import functools
 import json
+import re
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
-import anyio.to_thread
+import redis.asyncio
+from fastapi.responses import StreamingResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import jobstore
-from shared.schemas import Job
+from shared.keys import events_key, job_key
 
 TERMINAL_TYPES = ("done", "failed", "cancelled")
 BLOCK_MS = 5_000  # one XREAD BLOCK; also how late we notice a client that went away
 KEEPALIVE_S = 15.0  # a comment line after this much silence keeps proxies from closing the stream
+# A Redis stream id: <ms>-<seq>, each an unsigned 64-bit number.
+STREAM_ID = re.compile(r"^(\d{1,20})(?:-(\d{1,20}))?$")
 
-# The blocking reads run in threads. They get their own limiter so that many open
-# streams cannot use up the thread pool that the (sync) REST routes run in.
-_reader_threads = anyio.CapacityLimiter(256)
+open_streams: Counter[str] = Counter()  # token name -> streams open now (one event loop: no lock)
 
 
-async def _in_thread(func, *args, **kwargs):
-    return await anyio.to_thread.run_sync(functools.partial(func, *args, **kwargs), limiter=_reader_threads)
+class CountedStream(StreamingResponse):
+    """An event stream counted in open_streams[token_name] from its creation until the
+    response ends, however it ends (finished, client gone, error)."""
+
+    def __init__(self, body: AsyncIterator[str], token_name: str):
+        # no-cache / no buffering: proxies (nginx) must pass each event on at once.
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.token_name = token_name
+        open_streams[token_name] += 1
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            open_streams[self.token_name] -= 1
+            if open_streams[self.token_name] <= 0:
+                del open_streams[self.token_name]
+
+
+def valid_stream_id(text: str) -> bool:
+    m = STREAM_ID.match(text)
+    return bool(m) and all(int(part) < 2**64 for part in m.groups() if part is not None)
 
 
 def format_event(event: dict[str, Any], event_id: str | None = None) -> str:
@@ -36,21 +61,28 @@ def format_event(event: dict[str, Any], event_id: str | None = None) -> str:
     return f"{head}data: {json.dumps(event)}\n\n"
 
 
-def terminal_event_from_record(job: Job) -> dict[str, Any]:
+def terminal_event(status: str, error: str | None, adapter_path: str | None) -> dict[str, Any]:
     """The terminal event a finished job would have written (used when it is not in the stream)."""
-    if job.status == "completed":
-        event: dict[str, Any] = {"type": "done", "adapter_path": job.adapter_path}
-    elif job.status == "failed":
-        event = {"type": "failed", "error": job.error}
+    if status == "completed":
+        event: dict[str, Any] = {"type": "done", "adapter_path": adapter_path}
+    elif status == "failed":
+        event = {"type": "failed", "error": error}
     else:
         event = {"type": "cancelled"}
     return {**event, "synthesized": True}
 
 
-async def job_events(redis_url: str, job_id: str, after: str = "0-0") -> AsyncIterator[str]:
+def _s(value: bytes | None) -> str | None:
+    return None if value is None else value.decode(errors="replace")
+
+
+async def status_and_owner(r: redis.asyncio.Redis, job_id: str) -> tuple[str | None, str | None]:
+    status, owner = await r.hmget(job_key(job_id), "status", "owner")
+    return _s(status), _s(owner)
+
+
+async def job_events(r: redis.asyncio.Redis, job_id: str, after: str) -> AsyncIterator[str]:
     """Replay the job's events after `after`, then follow new ones until a terminal event."""
-    # Its own connection: a blocked XREAD holds a connection for up to BLOCK_MS.
-    r = jobstore.connect(redis_url)
     try:
         last_sent = time.monotonic()
         last_type = None
@@ -60,12 +92,12 @@ async def job_events(redis_url: str, job_id: str, after: str = "0-0") -> AsyncIt
             # finished is history (the job was resumed since), so we keep following. If the
             # stream's last event is not terminal (trimmed, or the job was finished without
             # one), we make one up from the record.
-            status = await _in_thread(jobstore.get_status, r, job_id)
+            status = _s(await r.hget(job_key(job_id), "status"))
             if status is None:
                 return  # deleted while we were streaming
             finished = jobstore.is_finished(status)
-            events = await _in_thread(
-                jobstore.read_events, r, job_id, after, block_ms=None if finished else BLOCK_MS
+            events = jobstore.decode_events(
+                await r.xread({events_key(job_id): after}, count=100, block=None if finished else BLOCK_MS)
             )
             for event_id, event in events:
                 yield format_event(event, event_id)
@@ -73,9 +105,9 @@ async def job_events(redis_url: str, job_id: str, after: str = "0-0") -> AsyncIt
             if events:
                 last_sent = time.monotonic()
             elif finished:
-                job = await _in_thread(jobstore.get_job, r, job_id)
-                if job is not None and last_type not in TERMINAL_TYPES:
-                    yield format_event(terminal_event_from_record(job))
+                status, error, adapter_path = map(_s, await r.hmget(job_key(job_id), "status", "error", "adapter_path"))
+                if status is not None and last_type not in TERMINAL_TYPES:
+                    yield format_event(terminal_event(status, error, adapter_path))
                 return
             elif time.monotonic() - last_sent >= KEEPALIVE_S:
                 yield ": keep-alive\n\n"
@@ -84,5 +116,3 @@ async def job_events(redis_url: str, job_id: str, after: str = "0-0") -> AsyncIt
         # The 200 and headers are already sent, so a 503 is no longer possible: say so in
         # the stream and end it; the client can reconnect with Last-Event-ID.
         yield f"event: error\ndata: {json.dumps({'detail': f'Redis is unavailable: {exc}'})}\n\n"
-    finally:
-        r.close()

@@ -13,7 +13,7 @@ import redis
 
 from shared import lifecycle
 from shared.keys import JOBS_INDEX, events_key, job_key
-from shared.schemas import FINISHED_STATUSES, GRPOConfig, Job, JobCreate, JobStatus, Progress
+from shared.schemas import FINISHED_STATUSES, GRPOConfig, Job, JobCreate, JobStatus, Progress, UnreadableJob
 from shared.settings import QUEUE_NAME, load_settings
 
 EVENTS_MAXLEN = lifecycle.EVENTS_MAXLEN
@@ -39,13 +39,15 @@ def max_attempts(config: GRPOConfig) -> int:
     return min(config.max_attempts, load_settings().max_attempts_cap)
 
 
-def create_job(r: redis.Redis, spec: JobCreate) -> Job:
-    """Store a new job as queued and put it on the rq queue (one atomic step)."""
+def create_job(r: redis.Redis, spec: JobCreate, owner: str | None = None) -> Job:
+    """Store a new job as queued and put it on the rq queue (one atomic step). owner: the name
+    of the token that created it (api/auth.py)."""
     job_id = uuid.uuid4().hex
     spec = spec.model_copy(update={"adapter_name": spec.adapter_name or f"grpo-{job_id[:8]}"})
     progress = Progress(iter=0, total_iters=spec.config.iters)
     lifecycle.create(r, job_id, "grpo", QUEUE_NAME, spec.model_dump_json(by_alias=True),
-                     progress=progress.model_dump_json(), max_attempts=max_attempts(spec.config))
+                     progress=progress.model_dump_json(), max_attempts=max_attempts(spec.config),
+                     **({"owner": owner} if owner else {}))
     return get_job(r, job_id)  # type: ignore[return-value]
 
 
@@ -77,7 +79,24 @@ def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
         failed_attempts=int(h.get(b"failed_attempts", 0)),
         max_attempts=int(h.get(b"max_attempts", 0)) or spec.config.max_attempts,
         resumed_from=None if h.get(b"resumed_from") is None else int(h[b"resumed_from"]),
+        owner=_s(h.get(b"owner")),
     )
+
+
+def _job_or_unreadable(job_id: str, h: dict[bytes, bytes]) -> Job | UnreadableJob:
+    """The job, or an entry saying its stored record cannot be loaded (written by another
+    version, say): one bad record must not break listing the others."""
+    try:
+        return _job_from_hash(job_id, h)
+    except (ValueError, KeyError) as e:  # pydantic's ValidationError is a ValueError
+        return UnreadableJob(job_id=job_id, error=f"stored record cannot be loaded: {type(e).__name__}: {e}"[:500],
+                             owner=_s(h.get(b"owner")))
+
+
+def get_job_entry(r: redis.Redis, job_id: str) -> Job | UnreadableJob | None:
+    """Like get_job, for the API: an unreadable record is reported, not raised."""
+    h = r.hgetall(job_key(job_id))
+    return _job_or_unreadable(job_id, h) if h else None
 
 
 def get_job(r: redis.Redis, job_id: str) -> Job | None:
@@ -90,16 +109,18 @@ def get_status(r: redis.Redis, job_id: str) -> JobStatus | None:
 
 
 def list_jobs(
-    r: redis.Redis, status: JobStatus | None = None, limit: int = 20, after: str | None = None
-) -> tuple[list[Job], bool]:
-    """Newest first. `after` is the last job_id of the previous page."""
+    r: redis.Redis, status: JobStatus | None = None, limit: int = 20, after: str | None = None,
+    owner: str | None = None,
+) -> tuple[list[Job | UnreadableJob], bool]:
+    """Newest first. `after` is the last job_id of the previous page; `owner`: only the jobs
+    of that token name."""
     start = 0
     if after is not None:
         rank = r.zrevrank(JOBS_INDEX, after)
         if rank is None:
             raise KeyError(after)
         start = rank + 1
-    jobs: list[Job] = []
+    jobs: list[Job | UnreadableJob] = []
     chunk = max(limit * 2, 50)
     while True:
         ids = [i.decode() for i in r.zrevrange(JOBS_INDEX, start, start + chunk - 1)]
@@ -114,11 +135,13 @@ def list_jobs(
             r.zrem(JOBS_INDEX, *expired)
             start -= len(expired)
         for job_id, h in zip(ids, hashes):
-            if not h or (status is not None and h[b"status"].decode() != status):
+            if not h or (status is not None and h.get(b"status") != status.encode()):
+                continue
+            if owner is not None and h.get(b"owner") != owner.encode():
                 continue
             if len(jobs) == limit:
                 return jobs, True
-            jobs.append(_job_from_hash(job_id, h))
+            jobs.append(_job_or_unreadable(job_id, h))
         start += chunk
 
 
@@ -136,10 +159,14 @@ def read_events(
     r: redis.Redis, job_id: str, after_id: str = "0-0", block_ms: int | None = None, count: int = 100
 ) -> list[tuple[str, dict[str, Any]]]:
     """Events after `after_id` (a stream id); blocks up to block_ms for new ones when given."""
-    res = r.xread({events_key(job_id): after_id}, count=count, block=block_ms)
-    if not res:
+    return decode_events(r.xread({events_key(job_id): after_id}, count=count, block=block_ms))
+
+
+def decode_events(xread_result: list) -> list[tuple[str, dict[str, Any]]]:
+    """(id, event) pairs from XREAD's answer for one stream (also read by api/sse.py's async client)."""
+    if not xread_result:
         return []
-    return [(eid.decode(), json.loads(fields[b"data"])) for eid, fields in res[0][1]]
+    return [(eid.decode(), json.loads(fields[b"data"])) for eid, fields in xread_result[0][1]]
 
 
 def resume_job(r: redis.Redis, job_id: str, config_overrides: dict[str, Any]) -> bool:
@@ -150,19 +177,24 @@ def resume_job(r: redis.Redis, job_id: str, config_overrides: dict[str, Any]) ->
     spec = get_spec(r, job_id)
     if spec is None:
         return False
-    overrides = {("clip_ratio" if k == "epsilon" else k): v for k, v in config_overrides.items()}
-    config = GRPOConfig.model_validate({**spec.config.model_dump(), **overrides})
-    changed = [name for name in LORA_SHAPE_FIELDS if getattr(config, name) != getattr(spec.config, name)]
+    new = with_config_overrides(spec, config_overrides)
+    changed = [name for name in LORA_SHAPE_FIELDS if getattr(new.config, name) != getattr(spec.config, name)]
     if changed:
         raise ValueError(f"cannot change {', '.join(changed)} on resume: the checkpoint's LoRA has another "
                          "shape or scale (only optimisation and sampling settings may change)")
-    spec = spec.model_copy(update={"config": config})
-    return lifecycle.resume(r, job_id, spec.model_dump_json(by_alias=True), config.iters, overrides,
-                            max_attempts=max_attempts(config))
+    return lifecycle.resume(r, job_id, new.model_dump_json(by_alias=True), new.config.iters, config_overrides,
+                            max_attempts=max_attempts(new.config))
 
 
 def cancel_requested(r: redis.Redis, job_id: str) -> bool:
     return r.hget(job_key(job_id), "cancel_requested") == b"1"
+
+
+def with_config_overrides(spec: JobCreate, overrides: dict[str, Any]) -> JobCreate:
+    """The spec with some config fields changed (validated: pydantic's ValidationError)."""
+    overrides = {("clip_ratio" if k == "epsilon" else k): v for k, v in overrides.items()}
+    config = GRPOConfig.model_validate({**spec.config.model_dump(), **overrides})
+    return spec.model_copy(update={"config": config})
 
 
 def is_finished(status: str | None) -> bool:

@@ -4,11 +4,49 @@ Field names and defaults of JobCreate/GRPOConfig follow the seed's server so its
 clients work unchanged; the extra knobs follow Hugging Face TRL's GRPOTrainer.
 """
 
-from typing import Any, Literal
+import math
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from shared.reward_specs import RewardSource
+
+SEED_MAX = 2**32 - 1
+# model_id: a name under MTQ_MODELS_DIR, a Hugging Face id (org/name), or an absolute path
+# (allowed only under MTQ_MODEL_ROOTS, checked by the API and the worker: shared/model_ids.py).
+MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
+MODEL_ID_RE = re.compile(rf"^(?:{MODEL_NAME}|{MODEL_NAME}/{MODEL_NAME}|/[^\x00]*)$")
+
+
+def json_value_error(value: Any, where: str = "body") -> str | None:
+    """Why a decoded JSON value cannot be stored (None if it can): a non-finite number
+    (JSON has none; Python's parser reads 1e999 as inf and accepts NaN) or a string with a
+    lone surrogate (not encodable as UTF-8). Checked on the whole input, extra fields too."""
+    stack = [(value, where)]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            return f"{path}: non-finite number {node!r} (JSON numbers must be finite)"
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"{path}: string with a lone surrogate (not valid Unicode)"
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                stack += [(k, f"{path} (a key)"), (v, f"{path}.{k}" if isinstance(k, str) and k.isascii() else path)]
+        elif isinstance(node, list):
+            stack += [(v, f"{path}[{i}]") for i, v in enumerate(node)]
+    return None
+
+
+def check_json_values(data: Any) -> Any:
+    """A `mode="before"` model validator: json_value_error as a ValueError (a 422)."""
+    error = json_value_error(data)
+    if error:
+        raise ValueError(error)
+    return data
 
 JobStatus = Literal["queued", "running", "completed", "failed", "cancelled"]
 FINISHED_STATUSES = ("completed", "failed", "cancelled")
@@ -30,14 +68,14 @@ Prompt = str | list[ChatMessage] | PromptItem
 
 
 class GRPOConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     # The seed server's fields and defaults.
     group_size: int = Field(4, ge=1, le=256, description="Completions sampled per prompt (G).")
     iters: int = Field(50, ge=1, le=1_000_000, description="Optimizer steps (each samples a new batch).")
     batch_size: int = Field(2, ge=1, le=1024, description="Prompts per step (B).")
     learning_rate: float = Field(1e-5, ge=0.0, allow_inf_nan=False)
-    lora_layers: int = Field(16, ge=-1, description="Transformer blocks (from the top) that get LoRA; -1 = all.")
+    lora_layers: int = Field(16, ge=-1, le=4096, description="Transformer blocks (from the top) that get LoRA; -1 = all.")
     lora_rank: int = Field(8, ge=1, le=1024)
     lora_alpha: float = Field(16.0, gt=0.0, description="LoRA scale is lora_alpha / lora_rank.")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -48,7 +86,7 @@ class GRPOConfig(BaseModel):
     )
     reward_endpoint: str = Field("", description="Seed-compatible: POST {prompt, completions} -> {rewards}.")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy.")
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=SEED_MAX)
     reward_timeout: float = Field(30.0, gt=0.0, le=3600.0)
 
     # TRL's GRPO knobs.
@@ -61,16 +99,16 @@ class GRPOConfig(BaseModel):
     mask_truncated_completions: bool = False
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the LoRA gradients' global norm; null = off.")
     lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=1_000_000)
     weight_decay: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 = off.")
+    top_k: int = Field(0, ge=0, le=1_000_000, description="0 = off; at most the model's vocabulary (checked at job start).")
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
-    stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings (besides EOS).")
+    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16, description="Stop strings (besides EOS).")
     use_chat_template: bool = True
 
     # Durability.
-    checkpoint_every: int = Field(10, ge=1, description="Save a checkpoint every N steps.")
+    checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Save a checkpoint every N steps.")
     checkpoint_interval_s: float = Field(300.0, gt=0.0, description="...and at least this often.")
     max_attempts: int = Field(
         3, ge=1, le=100,
@@ -93,9 +131,12 @@ class GRPOConfig(BaseModel):
 
 
 class JobCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    model_id: str = Field(..., min_length=1, max_length=512, description="Local path, name under MTQ_MODELS_DIR, or a Hugging Face id.")
+    model_id: str = Field(
+        ..., min_length=1, max_length=512, pattern=MODEL_ID_RE.pattern,
+        description="A name under MTQ_MODELS_DIR, a Hugging Face id (org/name), or an absolute path under MTQ_MODEL_ROOTS.",
+    )
     prompts: list[Prompt] = Field(..., min_length=1, max_length=100_000)
     adapter_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
     config: GRPOConfig = Field(default_factory=GRPOConfig)
@@ -103,6 +144,8 @@ class JobCreate(BaseModel):
         None, min_length=1, max_length=32,
         description="Reward sources, summed with their weights. Default: config.reward_endpoint if set, else length in characters.",
     )
+
+    _json_values = model_validator(mode="before")(check_json_values)
 
     @model_validator(mode="after")
     def _no_empty_prompt(self):
@@ -142,10 +185,21 @@ class Job(BaseModel):
     failed_attempts: int = Field(0, description="Runs that ended their worker (crash, kill, stall) since creation or resume.")
     max_attempts: int = Field(3, description="The job fails when failed_attempts reaches this.")
     resumed_from: int | None = Field(None, description="Step the current run resumed from, if it did.")
+    owner: str | None = Field(None, description="Name of the token that created the job.")
+
+
+class UnreadableJob(BaseModel):
+    """A stored record this version cannot load (written by another version, say): listed
+    as such, so that one bad record never breaks the list. Delete it to get rid of it."""
+
+    job_id: str
+    status: Literal["unreadable"] = "unreadable"
+    error: str
+    owner: str | None = None
 
 
 class JobList(BaseModel):
-    data: list[Job]
+    data: list[Job | UnreadableJob]
     has_more: bool
     next_after: str | None = Field(None, description="Pass as `after` to get the next page.")
 

@@ -1,4 +1,8 @@
-"""Settings, read from the environment (the same variables for `mtq up`, docker-compose and tests)."""
+"""Settings, read from the environment (the same variables for `mtq up`, docker-compose and tests).
+
+The limits bound what one token holder can make the service do; each is documented in
+README ("Security and limits") with its default.
+"""
 
 import os
 from dataclasses import dataclass
@@ -16,20 +20,48 @@ class Settings:
     api_host: str
     api_port: int
     reward_hosts: tuple[str, ...]
-    lease_ttl_s: float  # a running job's lease; a dead worker's job is re-queued about this long after
-    redis_retry_s: float  # how long workers retry Redis calls before giving up
-    job_retention_s: int  # finished jobs' keys expire after this long
-    max_attempts_cap: int  # server cap on a job's max_attempts
+    # The job lifecycle (shared/lifecycle.py, worker/supervisor.py).
+    lease_ttl_s: float = 20.0  # a running job's lease; a dead worker's job is re-queued about this long after
+    redis_retry_s: float = 600.0  # how long workers retry Redis calls before giving up
+    job_retention_s: int = 30 * 86400  # finished jobs' keys expire after this long
+    max_attempts_cap: int = 10  # server cap on a job's max_attempts
+    # Who may do what (api/auth.py): a JSON or YAML file of named tokens with roles.
+    tokens_file: Path | None = None
+    # Operator allow-lists: python reward modules (prefixes) and directories models may be loaded from.
+    reward_modules: tuple[str, ...] = ()
+    model_roots: tuple[Path, ...] = ()
+    # Limits, enforced at submission (API) or while calling a reward server (worker).
+    max_body_bytes: int = 16 * 2**20
+    max_prompts: int = 10_000
+    max_prompt_chars: int = 32_768
+    max_step_tokens: int = 262_144
+    max_regex_chars: int = 2_000
+    max_reward_response_bytes: int = 4 * 2**20
+    max_streams_per_token: int = 32
 
     @property
     def adapters_dir(self) -> Path:
         return self.home / "adapters"
 
 
+def _int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if not value else int(value)
+
+
+def _float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return default if not value else float(value)
+
+
+def _list(name: str, default: str = "", sep: str = ",") -> tuple[str, ...]:
+    return tuple(item.strip() for item in os.environ.get(name, default).split(sep) if item.strip())
+
+
 def load_settings() -> Settings:
     home = Path(os.environ.get("MTQ_HOME") or Path.home() / ".mtq").expanduser()
     models_dir = Path(os.environ.get("MTQ_MODELS_DIR") or home / "models").expanduser()
-    hosts = os.environ.get("MTQ_REWARD_HOSTS", "127.0.0.1,localhost,::1")
+    tokens_file = os.environ.get("MTQ_TOKENS_FILE")
     return Settings(
         redis_url=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
         api_token=os.environ.get("MTQ_API_TOKEN", ""),
@@ -37,9 +69,19 @@ def load_settings() -> Settings:
         models_dir=models_dir,
         api_host=os.environ.get("MTQ_API_HOST", "127.0.0.1"),
         api_port=int(os.environ.get("MTQ_API_PORT", "8000")),
-        reward_hosts=tuple(h.strip() for h in hosts.split(",") if h.strip()),
-        lease_ttl_s=float(os.environ.get("MTQ_LEASE_TTL", "20")),
-        redis_retry_s=float(os.environ.get("MTQ_REDIS_RETRY_S", "600")),
-        job_retention_s=int(float(os.environ.get("MTQ_JOB_RETENTION_S", str(30 * 86400)))),
-        max_attempts_cap=int(os.environ.get("MTQ_MAX_ATTEMPTS", "10")),
+        reward_hosts=_list("MTQ_REWARD_HOSTS", "127.0.0.1,localhost,::1"),
+        lease_ttl_s=_float("MTQ_LEASE_TTL", Settings.lease_ttl_s),
+        redis_retry_s=_float("MTQ_REDIS_RETRY_S", Settings.redis_retry_s),
+        job_retention_s=int(_float("MTQ_JOB_RETENTION_S", Settings.job_retention_s)),
+        max_attempts_cap=_int("MTQ_MAX_ATTEMPTS", Settings.max_attempts_cap),
+        tokens_file=Path(tokens_file).expanduser() if tokens_file else None,
+        reward_modules=_list("MTQ_REWARD_MODULES"),
+        model_roots=tuple(Path(p).expanduser().resolve() for p in _list("MTQ_MODEL_ROOTS", sep=os.pathsep)),
+        max_body_bytes=_int("MTQ_MAX_BODY_BYTES", Settings.max_body_bytes),
+        max_prompts=_int("MTQ_MAX_PROMPTS", Settings.max_prompts),
+        max_prompt_chars=_int("MTQ_MAX_PROMPT_CHARS", Settings.max_prompt_chars),
+        max_step_tokens=_int("MTQ_MAX_STEP_TOKENS", Settings.max_step_tokens),
+        max_regex_chars=_int("MTQ_MAX_REGEX_CHARS", Settings.max_regex_chars),
+        max_reward_response_bytes=_int("MTQ_MAX_REWARD_RESPONSE_BYTES", Settings.max_reward_response_bytes),
+        max_streams_per_token=_int("MTQ_MAX_STREAMS_PER_TOKEN", Settings.max_streams_per_token),
     )

@@ -19,6 +19,9 @@ import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"
+# The tests' own reward functions are on the operator allow-list (the API's and the workers',
+# which inherit this environment); tests/test_security.py checks that nothing else is.
+os.environ.setdefault("MTQ_REWARD_MODULES", "reward_fns,tests.reward_fns")
 
 
 def free_port() -> int:
@@ -85,6 +88,7 @@ class Stack:
             MTQ_API_TOKEN=TOKEN,
             MTQ_HOME=str(workdir / "home"),
             MTQ_MODELS_DIR=str(tiny_model.parent),
+            MTQ_MODEL_ROOTS=str(tiny_model.parent),
             MTQ_API_HOST="127.0.0.1",
             MTQ_API_PORT=str(self.api_port),
             PYTHONUNBUFFERED="1",

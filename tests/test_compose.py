@@ -1,4 +1,6 @@
-"""docker-compose.yml and the Dockerfile agree with the code (checked without Docker)."""
+"""docker-compose.yml and the Dockerfile agree with the code and are safe by default
+(checked without Docker: the file is parsed, and compose's ${VAR:?err} / ${VAR:-default}
+interpolation is done here the way `docker compose config` does it)."""
 
 import re
 import subprocess
@@ -13,11 +15,42 @@ from shared.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 MTQ_ENV = ("REDIS_URL", "MTQ_API_TOKEN", "MTQ_HOME", "MTQ_MODELS_DIR")
+SECRETS = {"MTQ_API_TOKEN": "api-secret-0123456789", "REDIS_PASSWORD": "redis-secret-0123456789"}
+_VAR = re.compile(r"\$\{(\w+)(?::([?-])([^}]*))?\}")
+
+
+class MissingVariable(Exception):
+    pass
+
+
+def interpolate(node, env: dict):
+    """compose's variable interpolation: ${VAR}, ${VAR:-default}, ${VAR:?error} (refuses)."""
+    if isinstance(node, dict):
+        return {k: interpolate(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [interpolate(v, env) for v in node]
+    if not isinstance(node, str):
+        return node
+
+    def value(m: re.Match) -> str:
+        name, kind, arg = m.groups()
+        if env.get(name):
+            return env[name]
+        if kind == "?":
+            raise MissingVariable(f"{name}: {arg}")
+        return arg if kind == "-" else ""
+
+    return _VAR.sub(value, node)
 
 
 @pytest.fixture(scope="module")
-def services() -> dict:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+def raw() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def services(raw) -> dict:
+    return interpolate(raw, SECRETS)["services"]
 
 
 def command(service: dict) -> list[str]:
@@ -42,24 +75,54 @@ def test_api_and_worker_run_mtq_with_the_settings(services, name, subcommand):
     assert command(service)[:2] == ["mtq", subcommand]
     env = service["environment"]
     assert set(MTQ_ENV) <= env.keys()
-    assert env["REDIS_URL"] == "redis://redis:6379/0"
-    assert env["MTQ_API_TOKEN"].startswith("${MTQ_API_TOKEN:-")  # from the host, with a default
+    assert env["REDIS_URL"] == f"redis://:{SECRETS['REDIS_PASSWORD']}@redis:6379/0"  # the password, in every service
+    assert env["MTQ_API_TOKEN"] == SECRETS["MTQ_API_TOKEN"]  # from the host
     assert env["MTQ_HOME"] == "/data" and env["MTQ_MODELS_DIR"] == "/data/models"
     assert "mtq-data:/data" in service["volumes"]  # models and adapters shared by api and worker
     assert service.get("build") == "."
 
 
-def test_api_is_published_on_all_interfaces(services):
+@pytest.mark.parametrize("missing", sorted(SECRETS))
+def test_compose_refuses_to_start_without_each_secret(raw, missing):
+    env = {k: v for k, v in SECRETS.items() if k != missing}
+    with pytest.raises(MissingVariable, match=missing):
+        interpolate(raw, env)
+
+
+def test_no_secret_has_a_default(raw):
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "change-me" not in text
+    for name in SECRETS:
+        assert not re.search(rf"\$\{{{name}:-", text), f"{name} has a default"
+
+
+def test_api_is_published_on_loopback_only(services):
+    # Inside its container the API listens on every interface; the host publishes it on 127.0.0.1.
     assert "--host" in command(services["api"]) and "0.0.0.0" in command(services["api"])
-    assert any(str(p).endswith(":8000") for p in services["api"]["ports"])
+    assert services["api"]["ports"] == ["127.0.0.1:8000:8000"]
+    assert all("ports" not in services[name] for name in ("redis", "worker"))
+
+
+def test_redis_requires_the_password(services):
+    redis = services["redis"]
+    cmd = command(redis)
+    assert cmd[cmd.index("--requirepass") + 1] == SECRETS["REDIS_PASSWORD"]
+    assert redis["environment"]["REDISCLI_AUTH"] == SECRETS["REDIS_PASSWORD"]  # the healthcheck's redis-cli
+
+
+def test_images_run_as_a_non_root_user(services):
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    users = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)
+    assert users and users[-1] not in ("root", "0", "0:0")
+    assert all(services[name].get("user", "mtq") not in ("root", "0") for name in ("api", "worker"))
 
 
 def test_env_names_are_the_ones_the_settings_read(services, monkeypatch):
     for name, value in services["api"]["environment"].items():
-        monkeypatch.setenv(name, re.sub(r"\$\{\w+:-(.*)\}", r"\1", value))  # compose's default
+        monkeypatch.setenv(name, value)
     settings = load_settings()
-    assert settings.redis_url == "redis://redis:6379/0"
-    assert settings.api_token == "change-me"
+    assert settings.redis_url == f"redis://:{SECRETS['REDIS_PASSWORD']}@redis:6379/0"
+    assert settings.api_token == SECRETS["MTQ_API_TOKEN"]
     assert str(settings.home) == "/data" and str(settings.models_dir) == "/data/models"
 
 

@@ -6,7 +6,7 @@ the scorer-level details are in tests/test_rewards.py.
 """
 
 import json
-import re
+import re2
 import time
 
 import numpy as np
@@ -191,7 +191,7 @@ def test_wrong_number_of_rewards_fails_the_job(stack, worker, server):
 # Built-ins and python sources
 # ----------------------------------------------------------------------------------------
 
-PATTERN = r"(?s)\A(?:..)*\Z"  # an even number of characters: true of about half of any completions
+PATTERN = r"(?s)\A(?:..)*\z"  # RE2 syntax (\z: end of text); an even number of characters: true of about half of any completions
 
 
 def test_weighted_mix_of_length_and_regex(stack, worker):
@@ -202,9 +202,9 @@ def test_weighted_mix_of_length_and_regex(stack, worker):
     for event, sample in zip(steps, samples):
         completions = [c for g in sample["completions"] for c in g]
         lengths = [len(c) for c in completions]
-        matches = [1.0 if re.search(PATTERN, c) else 0.0 for c in completions]
+        matches = [1.0 if re2.search(PATTERN, c) else 0.0 for c in completions]
         matches_seen.update(matches)
-        expected = [[0.5 * len(c) + 2.0 * bool(re.search(PATTERN, c)) for c in g] for g in sample["completions"]]
+        expected = [[0.5 * len(c) + 2.0 * bool(re2.search(PATTERN, c)) for c in g] for g in sample["completions"]]
         np.testing.assert_allclose(sample["rewards"], expected, rtol=1e-5)
         assert event["reward"] == pytest.approx(np.mean(expected), rel=1e-5)
         assert event["rewards/length/mean"] == pytest.approx(np.mean(lengths), rel=1e-5)
@@ -231,7 +231,7 @@ def test_python_reward_function(stack, worker):
 
 
 @pytest.mark.parametrize("function, names", [
-    ("tests.no_such_module:fn", ["cannot import module", "'tests.no_such_module'"]),
+    ("tests.reward_fns.no_such_module:fn", ["cannot import module", "'tests.reward_fns.no_such_module'"]),  # allowed, absent
     ("tests.reward_fns:no_such_fn", ["has no function", "'no_such_fn'"]),
 ])
 def test_python_reward_that_does_not_load_fails_at_start(stack, worker, function, names):

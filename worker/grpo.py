@@ -36,6 +36,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from shared.schemas import GRPOConfig, JobCreate, PromptItem
+from worker.rewards import RewardStopped
 from worker.sampling import PaddingMaskCache, Samples, SamplingParams, left_pad, make_decode_step, sample, token_logprobs
 
 ADV_EPS = 1e-4
@@ -183,7 +184,7 @@ def batch_indices(n_prompts: int, batch_size: int, step: int, seed: int) -> list
     out = []
     for k in range(step * batch_size, (step + 1) * batch_size):
         epoch, pos = divmod(k, n_prompts)
-        out.append(int(np.random.RandomState(seed + 7919 * epoch).permutation(n_prompts)[pos]))
+        out.append(int(np.random.RandomState((seed + 7919 * epoch) % 2**32).permutation(n_prompts)[pos]))  # RandomState takes < 2**32
     return out
 
 
@@ -236,6 +237,27 @@ class NonFiniteLoss(Exception):
     pass
 
 
+class JobDoesNotFitModel(ValueError):
+    """The job asks for more than the model has: its context or its vocabulary."""
+
+
+def check_fits_model(model: nn.Module, prompt_ids: list[list[int]], cfg: GRPOConfig) -> None:
+    """Before the first step: every prompt (tokenised) plus max_completion_len fits the
+    model's context, and top_k is within its vocabulary. (The API could only estimate from
+    characters.)"""
+    args = getattr(model, "args", None)
+    context = getattr(args, "max_position_embeddings", None)
+    longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    if context and len(prompt_ids[longest]) + cfg.max_completion_len > context:
+        raise JobDoesNotFitModel(
+            f"prompts[{longest}] is {len(prompt_ids[longest])} tokens; with max_completion_len "
+            f"{cfg.max_completion_len} that exceeds the model's context of {context} tokens"
+        )
+    vocab = getattr(args, "vocab_size", None)
+    if vocab and cfg.top_k > vocab:
+        raise JobDoesNotFitModel(f"top_k {cfg.top_k} is larger than the model's vocabulary ({vocab} tokens)")
+
+
 class GRPOTrainer:
     """Runs the steps of one job on a model with LoRA attached (worker/models.py)."""
 
@@ -244,6 +266,7 @@ class GRPOTrainer:
         cfg = self.cfg
         self.items = [as_item(p) for p in spec.prompts]
         self.prompt_ids = [prompt_token_ids(tokenizer, it, cfg.use_chat_template) for it in self.items]
+        check_fits_model(model, self.prompt_ids, cfg)
         eos = getattr(tokenizer, "eos_token_ids", None)
         self.eos_ids = sorted(eos) if eos is not None else [tokenizer.eos_token_id]
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -322,9 +345,13 @@ class GRPOTrainer:
             texts = [tok.decode(body) for body in bodies]
         G = cfg.group_size
         completions = [texts[b * G : (b + 1) * G] for b in range(len(items))]
-        rewards, reward_metrics = self.scorer.score(
-            state.step + 1, items, completions, token_counts=[lengths[b * G : (b + 1) * G] for b in range(len(items))]
-        )
+        try:
+            rewards, reward_metrics = self.scorer.score(
+                state.step + 1, items, completions, token_counts=[lengths[b * G : (b + 1) * G] for b in range(len(items))],
+                should_stop=should_stop,
+            )
+        except RewardStopped:  # cancelled while waiting on a reward server
+            raise Cancelled() from None
         advantages = advantages_from_rewards(np.asarray(rewards, dtype=np.float32), cfg.scale_rewards)
         if cfg.mask_truncated_completions:
             mask = mask & mx.array(ended)[:, None]

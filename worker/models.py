@@ -2,6 +2,8 @@
 
 import json
 import logging
+import socket
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -11,11 +13,13 @@ from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.tuner.utils import linear_to_lora_layers, remove_lora_layers
 
+from shared.model_ids import model_id_error, under_roots
 from shared.schemas import GRPOConfig
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 MAX_LOADED_MODELS = 2
+HUB_PROBE_S = 3.0  # how long a worker tries to reach the Hugging Face hub before saying it cannot
 
 _loaded: "OrderedDict[str, tuple[nn.Module, object]]" = OrderedDict()
 
@@ -25,11 +29,64 @@ class ModelNotFound(Exception):
 
 
 def resolve_model(model_id: str, settings: Settings) -> str:
-    """A path, else a directory under MTQ_MODELS_DIR, else a Hugging Face id (for mlx_lm)."""
-    for candidate in (Path(model_id).expanduser(), settings.models_dir / model_id):
-        if candidate.is_dir():
-            return str(candidate.resolve())
-    return model_id
+    """Where to load the model from (shared/model_ids.py says what a model_id may be): a
+    directory under MTQ_MODELS_DIR, an absolute path under MTQ_MODEL_ROOTS (symlinks
+    resolved), or a Hugging Face id from the local cache, else from the hub if this worker
+    reaches it. Errors name the model, never the worker's directories."""
+    error = model_id_error(model_id, settings)
+    if error:
+        raise ModelNotFound(error)
+    if model_id.startswith("/"):
+        path = Path(model_id).resolve()
+        if not under_roots(path, settings.model_roots) or not path.is_dir():
+            raise ModelNotFound(f"model not found: {model_id!r} (no such model directory under MTQ_MODEL_ROOTS)")
+        return str(path)
+    local = settings.models_dir / model_id
+    if local.is_dir():
+        return str(local.resolve())
+    if "/" not in model_id:
+        raise ModelNotFound(f"model not found: {model_id!r} (no model of that name in the models directory)")
+    return _hub_snapshot(model_id)
+
+
+def _hub_snapshot(repo_id: str) -> str:
+    """A Hugging Face id: the local cache if it has it; else the hub, but only after a short
+    probe, so that a worker without network says so at once instead of retrying for minutes."""
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except Exception:
+        pass  # not in the cache
+    if constants.HF_HUB_OFFLINE:
+        raise ModelNotFound(f"model not found: {repo_id!r} (not in the models directory or the local Hugging Face cache, and HF_HUB_OFFLINE is set)")
+    if not _reaches(constants.ENDPOINT):
+        raise ModelNotFound(
+            f"model not found: {repo_id!r} (not in the models directory or the local Hugging Face cache, and this "
+            f"worker cannot reach the Hugging Face hub within {HUB_PROBE_S:.0f} s)"
+        )
+    return repo_id
+
+
+def _reaches(endpoint: str) -> bool:
+    """Can we open a TCP connection to the hub within HUB_PROBE_S? (In a thread: a DNS lookup
+    has no timeout of its own.)"""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(endpoint)
+    result: list[bool] = []
+
+    def probe():
+        try:
+            socket.create_connection((parts.hostname, parts.port or 443), timeout=HUB_PROBE_S).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_S)
+    return bool(result and result[0])
 
 
 def get_model(model_id: str, settings: Settings) -> tuple[nn.Module, object, bool]:
@@ -42,10 +99,9 @@ def get_model(model_id: str, settings: Settings) -> tuple[nn.Module, object, boo
     try:
         model, tokenizer = mlx_lm_load(where)
     except Exception as e:  # mlx_lm raises a variety (hub errors, missing files, bad config)
-        raise ModelNotFound(
-            f"model not found: {model_id!r} (not a directory, not under {settings.models_dir}, "
-            f"and mlx_lm could not load it as a Hugging Face id: {type(e).__name__}: {e})"
-        ) from e
+        # The message may hold the worker's paths: it goes to the worker's log, not to the client.
+        log.warning("could not load model %s from %s: %s: %s", model_id, where, type(e).__name__, e)
+        raise ModelNotFound(f"model {model_id!r} could not be loaded ({type(e).__name__}; see the worker's log)") from e
     _loaded[where] = (model, tokenizer)
     while len(_loaded) > MAX_LOADED_MODELS:
         _loaded.popitem(last=False)

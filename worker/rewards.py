@@ -18,25 +18,36 @@ Errors a user can fix (a reward endpoint that is down, a reward function that ra
 returns garbage, a module that does not import) are RewardError; the job fails with its
 message. Mistakes of the caller (mismatched shapes, missing token counts) are ValueError.
 
+Hostile specs are contained here: regexes run on RE2 (linear time), JSON schemas never
+fetch a `$ref`, python functions run only from the operator's allow-list, and a reward
+server is reached only at addresses MTQ_REWARD_HOSTS allows (checked on the resolved
+address the socket then connects to), within a deadline per call, reading at most
+MTQ_MAX_REWARD_RESPONSE_BYTES, and stopping when the job is cancelled.
+
 This module must not import mlx: plain Python, numpy, httpx and jsonschema, so it can be
 tested without a model.
 """
 
 import contextlib
 import importlib
+import inspect
 import json
 import math
 import numbers
 import re
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import httpcore
 import httpx
 import jsonschema
 import numpy as np
+import referencing
+import referencing.exceptions
 from pydantic import ValidationError
 
 from shared.reward_specs import (
@@ -48,8 +59,13 @@ from shared.reward_specs import (
     MathAnswerReward,
     PythonReward,
     RegexReward,
+    address_allowed,
+    compile_regex,
+    parse_reward_url,
+    python_reward_error,
 )
 from shared.schemas import JobCreate, PromptItem
+from shared.settings import Settings, load_settings
 
 # Retry waits double from the source's backoff_s up to this, so a long outage of the
 # reward server fails the job in bounded time instead of sleeping for minutes.
@@ -59,11 +75,19 @@ MAX_BACKOFF_S = 5.0
 # 4xx means the request itself is wrong, and sending it again would not help.
 RETRYABLE_STATUS = frozenset({429}) | frozenset(range(500, 600))
 
+# While waiting on a reward server, the job's cancel flag is looked at this often.
+STOP_POLL_S = 0.25
+
 Reward = float | None  # None: the source does not apply to this completion
+Resolver = Callable[[str, int], list[str]]  # (host, port) -> IP addresses
 
 
 class RewardError(Exception):
     """User-facing message; the job fails with str(err)."""
+
+
+class RewardStopped(Exception):
+    """The job was cancelled (should_stop) while a reward was being computed."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -88,7 +112,7 @@ def length_rewards(
     return [-float(abs(n - target)) for n in lengths]
 
 
-def regex_rewards(completions: list[str], pattern: re.Pattern, mode: str = "search") -> list[float]:
+def regex_rewards(completions: list[str], pattern: Any, mode: str = "search") -> list[float]:
     """1.0 where the compiled pattern matches (anywhere, or the whole text for 'fullmatch')."""
     matches = pattern.fullmatch if mode == "fullmatch" else pattern.search
     return [1.0 if matches(c) else 0.0 for c in completions]
@@ -212,9 +236,17 @@ def math_answer_rewards(completions: list[str], references: list[Any], tolerance
 _CODE_FENCE_RE = re.compile(r"```[ \t]*(?:json)?[ \t]*\n?(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
+def _refuse_retrieval(uri: str):
+    raise referencing.exceptions.NoSuchResource(ref=uri)
+
+
 def make_json_validator(schema: dict | None) -> jsonschema.protocols.Validator | None:
-    """A validator for the schema's own draft (checked at submission, see reward_specs)."""
-    return None if schema is None else jsonschema.validators.validator_for(schema)(schema)
+    """A validator for the schema's own draft (checked at submission, see reward_specs).
+    Its registry retrieves nothing: a `$ref` resolves only inside the schema, never by
+    fetching a URL (jsonschema's default would)."""
+    if schema is None:
+        return None
+    return jsonschema.validators.validator_for(schema)(schema, registry=referencing.Registry(retrieve=_refuse_retrieval))
 
 
 def json_valid_rewards(completions: list[str], validator: jsonschema.protocols.Validator | None = None) -> list[float]:
@@ -224,9 +256,12 @@ def json_valid_rewards(completions: list[str], validator: jsonschema.protocols.V
         text = fenced.group(1) if fenced else completion
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return 0.0
-        return 1.0 if validator is None or validator.is_valid(value) else 0.0
+        try:
+            return 1.0 if validator is None or validator.is_valid(value) else 0.0
+        except referencing.exceptions.Unresolvable as e:
+            raise RewardError(f"json_valid reward: the schema's reference {e.ref!r} does not resolve inside the schema") from None
 
     return [score_one(c) for c in completions]
 
@@ -253,12 +288,17 @@ def check_rewards(values: Any, expected_count: int, who: str) -> list[Reward]:
     return checked
 
 
-def load_reward_function(path: str) -> Callable:
-    """Import 'module:function'; a RewardError naming what is missing if that fails."""
+def load_reward_function(path: str, allowed_modules: tuple[str, ...]) -> Callable:
+    """Import 'module:function' if the operator allows it (an `mtq.rewards` entry point or
+    MTQ_REWARD_MODULES; the API checked already, this is the worker's own check); a
+    RewardError naming what is wrong otherwise."""
+    error = python_reward_error(path, allowed_modules)
+    if error:
+        raise RewardError(error)
     module_name, _, function_name = path.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, but also whatever the module raises while loading
+    except (Exception, SystemExit) as e:  # ImportError, but also whatever the module raises while loading
         raise RewardError(f"reward function {path}: cannot import module {module_name!r} ({type(e).__name__}: {e})") from e
     function = getattr(module, function_name, None)
     if not callable(function):
@@ -291,6 +331,19 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+def declared_fields(function: Callable, fields: dict[str, list]) -> dict[str, list]:
+    """The prompt-item fields the function receives: those it names as parameters, and all
+    of them if it takes **kwargs (TRL's convention). `prompts` and `completions` are never
+    taken from the items, so an item cannot replace them."""
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): fields stay out
+        return {}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in fields.items() if k not in ("prompts", "completions") and (takes_any or k in named)}
+
+
 def call_reward_function(
     function: Callable, path: str, prompts: list, completions: list[str], fields: dict[str, list],
     timeout: float = 30.0,
@@ -299,7 +352,7 @@ def call_reward_function(
     for at most `timeout` seconds."""
     try:
         with time_limit(timeout):
-            values = function(prompts=prompts, completions=completions, **fields)
+            values = function(prompts=prompts, completions=completions, **declared_fields(function, fields))
     except _TimedOut:
         raise RewardError(f"reward function {path} timed out after {timeout:g}s (config.reward_timeout)") from None
     except Exception as e:
@@ -316,15 +369,110 @@ def _describe(error: Exception) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
+def resolve_host(host: str, port: int) -> list[str]:
+    """The host's IP addresses (an IP literal resolves to itself)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+class CallGuard(httpcore.SyncBackend):
+    """httpcore's network backend for reward calls. It resolves the host itself, checks
+    every address against MTQ_REWARD_HOSTS, and connects the socket to a checked address,
+    so DNS cannot answer one thing to the check and another to the connection (rebinding).
+    Every read and write honours the current call's deadline (connect + all reads: a
+    server trickling bytes cannot stretch it) and stops when should_stop() says so."""
+
+    def __init__(self, allowed_hosts: tuple[str, ...], resolver: Resolver):
+        self.allowed_hosts = allowed_hosts
+        self.resolver = resolver
+        self.deadline = math.inf
+        self.should_stop: Callable[[], bool] = lambda: False
+
+    def time_left(self, timeout: float | None) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise httpcore.ReadTimeout("the reward call's deadline passed")
+        if self.should_stop():
+            raise RewardStopped()
+        return min(left, STOP_POLL_S) if timeout is None else min(left, STOP_POLL_S, timeout)
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        try:
+            addresses = self.resolver(host, port)
+        except OSError as e:
+            raise httpcore.ConnectError(f"cannot resolve {host}: {e}") from e
+        refused = [a for a in addresses if not address_allowed(a, self.allowed_hosts)]
+        if refused or not addresses:
+            raise RewardError(
+                f"reward host {host!r} resolves to {refused[0] if refused else 'no address'}, which MTQ_REWARD_HOSTS "
+                f"does not allow ({','.join(self.allowed_hosts)})"
+            )
+        connect_timeout = min(self.deadline - time.monotonic(), timeout or math.inf)
+        if connect_timeout <= 0:
+            raise httpcore.ConnectTimeout("the reward call's deadline passed")
+        error: Exception | None = None
+        for address in addresses:
+            try:
+                stream = super().connect_tcp(address, port, connect_timeout, local_address, socket_options)
+                return GuardedStream(stream, self)
+            except httpcore.ConnectError as e:
+                error = e
+        raise error  # type: ignore[misc]
+
+
+class GuardedStream(httpcore.NetworkStream):
+    """A connection whose reads wait in short slices, so the call's deadline and the job's
+    cancel are looked at while a server keeps us waiting."""
+
+    def __init__(self, stream: httpcore.NetworkStream, guard: CallGuard):
+        self.stream, self.guard = stream, guard
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        started = time.monotonic()
+        while True:
+            try:
+                return self.stream.read(max_bytes, self.guard.time_left(timeout))
+            except httpcore.ReadTimeout:
+                if timeout is not None and time.monotonic() - started >= timeout:
+                    raise
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        left = self.guard.deadline - time.monotonic()
+        if left <= 0:
+            raise httpcore.WriteTimeout("the reward call's deadline passed")
+        self.stream.write(buffer, left if timeout is None else min(left, timeout))
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> "GuardedStream":
+        left = max(self.guard.deadline - time.monotonic(), 0.001)
+        return GuardedStream(self.stream.start_tls(ssl_context, server_hostname, left if timeout is None else min(left, timeout)), self.guard)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self.stream.get_extra_info(info)
+
+
+def guarded_client(guard: CallGuard) -> httpx.Client:
+    """An httpx client whose connections all go through the guard. No proxies from the
+    environment (a proxy would resolve the host itself), no redirects."""
+    transport = httpx.HTTPTransport(trust_env=False)
+    # httpx has no option for httpcore's network backend, so its pool is made again with one.
+    transport._pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(), network_backend=guard)
+    return httpx.Client(transport=transport, trust_env=False, follow_redirects=False)
+
+
 class EndpointCaller:
     """Asks a reward server for the rewards of one step, with retries."""
 
-    def __init__(self, source: EndpointReward, client: httpx.Client, timeout: float):
+    def __init__(self, source: EndpointReward, client: httpx.Client, guard: CallGuard, timeout: float, max_bytes: int):
         self.source = source
         self.client = client
+        self.guard = guard
         self.timeout = timeout
-        self.url = str(source.url)
-        self.who = f"reward endpoint {self.url}"
+        self.max_bytes = max_bytes
+        self.url = parse_reward_url(source.url)  # the same parser the API checked it with
+        self.who = f"reward endpoint {source.url}"
 
     def rewards(self, batch: "ScoringBatch") -> list[Reward]:
         if self.source.protocol == "batch":
@@ -356,33 +504,60 @@ class EndpointCaller:
         return rewards
 
     def _post(self, body: dict, batch: "ScoringBatch") -> Any:
-        """POST the body; return the answer's `rewards` value (not yet checked)."""
-        headers = {"X-MTQ-Job-Id": batch.job_id, "X-MTQ-Step": str(batch.step)}
+        """POST the body; return the answer's `rewards` value (not yet checked). Each attempt
+        has `timeout` seconds in all; waits between attempts end early on cancel."""
+        headers = {"X-MTQ-Job-Id": batch.job_id, "X-MTQ-Step": str(batch.step), "Accept-Encoding": "identity"}
         attempts = self.source.retries + 1
         cause = ""
         for attempt in range(attempts):
             if attempt:
-                time.sleep(min(self.source.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S))
+                self._wait(min(self.source.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S), batch.should_stop)
+            self.guard.deadline = time.monotonic() + self.timeout
+            self.guard.should_stop = batch.should_stop
             try:
-                response = self.client.post(self.url, json=body, headers=headers, timeout=self.timeout)
+                with self.client.stream("POST", self.url, json=body, headers=headers, timeout=self.timeout) as response:
+                    content = self._read_capped(response)
             except httpx.TransportError as e:  # refused, unreachable, timed out, connection dropped
                 cause = _describe(e)
                 continue
+            finally:
+                self.guard.deadline = math.inf
+            text = content.decode(errors="replace")
             if response.status_code in RETRYABLE_STATUS:
-                cause = f"HTTP {response.status_code}: {_snippet(response.text)}"
+                cause = f"HTTP {response.status_code}: {_snippet(text)}"
                 continue
             if not response.is_success:  # other 4xx, and 3xx: redirects are not followed
-                raise RewardError(f"{self.who} rejected the request with HTTP {response.status_code}: {_snippet(response.text)}")
-            return self._rewards_field(response)
+                raise RewardError(f"{self.who} rejected the request with HTTP {response.status_code}: {_snippet(text)}")
+            return self._rewards_field(content)
         raise RewardError(f"{self.who} failed after {attempts} attempts: {cause}")
 
-    def _rewards_field(self, response: httpx.Response) -> Any:
+    def _read_capped(self, response: httpx.Response) -> bytes:
+        if response.headers.get("content-encoding", "identity") != "identity":
+            raise RewardError(f"{self.who} answered with content-encoding {response.headers['content-encoding']!r}; send identity")
+        chunks, size = [], 0
+        for chunk in response.iter_raw():
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise RewardError(f"{self.who} answered more than {self.max_bytes} bytes (MTQ_MAX_REWARD_RESPONSE_BYTES)")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @staticmethod
+    def _wait(seconds: float, should_stop: Callable[[], bool]) -> None:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if should_stop():
+                raise RewardStopped()
+            time.sleep(min(left, STOP_POLL_S))
+
+    def _rewards_field(self, content: bytes) -> Any:
+        text = content.decode(errors="replace")
         try:
-            answer = response.json()
-        except ValueError:
-            raise RewardError(f"{self.who} returned non-JSON: {_snippet(response.text)!r}") from None
+            answer = json.loads(content)
+        except (ValueError, RecursionError):
+            raise RewardError(f"{self.who} returned non-JSON: {_snippet(text)!r}") from None
         if not isinstance(answer, dict) or "rewards" not in answer:
-            raise RewardError(f"{self.who} returned JSON without a 'rewards' field: {_snippet(response.text)}")
+            raise RewardError(f"{self.who} returned JSON without a 'rewards' field: {_snippet(text)}")
         return answer["rewards"]
 
 
@@ -406,6 +581,7 @@ class ScoringBatch:
     items: list[PromptItem]
     completions: list[list[str]]
     token_counts: list[list[int]] | None = None
+    should_stop: Callable[[], bool] = lambda: False
 
     def per_completion(self, per_group: list) -> list:
         """Repeat each group's value once per completion of that group."""
@@ -433,13 +609,16 @@ class ScoringBatch:
 RewardFn = Callable[[ScoringBatch], list[Reward]]
 
 
-def _bind(source, client: httpx.Client | None, default_timeout: float) -> RewardFn:
+def _bind(source, scorer: "RewardScorer") -> RewardFn:
     """The function that computes this source's flat rewards for a step. Anything that can
     be done once (compile a regex, import a module) is done here, at job start."""
     if isinstance(source, LengthReward):
         return lambda b: length_rewards(b.flat_completions(), source.unit, source.target, b.flat_token_counts())
     if isinstance(source, RegexReward):
-        pattern = re.compile(source.pattern)
+        try:
+            pattern = compile_regex(source.pattern)
+        except ValueError as e:
+            raise RewardError(str(e)) from None
         return lambda b: regex_rewards(b.flat_completions(), pattern, source.mode)
     if isinstance(source, ExactMatchReward):
         return lambda b: exact_match_rewards(b.flat_completions(), b.flat_field(source.field), source.strip, source.case_sensitive)
@@ -451,11 +630,12 @@ def _bind(source, client: httpx.Client | None, default_timeout: float) -> Reward
         validator = make_json_validator(source.json_schema)
         return lambda b: json_valid_rewards(b.flat_completions(), validator)
     if isinstance(source, PythonReward):
-        function = load_reward_function(source.function)
+        function = load_reward_function(source.function, scorer.settings.reward_modules)
         return lambda b: call_reward_function(
-            function, source.function, b.flat_prompts(), b.flat_completions(), b.flat_fields(), default_timeout)
+            function, source.function, b.flat_prompts(), b.flat_completions(), b.flat_fields(), scorer.default_timeout)
     if isinstance(source, EndpointReward):
-        return EndpointCaller(source, client, timeout=source.timeout or default_timeout).rewards
+        timeout = source.timeout or scorer.default_timeout
+        return EndpointCaller(source, scorer.client(), scorer.guard, timeout, scorer.settings.max_reward_response_bytes).rewards
     raise TypeError(f"unknown reward source {type(source).__name__}")
 
 
@@ -485,27 +665,38 @@ def _check_shapes(items: list, completions: list[list[str]], token_counts: list[
 class RewardScorer:
     """Computes a step's rewards from the job's sources. Close it (or use `with`) when the job ends."""
 
-    def __init__(self, sources: list, job_id: str, default_timeout: float = 30.0):
+    def __init__(
+        self, sources: list, job_id: str, default_timeout: float = 30.0,
+        settings: Settings | None = None, resolver: Resolver = resolve_host,
+    ):
         self.sources = _with_unique_names(sources)
         self.job_id = job_id
-        needs_http = any(isinstance(s, EndpointReward) for s in self.sources)
-        self._client = httpx.Client() if needs_http else None
+        self.default_timeout = default_timeout
+        self.settings = settings or load_settings()
+        self.guard = CallGuard(self.settings.reward_hosts, resolver)
+        self._client: httpx.Client | None = None
         try:
-            self._reward_fns = [_bind(s, self._client, default_timeout) for s in self.sources]
+            self._reward_fns = [_bind(s, self) for s in self.sources]
         except BaseException:
             self.close()
             raise
 
+    def client(self) -> httpx.Client:
+        if self._client is None:
+            self._client = guarded_client(self.guard)
+        return self._client
+
     def score(
         self, step: int, items: list[PromptItem], completions: list[list[str]],
-        *, token_counts: list[list[int]] | None = None,
+        *, token_counts: list[list[int]] | None = None, should_stop: Callable[[], bool] = lambda: False,
     ) -> tuple[np.ndarray, dict[str, float]]:
         """Rewards of shape (B, G) as float32 (weighted sum over sources, None counting as 0)
         and per-source metrics {"rewards/<name>/mean", "rewards/<name>/std"} over the values
         that apply (left out when none does). token_counts: generated tokens per completion,
-        needed by length sources with unit 'tokens'."""
+        needed by length sources with unit 'tokens'. should_stop: the job's cancel flag,
+        looked at while waiting on a reward server (RewardStopped when it is set)."""
         _check_shapes(items, completions, token_counts)
-        batch = ScoringBatch(self.job_id, step, items, completions, token_counts)
+        batch = ScoringBatch(self.job_id, step, items, completions, token_counts, should_stop)
         total = np.zeros(sum(len(g) for g in completions), dtype=np.float64)
         metrics: dict[str, float] = {}
         for source, reward_fn in zip(self.sources, self._reward_fns):
@@ -529,7 +720,7 @@ class RewardScorer:
         self.close()
 
 
-def build_scorer(spec: JobCreate, job_id: str) -> RewardScorer:
+def build_scorer(spec: JobCreate, job_id: str, settings: Settings | None = None, resolver: Resolver = resolve_host) -> RewardScorer:
     """Resolve the job's reward sources (spec.reward; else config.reward_endpoint; else length
     in characters) and prepare them: python sources are imported here, so that a misspelt
     module fails the job at start with a RewardError naming it."""
@@ -542,4 +733,4 @@ def build_scorer(spec: JobCreate, job_id: str) -> RewardScorer:
             raise RewardError(f"config.reward_endpoint {spec.config.reward_endpoint!r} is not a valid http(s) URL") from None
     else:
         sources = [LengthReward(name="length")]
-    return RewardScorer(sources, job_id, default_timeout=spec.config.reward_timeout)
+    return RewardScorer(sources, job_id, default_timeout=spec.config.reward_timeout, settings=settings, resolver=resolver)

@@ -28,6 +28,7 @@ import threading
 import time
 
 import redis
+from pydantic import ValidationError
 from rq import SimpleWorker
 from rq.worker import WorkerStatus
 
@@ -161,14 +162,17 @@ class Supervisor(SimpleWorker):
 
     def run(self, job_id: str) -> str:
         """rq's job function (worker/jobs.py) calls this: take the job, let the child run it, watch."""
-        spec = retrying(lambda: get_spec(self.connection, job_id), "job read")
-        if spec is None:
-            return "deleted"
         lease = Lease.start(self.connection, job_id, self.name)
         if lease is None:
             return "not started: the job is no longer queued"
         self.lease = lease
         try:
+            try:
+                spec = retrying(lambda: get_spec(self.connection, job_id), "job read")
+            except ValidationError as e:  # a record this version cannot load: never retry it
+                error = f"the stored job record cannot be loaded: {e.error_count()} invalid fields"
+                lease.finish("failed", {"type": "failed", "error": error}, error=error)
+                return "failed"
             return self.watch(lease, spec.config.stall_timeout_s)
         except LeaseLost:
             return "lease lost"
