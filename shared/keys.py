@@ -1,6 +1,7 @@
 """Redis key layout. Everything the project stores lives under the `mtq:` prefix."""
 
 JOBS_INDEX = "mtq:jobs"  # sorted set: job_id -> created_at
+ADAPTERS_INDEX = "mtq:adapters"  # hash: "<model_id>/<adapter_name>" -> job_id of the newest completed job
 
 
 def job_key(job_id: str) -> str:

@@ -3,19 +3,17 @@
     from               event           to          side effects (all in one MULTI/EXEC)
     -                  create          queued      record + index; rq job pushed
     queued             start           running     lease_epoch + 1; lease key (TTL); attempts + 1
-    queued             cancel          cancelled   retention
+    queued|running     cancel          cancelled   lease_epoch + 1 (a running worker is fenced out at once and
+                                                   stops at its next check); checkpoint kept; retention
     queued             requeue         queued      (reconciler) its rq job is gone: a new one pushed
-    running            request_cancel  running     cancel_requested; the worker stops at its next check
-    running            complete        completed   fenced; checkpoint dropped; retention
+    running            complete        completed   fenced; checkpoint dropped; adapter indexed; retention
     running            fail            failed      fenced; retention
-    running            cancelled       cancelled   fenced; retention
     running            hand_back       queued      fenced; lease_epoch + 1; rq job pushed; attempt not counted
     running            lose            queued      worker died, stalled or lease expired: lease_epoch + 1;
                                                    failed_attempts + 1; rq job pushed
     running            lose            failed      ...once failed_attempts reaches max_attempts; retention
-    running            lose            cancelled   ...when a cancel was pending; retention
     failed|cancelled   resume          queued      spec replaced; failed_attempts = 0; TTLs removed; rq job pushed
-    finished           delete          -           every key of the job deleted
+    queued|finished    delete          -           every key of the job deleted (a queued one's rq job too)
     finished           (time)          -           Redis TTLs of MTQ_JOB_RETENTION_S expire every key
 
 "Fenced": only the worker holding the job's current `lease_epoch` may do it; a worker that
@@ -39,6 +37,7 @@ import redis
 from rq import Queue
 
 from shared.keys import (
+    ADAPTERS_INDEX,
     JOBS_INDEX,
     QUEUED_JOBS,
     RUNNING_JOBS,
@@ -59,16 +58,14 @@ RQ_JOB_PREFIX = "rq:job:"
 # (from statuses, event, to statuses): the table above, enforced by _commit.
 TABLE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "start": (("queued",), ("running",)),
-    "cancel": (("queued",), ("cancelled",)),
+    "cancel": (("queued", "running"), ("cancelled",)),
     "requeue": (("queued",), ("queued",)),
-    "request_cancel": (("running",), ("running",)),
     "complete": (("running",), ("completed",)),
     "fail": (("running",), ("failed",)),
-    "cancelled": (("running",), ("cancelled",)),
     "hand_back": (("running",), ("queued",)),
-    "lose": (("running",), ("queued", "failed", "cancelled")),
+    "lose": (("running",), ("queued", "failed")),
     "resume": (RESUMABLE, ("queued",)),
-    "delete": (FINISHED, ()),
+    "delete": (("queued", *FINISHED), ()),
 }
 
 
@@ -85,6 +82,7 @@ class Change:
     event: dict | None = None
     enqueue: bool = False  # push a new rq job for the job
     lease: str | None = None  # set the lease key to this value (start)
+    adapter_ref: str | None = None  # index the job's stored adapter under this name (complete)
 
 
 # --------------------------------------------------------------------------- transitions
@@ -117,20 +115,29 @@ def start(r: redis.Redis, job_id: str, worker: str, lease_ttl_s: float) -> int |
     return None if change is None else int(change.fields["lease_epoch"])
 
 
-def cancel(r: redis.Redis, job_id: str) -> str | None:
-    """Cancel: a queued job ends at once, a running one is asked to stop at its next check.
-    Returns the status after the request; None for an unknown job."""
-    if _commit(r, job_id, "cancel", lambda rec: Change("cancelled", {"cancel_requested": 1}, {"type": "cancelled"})):
-        return "cancelled"
-    _commit(r, job_id, "request_cancel", lambda rec: Change("running", {"cancel_requested": 1}))
-    status = r.hget(job_key(job_id), "status")
-    return None if status is None else status.decode()
+def cancel(r: redis.Redis, job_id: str) -> bool:
+    """Cancel a queued or running job at once: a running one's worker is fenced out (it can
+    write nothing more) and stops at its next check. False if the job is unknown or finished."""
+    def decide(rec):
+        return Change("cancelled", {"cancel_requested": 1, "lease_epoch": int(rec.get("lease_epoch", 0)) + 1},
+                      {"type": "cancelled"})
+
+    return _commit(r, job_id, "cancel", decide) is not None
 
 
-def finish(r: redis.Redis, job_id: str, epoch: int, status: str, event: dict, **fields: Any) -> None:
-    """The holder's last word: completed, failed or cancelled. Raises LeaseLost if it no longer holds the job."""
-    name = {"completed": "complete", "failed": "fail", "cancelled": "cancelled"}[status]
-    _fenced_commit(r, job_id, name, epoch, lambda rec: Change(status, fields, event))
+def finish(r: redis.Redis, job_id: str, epoch: int, status: str, event: dict, *,
+           adapter: tuple[str, str] | None = None, **fields: Any) -> None:
+    """The holder's last word: completed or failed. adapter: (model_id, adapter_name) of the
+    adapter a completed job stored, for the adapters index. Raises LeaseLost if it no longer
+    holds the job."""
+    name = {"completed": "complete", "failed": "fail"}[status]
+    ref = None if adapter is None else adapter_ref(*adapter)
+    _fenced_commit(r, job_id, name, epoch, lambda rec: Change(status, fields, event, adapter_ref=ref))
+
+
+def adapter_ref(model_id: str, adapter_name: str) -> str:
+    """The adapters index's field: adapter names have no '/', so the last '/' splits it."""
+    return f"{model_id}/{adapter_name}"
 
 
 def hand_back(r: redis.Redis, job_id: str, epoch: int, reason: str) -> None:
@@ -145,16 +152,14 @@ def hand_back(r: redis.Redis, job_id: str, epoch: int, reason: str) -> None:
 def lose(r: redis.Redis, job_id: str, reason: str, epoch: int | None = None) -> str | None:
     """The job's worker died, stalled, or its lease expired. With `epoch`: the supervisor that
     holds the lease says so; without: the reconciler, only while the lease key is gone.
-    Re-queues the job, or fails it once it has ended max_attempts workers, or cancels it if a
-    cancel was pending. Returns the new status, or None if nothing was done."""
+    Re-queues the job, or fails it once it has ended max_attempts workers. Returns the new
+    status, or None if nothing was done."""
     def decide(rec):
         if epoch is None and rec.get("_lease_alive"):
             return None
         if epoch is not None and rec.get("lease_epoch") != str(epoch):
             return None
         fenced = {"lease_epoch": int(rec.get("lease_epoch", 0)) + 1}
-        if rec.get("cancel_requested") == "1":
-            return Change("cancelled", fenced, {"type": "cancelled", "reason": reason})
         failed = int(rec.get("failed_attempts", 0)) + 1
         limit = int(rec.get("max_attempts", 3))
         step = json.loads(rec.get("progress") or "{}").get("iter", 0)
@@ -351,6 +356,9 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
     reconciler scans, the lease, the rq job, and retention."""
     keys = [job_key(job_id), events_key(job_id), checkpoint_key(job_id), adapter_key(job_id)]
     if change.status is None:  # delete
+        if rec.get("status") == "queued" and rec.get("rq_job"):
+            p.lrem(f"rq:queue:{rec['queue']}", 0, rec["rq_job"])
+            p.delete(RQ_JOB_PREFIX + rec["rq_job"])
         p.delete(*keys, lease_key(job_id))
         p.zrem(JOBS_INDEX, job_id)
         p.srem(QUEUED_JOBS, job_id)
@@ -381,6 +389,8 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
         p.hdel(job_key(job_id), *to_delete)
     if change.event is not None:
         p.xadd(events_key(job_id), {"data": json.dumps(change.event)}, maxlen=EVENTS_MAXLEN, approximate=True)
+    if change.adapter_ref is not None:
+        p.hset(ADAPTERS_INDEX, change.adapter_ref, job_id)
     if change.lease is not None:
         p.set(lease_key(job_id), change.lease, px=int(lease_ttl_s * 1000))
     elif change.status != "running":

@@ -227,8 +227,8 @@ def test_running_job_cancel_is_requested_and_delete_is_409(stack, client):
     assert lifecycle.start(stack.redis, job_id, "test-worker", lease_ttl_s=60)  # as a worker would
     assert client.delete(f"{JOBS}/{job_id}").status_code == 409
     res = client.post(f"{JOBS}/{job_id}/cancel")
-    assert res.status_code == 200 and res.json()["status"] == "running"  # stops at its next step
-    assert jobstore.cancel_requested(stack.redis, job_id)
+    assert res.status_code == 200 and res.json()["status"] == "cancelled"  # its worker is fenced out at once
+    assert stack.redis.hget(f"mtq:job:{job_id}", "lease_epoch") == b"2"  # ...whose lease epoch was 1
 
 
 # --- SSE ----------------------------------------------------------------------------------

@@ -267,8 +267,8 @@ def test_a_worker_that_lost_the_lease_writes_no_adapter_files(stack, tmp_path):
 
 
 def test_every_terminal_path_leaves_no_key_after_retention(stack, workers):
-    """completed, failed, cancelled while queued, cancelled while running, cancelled by the
-    reconciler, failed out of attempts: after MTQ_JOB_RETENTION_S nothing of them is left."""
+    """completed, failed, cancelled while queued, cancelled while running (on a live worker and
+    on one that died), failed out of attempts: after MTQ_JOB_RETENTION_S nothing of them is left."""
     r = stack.redis
     env = short_lease(stack, MTQ_JOB_RETENTION_S="4")
     stack.stop_proc(stack.api)
@@ -282,16 +282,16 @@ def test_every_terminal_path_leaves_no_key_after_retention(stack, workers):
         jobs["running-cancel"] = submit(stack, body(stack, iters=100_000))
         stack.wait_job(jobs["running-cancel"], statuses=("running",), timeout=120)
         jobs["queued-cancel"] = submit(stack, body(stack))
-        jobs["reaper-cancel"] = submit(stack, body(stack))
+        jobs["dead-worker-cancel"] = submit(stack, body(stack))
         with stack.client() as c:
             assert c.post(f"{JOBS}/{jobs['queued-cancel']}/cancel").json()["status"] == "cancelled"
-            r.lrem("rq:queue:grpo", 0, jobs["reaper-cancel"])
-            assert lifecycle.start(r, jobs["reaper-cancel"], "gone-worker", lease_ttl_s=60)
-            assert c.post(f"{JOBS}/{jobs['reaper-cancel']}/cancel").json()["status"] == "running"
-            r.delete(lease_key(jobs["reaper-cancel"]))  # its worker died: the reconciler cancels it
-            assert c.post(f"{JOBS}/{jobs['running-cancel']}/cancel").status_code == 200
+            r.lrem("rq:queue:grpo", 0, jobs["dead-worker-cancel"])
+            assert lifecycle.start(r, jobs["dead-worker-cancel"], "gone-worker", lease_ttl_s=60)
+            r.delete(lease_key(jobs["dead-worker-cancel"]))  # its worker died
+            assert c.post(f"{JOBS}/{jobs['dead-worker-cancel']}/cancel").json()["status"] == "cancelled"
+            assert c.post(f"{JOBS}/{jobs['running-cancel']}/cancel").json()["status"] == "cancelled"
         expected = {"completed": "completed", "failed": "failed", "poisoned": "failed", "running-cancel": "cancelled",
-                    "queued-cancel": "cancelled", "reaper-cancel": "cancelled"}
+                    "queued-cancel": "cancelled", "dead-worker-cancel": "cancelled"}
         for name, job_id in jobs.items():
             assert stack.wait_job(job_id, timeout=120)["status"] == expected[name], name
         for name, job_id in jobs.items():

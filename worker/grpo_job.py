@@ -67,7 +67,8 @@ def run(job: JobRun, spec_json: str) -> dict:
     # The history holds the last steps, one entry each (a resumed run restored the earlier ones).
     kept = state.history[-checkpoints.HISTORY_KEPT:]
     first = state.step - len(kept) + 1
-    return {"adapter_path": str(out), "history": [{"step": first + i, **h} for i, h in enumerate(kept)]}
+    return {"adapter_path": str(out), "adapter": (spec.model_id, spec.adapter_name),
+            "history": [{"step": first + i, **h} for i, h in enumerate(kept)]}
 
 
 class MarkedScorer:

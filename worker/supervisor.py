@@ -13,11 +13,11 @@ the same process down with it. So `mtq worker` is two processes:
 While a job runs, the supervisor's main thread watches (Supervisor.watch):
   the child exits (crash, os._exit, OOM kill)   -> the job is re-queued, an attempt counted; a fresh child starts
   no progress mark for stall_timeout_s          -> the child is killed, likewise
-  a cancel the child ignores for CANCEL_GRACE_S -> the child is killed, the job cancelled
   SIGTERM / Ctrl-C (warm shutdown)              -> the child checkpoints and hands the job back (no attempt
                                                    counted), or is killed after SHUTDOWN_GRACE_S and the job
                                                    handed back anyway
-  the lease is lost (another worker has the job) -> the child drops it at its next write, or is killed
+  the lease is lost (another worker has the job, -> the child drops it at its next check or write, or is
+  or it was cancelled)                             killed after LEASE_LOST_GRACE_S
 """
 
 import logging
@@ -43,7 +43,6 @@ from worker.training_process import main as training_main
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
-CANCEL_GRACE_S = 10.0
 SHUTDOWN_GRACE_S = 30.0
 LEASE_LOST_GRACE_S = 10.0
 READY_TIMEOUT_S = 300.0  # importing MLX and the trainer
@@ -192,8 +191,7 @@ class Supervisor(SimpleWorker):
             t.start()
         t.marks.reset()
         t.conn.send((lease.job_id, lease.epoch))
-        cancel_seen = stop_seen = lost_seen = None
-        next_cancel_check = 0.0
+        stop_seen = lost_seen = None
         while True:
             if t.conn.poll(POLL_S):
                 try:
@@ -204,7 +202,7 @@ class Supervisor(SimpleWorker):
             if not t.alive():
                 t.proc.join(5)
                 return self._lost(lease, f"training process {t.exit_description()}")
-            if lease.lost.is_set():  # another worker has the job: the child stops at its next write
+            if lease.lost.is_set():  # cancelled, or another worker has it: the child stops at its next check
                 lost_seen = lost_seen or now
                 if now - lost_seen > LEASE_LOST_GRACE_S:
                     t.kill()
@@ -227,15 +225,6 @@ class Supervisor(SimpleWorker):
                     lease.hand_back(f"worker shutting down (its training process did not stop within "
                                     f"{SHUTDOWN_GRACE_S:g}s and was ended)")
                     return "handed back"
-            if now >= next_cancel_check:
-                next_cancel_check = now + 1.0
-                if cancel_seen is None and lease.cancel_requested():
-                    cancel_seen = now
-            if cancel_seen is not None and now - cancel_seen > CANCEL_GRACE_S:
-                t.kill()
-                lease.finish("cancelled", {"type": "cancelled", "reason": f"the training process did not stop "
-                                           f"within {CANCEL_GRACE_S:g}s of the cancel and was ended"})
-                return "cancelled"
 
     def _lost(self, lease: Lease, reason: str) -> str:
         phase, steps = self.training.marks.phase, self.training.marks.steps

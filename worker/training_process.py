@@ -142,14 +142,14 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
         lease.write(event={"type": "started", "worker": worker, "pid": os.getpid(), "supervisor_pid": parent_pid,
                            "main_thread": threading.current_thread() is threading.main_thread()})
         fields = kind.run(job, record[1].decode())
-        lease.finish("completed", {"type": "done", "adapter_path": fields.get("adapter_path")}, **fields)
+        lease.finish("completed", {"type": "done", "adapter_path": fields.get("adapter_path")},
+                     adapter=fields.pop("adapter", None), **fields)
         return "completed"
     except kind.Cancelled:
         if marks.hand_back_requested:  # the worker is shutting down: keep what was done
             lease.hand_back("worker shutting down")
             return "handed back"
-        lease.finish("cancelled", {"type": "cancelled"})
-        return "cancelled"
+        return "cancelled"  # the cancel itself ended the job (shared/lifecycle.py)
     except LeaseLost as e:
         log.warning("%s; leaving the job to its new owner", e)
         return "lease lost"

@@ -116,9 +116,8 @@ def cancel_job(job_id: str, r: RedisDep, who: WriterDep) -> Job:
     job = _job_or_404(r, job_id, who)
     if jobstore.is_finished(job.status):
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is already {job.status}")
-    new_status = lifecycle.cancel(r, job_id)
-    if new_status in ("completed", "failed"):  # it finished between our read and the request
-        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is already {new_status}")
+    if not lifecycle.cancel(r, job_id):  # it finished between our read and the request
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is already {jobstore.get_status(r, job_id)}")
     return _job_or_404(r, job_id, who)
 
 
