@@ -409,7 +409,15 @@ class GRPOTrainer:
         state.step += 1
         state.history.append({k: metrics[k] for k in HISTORY_METRICS})
         shown = [[text[:SAMPLE_TEXT_CHARS] for text in group] for group in completions]
-        samples_record = {"prompt_indices": idx, "completions": shown, "rewards": rewards.tolist()}
+        # Per completion, its text's tokens and their summed sampling log-probs (logits / temperature):
+        # what a downstream trainer needs for its own ratios, and what the log-prob endpoint
+        # answers for the same prompt and completion text.
+        text_tokens = [min(n, len(body)) for n, body in zip(lengths, bodies)]
+        old_logp = np.array(samples.logprobs)
+        sums = [float(old_logp[i, :n].sum()) for i, n in enumerate(text_tokens)]
+        samples_record = {"prompt_indices": idx, "completions": shown, "rewards": rewards.tolist(),
+                          "token_counts": [text_tokens[b * G:(b + 1) * G] for b in range(len(items))],
+                          "logprobs": [sums[b * G:(b + 1) * G] for b in range(len(items))]}
         return metrics, samples_record
 
 

@@ -55,6 +55,7 @@ def run(job: JobRun, spec_json: str) -> dict:
                           progress=progress)
                 job.write(event={"type": "samples", "iter": state.step, **samples})
                 saver.maybe_snapshot(model, trainer.optimizer, state)
+                job.between_steps(spec.model_id)
                 log.info("job %s step %d/%d loss %.4f reward %.4f (%.2fs)", job.job_id, state.step, cfg.iters,
                          metrics["loss"], metrics["reward"], metrics["step_time"])
         except Cancelled:

@@ -33,6 +33,7 @@ from worker.lease import Lease, LeaseLost, retrying
 log = logging.getLogger(__name__)
 
 KINDS = {"grpo": "worker.grpo_job"}
+IDLE_WAIT_S = 0.5  # an idle process waits this long for a scoring request before looking for a job again
 PHASES = ("idle", "loading_model", "sampling", "scoring", "updating", "checkpointing", "saving")
 
 
@@ -98,6 +99,14 @@ class JobRun:
 
     def write(self, event: dict | None = None, **fields) -> None:
         self.lease.write(event, **fields)
+
+    def between_steps(self, model_id: str) -> None:
+        """Answer waiting log-prob requests for the model this job trains (worker/scoring.py)."""
+        from worker import scoring  # MLX: only ever imported in the training process
+
+        self.marks.mark()
+        scoring.serve_waiting(self.lease.r, load_settings(), model_id)
+        self.marks.mark()
 
     def load_checkpoint(self) -> dict[bytes, bytes]:
         return self.lease.load_checkpoint()
@@ -176,10 +185,20 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
                         format=f"%(asctime)s [training {os.getpid()}] %(name)s %(levelname)s %(message)s")
     for module in set(KINDS.values()):
         importlib.import_module(module)  # mlx and the trainers load now, on this main thread
-    r = connect(load_settings().redis_url)
+    from worker import scoring
+
+    settings = load_settings()
+    r = connect(settings.redis_url)
     conn.send("ready")
     while True:
+        # Idle: answer log-prob requests for any model; a job waiting gets the process after
+        # the requests already queued (scoring comes before training work).
         try:
+            while not conn.poll(0):
+                retrying(lambda: scoring.serve_waiting(r, settings, wait_s=IDLE_WAIT_S), "scoring")
+                if os.getppid() != parent_pid:
+                    return
+            retrying(lambda: scoring.serve_waiting(r, settings), "scoring")
             job_id, epoch = conn.recv()
         except (EOFError, OSError):
             return

@@ -1,0 +1,145 @@
+"""Log-prob scoring: POST /admin/api/fine-tune/logprob (the seed server's route and answers).
+
+    {model_id, prompt, completion, adapter_name?}          -> {logprob, token_count, per_token}
+    {model_id, adapter_name?, items: [{prompt, completion}], temperature?}
+                                                           -> {results: [{logprob, token_count, per_token}]}
+
+The API never scores: it queues the request (shared/scoring.py) for the workers' training
+processes, which keep models loaded and answer even while training (between optimizer
+steps). It waits up to MTQ_SCORE_WAIT_S for the answer, then answers 202 with an id that
+GET /admin/api/fine-tune/logprob/{id} resolves.
+"""
+
+import json
+import re
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request, status
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from api.deps import AsyncRedisDep, RedisDep, SettingsDep, WriterDep, require_token
+from api.json_body import JSONBodyRoute
+from shared import scoring
+from shared.keys import ADAPTERS_INDEX, job_key
+from shared.lifecycle import adapter_ref
+from shared.model_ids import model_id_error
+from shared.schemas import ChatMessage, ErrorBody, check_json_values
+
+router = APIRouter(
+    prefix="/admin/api/fine-tune/logprob",
+    tags=["Log-prob scoring"],
+    dependencies=[Depends(require_token)],
+    route_class=JSONBodyRoute,
+    responses={
+        400: {"model": ErrorBody, "description": "Invalid request (e.g. \"model_id is required\")."},
+        401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
+        403: {"model": ErrorBody, "description": "A viewer token cannot score."},
+        404: {"model": ErrorBody, "description": "Model not found: <id> / Adapter not found: <model_id>/<adapter_name>."},
+        500: {"model": ErrorBody, "description": "Scoring failed: <why>."},
+        503: {"model": ErrorBody, "description": "Redis is unavailable."},
+    },
+)
+
+MAX_ITEMS = 256
+REQUEST_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+class ScoreItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt: str | list[ChatMessage] = Field(..., min_length=1)
+    completion: str
+
+
+class ScoreRequest(BaseModel):
+    """The batch form; the single form is one item at the top level."""
+
+    model_config = ConfigDict(extra="forbid")
+    model_id: str = Field(..., min_length=1, max_length=512)
+    adapter_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    items: list[ScoreItem] = Field(..., min_length=1, max_length=MAX_ITEMS)
+    temperature: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False,
+                                      description="Divide the logits by this (default: raw logits).")
+    use_chat_template: bool = Field(False, description="Tokenise prompts as a GRPO job with use_chat_template does.")
+
+    _json_values = model_validator(mode="before")(check_json_values)
+
+
+class TokenScores(BaseModel):
+    logprob: float = Field(description="Sum of the completion tokens' log-probabilities.")
+    token_count: int
+    per_token: list[float]
+
+
+class BatchScores(BaseModel):
+    results: list[TokenScores]
+    model_id: str
+    adapter_name: str | None = None
+
+
+class Pending(BaseModel):
+    id: str
+    status: str
+    detail: str
+
+
+def parse_request(body: Any) -> tuple[ScoreRequest, bool]:
+    """(the request in batch form, whether it came in the single form); 400s as the seed server's."""
+    if not isinstance(body, dict):
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, "the body must be a JSON object")
+    if not body.get("model_id"):
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, "model_id is required")
+    single = "items" not in body
+    if single:
+        if not body.get("completion"):
+            raise HTTPException(status.HTTP_400_BAD_REQUEST, "completion is required")
+        body = {**{k: v for k, v in body.items() if k not in ("prompt", "completion")},
+                "items": [{"prompt": body.get("prompt"), "completion": body["completion"]}]}
+    try:
+        return ScoreRequest.model_validate(body), single
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = first["loc"][2:] if single and first["loc"][:1] == ("items",) else first["loc"]
+        where = ".".join(str(p) for p in loc) or "body"
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"Invalid request: {where}: {first['msg']}") from None
+
+
+def _answer(record: dict, request_id: str, single: bool) -> Any:
+    if record["status"] == "failed":
+        raise HTTPException(record["error_status"], record["error"])
+    if record["status"] != "done":
+        return JSONResponse(status_code=202, headers={"Location": f"{router.prefix}/{request_id}"}, content=Pending(
+            id=request_id, status=record["status"],
+            detail=f"still scoring: GET {router.prefix}/{request_id} for the answer").model_dump())
+    result = record["result"]
+    return {**result["results"][0], "model_id": result["model_id"], "adapter_name": result["adapter_name"]} \
+        if single else BatchScores.model_validate(result)
+
+
+@router.post("", summary="Log-probabilities of completions given prompts (teacher forcing), on the workers",
+             responses={200: {"model": TokenScores | BatchScores}, 202: {"model": Pending}})
+async def score(request: Request, r: RedisDep, ar: AsyncRedisDep, settings: SettingsDep, who: WriterDep):
+    req, single = parse_request(await request.json())
+    if error := model_id_error(req.model_id, settings):
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, error)
+    chars = sum(len(str(it.prompt)) + len(it.completion) for it in req.items)
+    if chars > settings.max_step_tokens:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"the items hold {chars} characters; the limit is "
+                            f"{settings.max_step_tokens} (MTQ_MAX_STEP_TOKENS)")
+    if req.adapter_name:
+        job_id = await ar.hget(ADAPTERS_INDEX, adapter_ref(req.model_id, req.adapter_name))
+        owner = None if job_id is None else await ar.hget(job_key(job_id.decode()), "owner")
+        if job_id is None or not who.sees(None if owner is None else owner.decode()):
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"Adapter not found: {req.model_id}/{req.adapter_name}")
+    request_id = scoring.submit(r, req.model_id, {**req.model_dump(mode="json"), "single": single})
+    await ar.blpop([scoring.done_key(request_id)], timeout=settings.score_wait_s)
+    return _answer(scoring.decode_record(await ar.hgetall(scoring.score_key(request_id))), request_id, single)
+
+
+@router.get("/{request_id}", summary="The answer to a scoring request that was still running",
+            responses={200: {"model": TokenScores | BatchScores}, 202: {"model": Pending}})
+async def scoring_result(request_id: str, ar: AsyncRedisDep, who: WriterDep):
+    raw = await ar.hgetall(scoring.score_key(request_id)) if REQUEST_ID.match(request_id) else {}
+    if not raw:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"scoring request not found: {request_id[:64]}")
+    return _answer(scoring.decode_record(raw), request_id, json.loads(raw[b"request"]).get("single", False))

@@ -1,0 +1,205 @@
+"""Log-prob scoring (POST /admin/api/fine-tune/logprob) against the real stack: the answers
+equal a direct mlx_lm computation, match the GRPO job's own sampling log-probs, come with
+an adapter or without, from an idle worker or one busy training (without disturbing it)."""
+
+import threading
+import time
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from conftest import wait_for
+from shared.jobstore import read_events
+
+JOBS = "/admin/api/fine-tune/grpo/jobs"
+LOGPROB = "/admin/api/fine-tune/logprob"
+PROMPTS = ["What is 2+2?", "Say hello to the queue.", "Count to three"]
+COMPLETIONS = ["4", " hello there, queue!", " one two three and more words here"]
+
+
+@pytest.fixture(scope="module")
+def api_short_wait(stack):
+    """The API waits 3 s for an answer before saying 202 (the default is 20 s)."""
+    stack.stop_proc(stack.api)
+    stack.api = stack.spawn("api", "api", env=dict(stack.env, MTQ_SCORE_WAIT_S="3"))
+    wait_for(stack._api_up, 30, "the API")
+    yield
+    stack.stop_proc(stack.api)
+    stack.start_api()
+
+
+def test_no_worker_answers_202_then_the_id_resolves(stack, api_short_wait):
+    with stack.client() as c:
+        resp = c.post(LOGPROB, json={"model_id": stack.tiny_model.name, "prompt": "hi", "completion": " there"})
+        assert resp.status_code == 202, resp.text
+        request_id = resp.json()["id"]
+        assert resp.headers["location"].endswith(request_id)
+        assert c.get(f"{LOGPROB}/{request_id}").status_code == 202
+        worker = stack.start_worker()
+        try:
+            answer = wait_for(lambda: (a := c.get(f"{LOGPROB}/{request_id}")).status_code == 200 and a, 60, "the answer")
+        finally:
+            stack.stop_proc(worker)
+    assert answer.json()["token_count"] >= 1 and len(answer.json()["per_token"]) == answer.json()["token_count"]
+    with stack.client() as c:
+        assert c.get(f"{LOGPROB}/{'0' * 32}").status_code == 404
+
+
+@pytest.fixture(scope="module")
+def worker(stack, api_short_wait):
+    proc = stack.start_worker()
+    yield proc
+    stack.stop_proc(proc)
+
+
+@pytest.fixture(scope="module")
+def tiny(stack):
+    return mlx_lm.load(str(stack.tiny_model))
+
+
+def direct(model, tokenizer, prompt_ids, completion, temperature=1.0):
+    """Per-token log p(completion token | everything before it): one forward, log-softmax."""
+    ids = list(tokenizer.encode(completion, add_special_tokens=False))
+    logits = model(mx.array([prompt_ids + ids]))[0].astype(mx.float32) / temperature
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    start = len(prompt_ids) - 1
+    return [logp[start + i, t].item() for i, t in enumerate(ids)]
+
+
+def post(stack, body):
+    with stack.client() as c:
+        return c.post(LOGPROB, json=body)
+
+
+def assert_close(answer, expected):
+    assert answer["token_count"] == len(expected) == len(answer["per_token"])
+    assert max(abs(a - b) for a, b in zip(answer["per_token"], expected)) < 1e-4
+    assert abs(answer["logprob"] - sum(expected)) < 1e-4 * max(1, len(expected))
+
+
+def test_single_and_batch_equal_a_direct_computation(stack, worker, tiny):
+    model, tokenizer = tiny
+    one = post(stack, {"model_id": stack.tiny_model.name, "prompt": PROMPTS[1], "completion": COMPLETIONS[1]})
+    assert one.status_code == 200, one.text
+    assert set(one.json()) >= {"logprob", "token_count", "per_token"}
+    assert_close(one.json(), direct(model, tokenizer, list(tokenizer.encode(PROMPTS[1])), COMPLETIONS[1]))
+
+    for temperature in (None, 2.0):
+        body = {"model_id": stack.tiny_model.name, "items": [{"prompt": p, "completion": c} for p, c in zip(PROMPTS, COMPLETIONS)]}
+        if temperature:
+            body["temperature"] = temperature
+        many = post(stack, body)
+        assert many.status_code == 200, many.text
+        results = many.json()["results"]
+        assert len(results) == 3
+        for p, c, answer in zip(PROMPTS, COMPLETIONS, results):  # padded together, each equal to its own
+            assert_close(answer, direct(model, tokenizer, list(tokenizer.encode(p)), c, temperature or 1.0))
+
+
+def test_chat_prompts_are_tokenised_with_the_template_on_request(stack, worker, tiny):
+    model, tokenizer = tiny
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    resp = post(stack, {"model_id": stack.tiny_model.name, "use_chat_template": True,
+                        "items": [{"prompt": messages, "completion": "4<|im_end|>"}]})
+    assert resp.status_code == 200, resp.text
+    prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    assert_close(resp.json()["results"][0], direct(model, tokenizer, prompt_ids, "4<|im_end|>"))
+
+
+def test_errors_as_the_seed_server(stack, worker):
+    cases = [
+        ({"prompt": "a", "completion": "b"}, 400, "model_id is required"),
+        ({"model_id": stack.tiny_model.name, "prompt": "a"}, 400, "completion is required"),
+        ({"model_id": stack.tiny_model.name, "prompt": "a", "completion": ""}, 400, "completion is required"),
+        ({"model_id": "no-such-model", "prompt": "a", "completion": "b"}, 404, "Model not found: no-such-model"),
+        ({"model_id": stack.tiny_model.name, "prompt": "a", "completion": "b", "adapter_name": "nope"}, 404,
+         f"Adapter not found: {stack.tiny_model.name}/nope"),
+        ({"model_id": stack.tiny_model.name, "items": []}, 400, "items"),
+        ({"model_id": stack.tiny_model.name, "prompt": "a", "completion": "b", "temperature": 0}, 400, "temperature"),
+    ]
+    for body, code, detail in cases:
+        resp = post(stack, body)
+        assert resp.status_code == code and detail in resp.json()["detail"], (body, resp.status_code, resp.text)
+
+
+def run_grpo(stack, **config) -> dict:
+    spec = {"model_id": stack.tiny_model.name, "prompts": PROMPTS,
+            "config": {"group_size": 4, "batch_size": 2, "max_completion_len": 6, "iters": 2, "lora_layers": 2,
+                       "learning_rate": 5e-2, "temperature": 1.0, "use_chat_template": False, **config}}
+    if "adapter_name" in config:
+        spec["adapter_name"] = spec["config"].pop("adapter_name")
+    with stack.client() as c:
+        resp = c.post(JOBS, json=spec)
+    assert resp.status_code == 200, resp.text
+    job = stack.wait_job(resp.json()["job_id"], timeout=120)
+    assert job["status"] == "completed", job["error"]
+    return job
+
+
+def test_with_an_adapter_equals_mlx_lm_with_that_adapter(stack, worker):
+    job = run_grpo(stack, adapter_name="lp-adapter")
+    model, tokenizer = mlx_lm.load(str(stack.tiny_model), adapter_path=job["adapter_path"])
+    base, _ = mlx_lm.load(str(stack.tiny_model))
+    body = {"model_id": stack.tiny_model.name, "adapter_name": "lp-adapter",
+            "items": [{"prompt": p, "completion": c} for p, c in zip(PROMPTS, COMPLETIONS)]}
+    resp = post(stack, body)
+    assert resp.status_code == 200, resp.text
+    for p, c, answer in zip(PROMPTS, COMPLETIONS, resp.json()["results"]):
+        expected = direct(model, tokenizer, list(tokenizer.encode(p)), c)
+        assert_close(answer, expected)
+        assert max(abs(a - b) for a, b in zip(expected, direct(base, tokenizer, list(tokenizer.encode(p)), c))) > 1e-4
+    without = post(stack, {**body, "adapter_name": None}).json()["results"][2]  # the base model again
+    assert_close(without, direct(base, tokenizer, list(tokenizer.encode(PROMPTS[2])), COMPLETIONS[2]))
+
+
+def test_grpo_sampling_logprobs_equal_the_endpoint(stack, worker):
+    """At temperature 1, the log-probs the job recorded while sampling its first step (LoRA
+    still zero: the base model) are what the endpoint answers for the same prompt and text."""
+    job = run_grpo(stack, seed=3)
+    first = [e for _, e in read_events(stack.redis, job["job_id"], count=1000) if e["type"] == "samples"][0]
+    items, recorded = [], []
+    for b, group in enumerate(first["completions"]):
+        for completion, n, logprob in zip(group, first["token_counts"][b], first["logprobs"][b]):
+            if completion:
+                items.append({"prompt": PROMPTS[first["prompt_indices"][b]], "completion": completion})
+                recorded.append((n, logprob))
+    answers = post(stack, {"model_id": stack.tiny_model.name, "items": items}).json()["results"]
+    # A completion's text can encode to other tokens than were sampled (BPE merges across
+    # token boundaries); where the token counts agree, the sums must.
+    same_tokens = [(a, r) for a, r in zip(answers, recorded) if a["token_count"] == r[0]]
+    matching = [a for a, r in same_tokens if abs(a["logprob"] - r[1]) < 1e-4 * r[0]]
+    assert matching and len(matching) >= len(same_tokens) / 2, (same_tokens, len(items))
+
+
+def test_a_busy_worker_answers_between_steps_without_disturbing_its_job(stack, worker):
+    config = {"iters": 30, "max_completion_len": 48, "seed": 11, "learning_rate": 1e-2}
+    baseline = run_grpo(stack, **config)
+    with stack.client() as c:
+        history_alone = c.get(f"{JOBS}/{baseline['job_id']}/history").json()["history"]
+
+    with stack.client() as c:
+        job_id = c.post(JOBS, json={"model_id": stack.tiny_model.name, "prompts": PROMPTS, "config": {
+            "group_size": 4, "batch_size": 2, "lora_layers": 2, "temperature": 1.0, "use_chat_template": False,
+            **config}}).json()["job_id"]
+
+    def iters():
+        return [e["iter"] for _, e in read_events(stack.redis, job_id, count=10_000) if e["type"] == "grpo_step"]
+
+    wait_for(lambda: len(iters()) >= 3, 120, "the job to be a few steps in")
+    waits = []
+    for _ in range(3):
+        before = len(iters())
+        resp = post(stack, {"model_id": stack.tiny_model.name, "prompt": PROMPTS[0], "completion": COMPLETIONS[0]})
+        assert resp.status_code == 200, resp.text
+        waits.append(len(iters()) - before)
+    job = stack.wait_job(job_id, timeout=120)
+    assert job["status"] == "completed", job["error"]
+    assert waits and max(waits) <= 2, waits  # answered within two optimizer steps
+    assert len(iters()) == 30 and min(len(iters()) - w for w in waits) < 30  # while the job was running
+
+    with stack.client() as c:
+        history = c.get(f"{JOBS}/{job_id}/history").json()["history"]
+    drop = ("step_time",)
+    assert [{k: v for k, v in h.items() if k not in drop} for h in history] == \
+           [{k: v for k, v in h.items() if k not in drop} for h in history_alone]

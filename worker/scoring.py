@@ -1,0 +1,153 @@
+"""Log-prob scoring, answered by the training process (queue and records: shared/scoring.py).
+
+    logprob(completion | prompt) = sum_t log softmax(logits_t / T)[c_t]
+
+over the completion tokens c_t, each predicted from the prompt and the completion tokens
+before it (teacher forcing), with raw logits (T = 1) unless the batch form names a
+temperature. The prompt is tokenised exactly as the GRPO trainer tokenises it
+(worker/grpo.py prompt_token_ids: raw text by default, the chat template on request), the
+completion with `tokenizer.encode` without special tokens, and rows are scored in padded
+batches with the trainer's own forward (worker/grpo.py completion_logprobs).
+
+A worker busy with a training job answers between optimizer steps, on the model it holds:
+`adapter_swapped` takes the job's LoRA layers out, puts the requested adapter (or none: the
+base model) in, and puts the job's very LoRA modules back afterwards, so the job's weights,
+optimizer state, compiled functions and random state are untouched (scoring draws no
+random numbers and runs in eval mode).
+"""
+
+import contextlib
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_unflatten
+from mlx_lm.tuner.lora import LoRALinear
+from mlx_lm.tuner.utils import load_adapters, remove_lora_layers
+
+from shared import scoring
+from shared.keys import ADAPTERS_INDEX, adapter_key
+from shared.lifecycle import adapter_ref
+from shared.schemas import PromptItem
+from shared.settings import Settings
+from worker.grpo import Batch, completion_logprobs, prompt_token_ids
+from worker.models import ModelNotFound, get_model
+from worker.sampling import left_pad
+
+log = logging.getLogger(__name__)
+ROWS_PER_BATCH = 16  # rows scored in one padded forward pass
+BUDGET_BETWEEN_STEPS_S = 2.0  # a busy worker answers for at most this long between two steps
+
+
+class AdapterNotFound(Exception):
+    pass
+
+
+def adapter_files(r, settings: Settings, model_id: str, adapter_name: str) -> Path:
+    """The adapter of the newest completed job for (model_id, adapter_name), from its copy in
+    Redis into this worker's cache (any worker can score with any adapter, no shared disk)."""
+    job_id = r.hget(ADAPTERS_INDEX, adapter_ref(model_id, adapter_name))
+    blobs = {} if job_id is None else r.hgetall(adapter_key(job_id.decode()))
+    if not blobs:
+        raise AdapterNotFound(f"Adapter not found: {model_id}/{adapter_name}")
+    out = settings.home / "cache" / "adapters" / job_id.decode()
+    if not (out / "adapters.safetensors").is_file():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name, blob in blobs.items():
+            (tmp / Path(name.decode()).name).write_bytes(blob)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return out
+
+
+@contextlib.contextmanager
+def adapter_swapped(model: nn.Module, adapter_dir: Path | None):
+    """The model with the given adapter (None: no adapter) in place of its own LoRA layers, in eval mode."""
+    own = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    training = model.training
+    remove_lora_layers(model)
+    try:
+        if adapter_dir is not None:
+            load_adapters(model, str(adapter_dir))
+        model.eval()
+        yield model
+    finally:
+        remove_lora_layers(model)
+        if own:
+            model.update_modules(tree_unflatten(own))
+        model.train(training)
+
+
+def score_rows(model: nn.Module, tokenizer, rows: list[tuple[list[int], list[int]]], temperature: float) -> list[dict]:
+    """{logprob, token_count, per_token} for each (prompt ids, completion ids) row."""
+    results: list[dict | None] = [None] * len(rows)
+    todo = [i for i, (_, c) in enumerate(rows) if c]
+    for i, (_, c) in enumerate(rows):
+        if not c:  # an empty completion has nothing to score
+            results[i] = {"logprob": 0.0, "token_count": 0, "per_token": []}
+    for start in range(0, len(todo), ROWS_PER_BATCH):
+        chunk = todo[start:start + ROWS_PER_BATCH]
+        prompts, pad = left_pad([rows[i][0] for i in chunk], pad_id=0)
+        width = max(len(rows[i][1]) for i in chunk)
+        completion = mx.array([rows[i][1] + [0] * (width - len(rows[i][1])) for i in chunk], dtype=mx.int32)
+        batch = Batch(inputs=mx.concatenate([prompts, completion], axis=1), left_pad=pad, prompt_width=prompts.shape[1],
+                      completion=completion, mask=None, old_logp=None, advantages=None)  # type: ignore[arg-type]
+        logp, _ = completion_logprobs(model, batch, temperature)
+        logp = np.array(logp.astype(mx.float32))
+        for k, i in enumerate(chunk):
+            per_token = logp[k, : len(rows[i][1])].tolist()
+            results[i] = {"logprob": float(sum(per_token)), "token_count": len(per_token), "per_token": per_token}
+    return results  # type: ignore[return-value]
+
+
+def tokenize(tokenizer, prompt, completion: str, use_chat_template: bool) -> tuple[list[int], list[int]]:
+    item = prompt if isinstance(prompt, PromptItem) else PromptItem(prompt=prompt)
+    return prompt_token_ids(tokenizer, item, use_chat_template), list(tokenizer.encode(completion, add_special_tokens=False))
+
+
+def serve_one(r, settings: Settings, request_id: str, request: dict) -> None:
+    """Score one request and record the answer (errors included: the API reports them)."""
+    t0 = time.perf_counter()
+    try:
+        model, tokenizer, _ = get_model(request["model_id"], settings)
+        adapter = None
+        if request.get("adapter_name"):
+            adapter = adapter_files(r, settings, request["model_id"], request["adapter_name"])
+        rows = [tokenize(tokenizer, it["prompt"], it["completion"], request.get("use_chat_template", False))
+                for it in request["items"]]
+        with adapter_swapped(model, adapter):
+            results = score_rows(model, tokenizer, rows, request.get("temperature") or 1.0)
+    except ModelNotFound:
+        scoring.answer(r, request_id, error=f"Model not found: {request['model_id']}", error_status=404)
+    except AdapterNotFound as e:
+        scoring.answer(r, request_id, error=str(e), error_status=404)
+    except Exception as e:
+        log.exception("scoring request %s failed", request_id)
+        scoring.answer(r, request_id, error=f"Scoring failed: {type(e).__name__}: {e}", error_status=500)
+    else:
+        scoring.answer(r, request_id, {"results": results, "model_id": request["model_id"],
+                                       "adapter_name": request.get("adapter_name"),
+                                       "seconds": time.perf_counter() - t0})
+
+
+def serve_waiting(r, settings: Settings, model_id: str | None = None, wait_s: float = 0.0) -> int:
+    """Answer waiting requests for `model_id` (None: any model, waiting up to wait_s for the
+    first), for at most BUDGET_BETWEEN_STEPS_S. Returns how many were answered."""
+    deadline = time.monotonic() + BUDGET_BETWEEN_STEPS_S
+    served = 0
+    while time.monotonic() < deadline:
+        if model_id is None:
+            claimed = scoring.claim_any(r, wait_s if served == 0 else 0.0)
+        else:
+            claimed = scoring.claim_for_model(r, model_id)
+        if claimed is None:
+            break
+        serve_one(r, settings, *claimed)
+        served += 1
+    return served
