@@ -129,6 +129,22 @@ def test_up_runs_redis_api_and_a_worker_and_sigterm_stops_everything(mtq_up):
     assert answers_http(up.base_url + "/healthz") is None
 
 
+def test_up_starts_a_dead_worker_again(mtq_up):
+    up = mtq_up("--workers", "1")
+    up.wait_ready()
+    first = up.started()["worker-1"]
+    r = redis.Redis(port=up.redis_port)
+    wait_for(lambda: len(Worker.all(connection=r)) == 1, 60, f"the worker to register:\n{up.output()}")
+    before = {w.name for w in Worker.all(connection=r)}
+    os.killpg(first, signal.SIGKILL)  # the worker and its training process, as the OOM killer might
+    wait_for(lambda: up.started().get("worker-1", first) != first, 30, f"a new worker-1:\n{up.output()}")
+    assert "worker-1 (pid" in up.output() and "exited with code -9" in up.output()
+    assert up.proc.poll() is None  # the stack goes on
+    wait_for(lambda: {w.name for w in Worker.all(connection=r)} - before, 60,
+             f"the new worker to register:\n{up.output()}")
+    r.close()
+
+
 def test_up_stops_everything_and_fails_when_a_child_dies(mtq_up):
     up = mtq_up("--workers", "0")
     up.wait_ready()
