@@ -19,6 +19,7 @@ import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"
+JOBS = "/admin/api/fine-tune/grpo/jobs"
 # The tests' own reward functions are on the operator allow-list (the API's and the workers',
 # which inherit this environment); tests/test_security.py checks that nothing else is.
 os.environ.setdefault("MTQ_REWARD_MODULES", "reward_fns,tests.reward_fns")
@@ -136,10 +137,27 @@ class Stack:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         return httpx.Client(base_url=self.base_url, headers=headers, timeout=30)
 
+    def submit(self, spec: dict) -> str:
+        """POST a GRPO job; its id."""
+        with self.client() as c:
+            resp = c.post(JOBS, json=spec)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["job_id"]
+
+    def get_job(self, job_id: str) -> dict:
+        with self.client() as c:
+            return c.get(f"{JOBS}/{job_id}").json()
+
+    def events(self, job_id: str) -> list[tuple[float, dict]]:
+        """(unix time, event) of every event in the job's Redis stream."""
+        from shared.jobstore import read_events
+
+        return [(int(eid.split("-")[0]) / 1000, e) for eid, e in read_events(self.redis, job_id, count=100_000)]
+
     def wait_job(self, job_id: str, statuses=("completed", "failed", "cancelled"), timeout: float = 240) -> dict:
         with self.client() as c:
             def done():
-                job = c.get(f"/admin/api/fine-tune/grpo/jobs/{job_id}").json()
+                job = c.get(f"{JOBS}/{job_id}").json()
                 return job if job["status"] in statuses else None
             try:
                 return wait_for(done, timeout, f"job {job_id} to reach {statuses}", interval=0.2)

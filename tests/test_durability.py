@@ -7,7 +7,6 @@ import time
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
 from conftest import wait_for
-from shared.jobstore import read_events
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 TTL = "3"  # seconds; short, so dead workers are noticed within seconds in these tests
@@ -26,37 +25,20 @@ def two_workers(stack, workers) -> dict:
     return {p.pid: p for p in (workers(env=env), workers(env=env))}
 
 
-def events(stack, job_id):
-    """(unix time of the event, event) from the job's Redis stream."""
-    return [(int(eid.split("-")[0]) / 1000, e) for eid, e in read_events(stack.redis, job_id, count=100_000)]
-
-
-def submit(stack, spec) -> str:
-    with stack.client() as c:
-        resp = c.post(JOBS, json=spec)
-        assert resp.status_code == 200, resp.text
-        return resp.json()["job_id"]
-
-
-def get(stack, job_id) -> dict:
-    with stack.client() as c:
-        return c.get(f"{JOBS}/{job_id}").json()
-
-
 def wait_checkpoint(stack, job_id, step: int) -> dict:
-    return wait_for(lambda: (j := get(stack, job_id))["checkpoint_step"] and j["checkpoint_step"] >= step and j,
+    return wait_for(lambda: (j := stack.get_job(job_id))["checkpoint_step"] and j["checkpoint_step"] >= step and j,
                     120, f"a checkpoint at step {step}", interval=0.1)
 
 
 def owner_pid(stack, job_id) -> int:
     """The `mtq worker` (supervisor) process whose training process runs the job."""
-    started = [e for _, e in events(stack, job_id) if e["type"] == "started"]
+    started = [e for _, e in stack.events(job_id) if e["type"] == "started"]
     return started[-1]["supervisor_pid"]
 
 
 def test_killed_worker_job_is_requeued_and_resumed_elsewhere(stack, workers):
     procs = two_workers(stack, workers)
-    job_id = submit(stack, body(stack, iters=24))
+    job_id = stack.submit(body(stack, iters=24))
     wait_checkpoint(stack, job_id, 4)
     victim = owner_pid(stack, job_id)
     killed_at = time.time()
@@ -68,7 +50,7 @@ def test_killed_worker_job_is_requeued_and_resumed_elsewhere(stack, workers):
     assert job["progress"]["iter"] == job["progress"]["total_iters"] == 24
     assert job["attempts"] >= 2 and job["failed_attempts"] == 1 and job["resumed_from"] >= 4
 
-    evs = events(stack, job_id)
+    evs = stack.events(job_id)
     requeued = [(t, e) for t, e in evs if e["type"] == "requeued"]
     assert requeued and requeued[0][0] - killed_at < 90
     resumed = [e for _, e in evs if e["type"] == "resumed"]
@@ -82,11 +64,11 @@ def test_killed_worker_job_is_requeued_and_resumed_elsewhere(stack, workers):
 
 def test_long_job_is_never_declared_abandoned_while_its_worker_lives(stack, workers):
     workers(env=dict(stack.env, MTQ_LEASE_TTL="1"))
-    job_id = submit(stack, body(stack, iters=300))
+    job_id = stack.submit(body(stack, iters=300))
     queue_registries = (StartedJobRegistry("grpo", connection=stack.redis), FailedJobRegistry("grpo", connection=stack.redis))
     deadline = time.monotonic() + 180
     started = None
-    while (job := get(stack, job_id))["status"] in ("queued", "running"):
+    while (job := stack.get_job(job_id))["status"] in ("queued", "running"):
         started = started or (job["status"] == "running" and time.monotonic())
         for registry in queue_registries:
             registry.get_job_ids()  # listing runs rq's cleanup of expired (abandoned) entries
@@ -95,27 +77,27 @@ def test_long_job_is_never_declared_abandoned_while_its_worker_lives(stack, work
     assert job["status"] == "completed", job["error"]
     assert time.monotonic() - started > 3  # the job outlived the 1 s TTL several times over
     assert job["attempts"] == 1 and job["failed_attempts"] == 0
-    assert not [e for _, e in events(stack, job_id) if e["type"] == "requeued"]
+    assert not [e for _, e in stack.events(job_id) if e["type"] == "requeued"]
     assert job_id not in FailedJobRegistry("grpo", connection=stack.redis).get_job_ids()
 
 
 def test_paused_worker_writes_nothing_after_losing_its_job(stack, workers):
     procs = two_workers(stack, workers)
-    job_id = submit(stack, body(stack, iters=30))
+    job_id = stack.submit(body(stack, iters=30))
     wait_checkpoint(stack, job_id, 2)
     paused = owner_pid(stack, job_id)
     os.killpg(paused, signal.SIGSTOP)  # the worker and its training process, like a laptop put to sleep
     try:
-        wait_for(lambda: any(e["type"] == "requeued" for _, e in events(stack, job_id)), 60, "the job to be re-queued")
+        wait_for(lambda: any(e["type"] == "requeued" for _, e in stack.events(job_id)), 60, "the job to be re-queued")
         wait_for(lambda: owner_pid(stack, job_id) != paused, 60, "another worker to take the job")
-        new_owner_name = get(stack, job_id)["worker"]
+        new_owner_name = stack.get_job(job_id)["worker"]
     finally:
         os.killpg(paused, signal.SIGCONT)
     job = stack.wait_job(job_id, timeout=180)
     assert job["status"] == "completed", job["error"]
     assert job["worker"] == new_owner_name
 
-    evs = [e for _, e in events(stack, job_id)]
+    evs = [e for _, e in stack.events(job_id)]
     after = evs[next(i for i, e in enumerate(evs) if e["type"] == "requeued"):]
     steps_after = [e for e in after if e["type"] == "grpo_step"]
     assert steps_after and all(e["worker"] == new_owner_name for e in steps_after)
@@ -126,11 +108,11 @@ def test_paused_worker_writes_nothing_after_losing_its_job(stack, workers):
 
 def test_cancel_running_job_quickly_and_queued_job_never_runs(stack, workers):
     workers()
-    running = submit(stack, body(stack, iters=10_000, max_completion_len=64))
+    running = stack.submit(body(stack, iters=10_000, max_completion_len=64))
     stack.wait_job(running, statuses=("running",), timeout=120)
     wait_checkpoint(stack, running, 2)
-    queued = submit(stack, body(stack, iters=2))
-    never = submit(stack, body(stack, iters=2))
+    queued = stack.submit(body(stack, iters=2))
+    never = stack.submit(body(stack, iters=2))
     with stack.client() as c:
         assert c.post(f"{JOBS}/{never}/cancel").json()["status"] == "cancelled"
         t0 = time.monotonic()
@@ -138,15 +120,15 @@ def test_cancel_running_job_quickly_and_queued_job_never_runs(stack, workers):
         stack.wait_job(running, statuses=("cancelled",), timeout=10)
         assert time.monotonic() - t0 < 2.0
         assert c.post(f"{JOBS}/{running}/cancel").status_code == 409
-    assert get(stack, running)["checkpoint_step"] is not None  # the last checkpoint is kept
+    assert stack.get_job(running)["checkpoint_step"] is not None  # the last checkpoint is kept
     assert stack.wait_job(queued)["status"] == "completed"
-    never_job = get(stack, never)
+    never_job = stack.get_job(never)
     assert never_job["status"] == "cancelled" and never_job["started_at"] is None
 
 
 def test_redis_restart_mid_job_loses_nothing(stack, workers):
     workers()
-    job_id = submit(stack, body(stack, iters=30))
+    job_id = stack.submit(body(stack, iters=30))
     wait_checkpoint(stack, job_id, 2)
     stack.redis_server.stop()
     try:
@@ -165,7 +147,7 @@ def test_redis_restart_mid_job_loses_nothing(stack, workers):
 def test_non_finite_loss_fails_with_step_and_resume_continues_from_last_good_checkpoint(stack, workers):
     workers()
     # lr 1e30 after a warmup step at lr 0: step 1 is fine, step 2's update overflows.
-    job_id = submit(stack, body(stack, iters=8, learning_rate=1e30, warmup_steps=3, checkpoint_every=1, max_grad_norm=None))
+    job_id = stack.submit(body(stack, iters=8, learning_rate=1e30, warmup_steps=3, checkpoint_every=1, max_grad_norm=None))
     job = stack.wait_job(job_id)
     assert job["status"] == "failed"
     assert "non-finite loss" in job["error"] and "at step 3" in job["error"]
@@ -186,9 +168,9 @@ def test_non_finite_loss_fails_with_step_and_resume_continues_from_last_good_che
 
 def test_api_restart_changes_nothing_for_queued_and_running_jobs(stack, workers):
     workers()
-    running = submit(stack, body(stack, iters=12))
+    running = stack.submit(body(stack, iters=12))
     stack.wait_job(running, statuses=("running",), timeout=120)
-    queued = submit(stack, body(stack, iters=2))
+    queued = stack.submit(body(stack, iters=2))
     stack.stop_proc(stack.api)
     stack.start_api()
     assert stack.wait_job(running)["status"] == "completed"
@@ -200,7 +182,7 @@ def test_finished_jobs_expire_after_retention_and_leave_the_index(stack, workers
     from shared.keys import JOBS_INDEX, events_key, job_key
 
     workers(env=dict(stack.env, MTQ_JOB_RETENTION_S="2"))
-    job_id = submit(stack, body(stack, iters=1))
+    job_id = stack.submit(body(stack, iters=1))
     assert stack.wait_job(job_id)["status"] == "completed"
     assert 0 < stack.redis.ttl(job_key(job_id)) <= 2 and 0 < stack.redis.ttl(events_key(job_id)) <= 2
     wait_for(lambda: not stack.redis.exists(job_key(job_id)), 10, "the record to expire")
@@ -215,14 +197,14 @@ def test_finished_jobs_expire_after_retention_and_leave_the_index(stack, workers
 
 def test_sigterm_checkpoints_and_hands_the_job_back_at_once(stack, workers):
     procs = two_workers(stack, workers)
-    job_id = submit(stack, body(stack, iters=40, checkpoint_every=1000))  # no periodic checkpoint
-    wait_for(lambda: get(stack, job_id)["progress"]["iter"] >= 3, 120, "three steps")
+    job_id = stack.submit(body(stack, iters=40, checkpoint_every=1000))  # no periodic checkpoint
+    wait_for(lambda: stack.get_job(job_id)["progress"]["iter"] >= 3, 120, "three steps")
     leaving = owner_pid(stack, job_id)
     sent_at = time.time()
     os.kill(leaving, signal.SIGTERM)
     assert procs[leaving].wait(20) == 0  # a warm shutdown that does not wait for the job to end
 
-    requeued = [(t, e) for t, e in events(stack, job_id) if e["type"] == "requeued"]
+    requeued = [(t, e) for t, e in stack.events(job_id) if e["type"] == "requeued"]
     assert requeued and requeued[0][1]["reason"] == "worker shutting down"
     assert requeued[0][0] - sent_at < 5
     job = stack.wait_job(job_id, timeout=180)

@@ -8,11 +8,9 @@ import time
 
 import pytest
 import redis
-from rq import Queue
 
 from conftest import wait_for
 from shared import lifecycle
-from shared.jobstore import read_events
 from shared.keys import job_key, lease_key
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
@@ -29,20 +27,8 @@ def body(stack, reward=None, **config):
     return spec
 
 
-def submit(stack, spec) -> str:
-    with stack.client() as c:
-        resp = c.post(JOBS, json=spec)
-    assert resp.status_code == 200, resp.text
-    return resp.json()["job_id"]
-
-
-def get(stack, job_id) -> dict:
-    with stack.client() as c:
-        return c.get(f"{JOBS}/{job_id}").json()
-
-
 def events(stack, job_id) -> list[dict]:
-    return [e for _, e in read_events(stack.redis, job_id, count=100_000)]
+    return [e for _, e in stack.events(job_id)]
 
 
 def short_lease(stack, **more) -> dict:
@@ -51,7 +37,7 @@ def short_lease(stack, **more) -> dict:
 
 def test_poison_job_fails_after_max_attempts_and_the_workers_live_on(stack, workers):
     procs = [workers(env=short_lease(stack)) for _ in range(3)]
-    job_id = submit(stack, body(stack, reward="exit_process", max_attempts=3))
+    job_id = stack.submit(body(stack, reward="exit_process", max_attempts=3))
     job = stack.wait_job(job_id, timeout=180)
 
     assert job["status"] == "failed"
@@ -63,7 +49,7 @@ def test_poison_job_fails_after_max_attempts_and_the_workers_live_on(stack, work
 
     # Each death cost a training process, not a worker: all three are alive and take work.
     assert all(p.poll() is None for p in procs)
-    normal = submit(stack, body(stack))
+    normal = stack.submit(body(stack))
     assert stack.wait_job(normal, timeout=120)["status"] == "completed"
 
 
@@ -121,7 +107,7 @@ def test_every_transition_to_queued_is_one_transaction_with_its_rq_job(stack):
     the status and push the rq job in one MULTI/EXEC."""
     r = stack.redis
     with Monitor(r) as mon:
-        job_id = submit(stack, body(stack))
+        job_id = stack.submit(body(stack))
     assert _one_transaction_queues_it(mon, job_id), "create"
 
     epoch = lifecycle.start(r, job_id, "test-worker", lease_ttl_s=60)
@@ -153,10 +139,10 @@ def test_every_transition_to_queued_is_one_transaction_with_its_rq_job(stack):
 
 def test_reconciler_repairs_a_queued_job_without_rq_job_and_a_running_job_without_lease(stack, workers):
     r = stack.redis
-    orphan = submit(stack, body(stack))
+    orphan = stack.submit(body(stack))
     r.delete(f"rq:job:{orphan}")  # as if the rq job had been lost
     r.lrem("rq:queue:grpo", 0, orphan)
-    leaseless = submit(stack, body(stack))
+    leaseless = stack.submit(body(stack))
     assert lifecycle.start(r, leaseless, "gone-worker", lease_ttl_s=60)  # taken by a worker...
     r.lrem("rq:queue:grpo", 0, leaseless)
     r.delete(lease_key(leaseless))  # ...that died without a trace
@@ -167,7 +153,7 @@ def test_reconciler_repairs_a_queued_job_without_rq_job_and_a_running_job_withou
         job = stack.wait_job(job_id, timeout=120)
         assert job["status"] == "completed", job["error"]
         assert job["progress"]["iter"] == 6
-        requeued = [(int(eid.split("-")[0]) / 1000, e) for eid, e in read_events(r, job_id) if e["type"] == "requeued"]
+        requeued = [(t, e) for t, e in stack.events(job_id) if e["type"] == "requeued"]
         assert requeued, job_id
         assert requeued[0][0] - t0 < 20  # the worker's start, then one reconciler period (TTL/4, plus TTL/2 grace)
     assert any("rq job" in e["reason"] for e in events(stack, orphan) if e["type"] == "requeued")
@@ -176,7 +162,7 @@ def test_reconciler_repairs_a_queued_job_without_rq_job_and_a_running_job_withou
 
 def test_python_reward_that_never_returns_fails_the_job_within_its_timeout(stack, workers):
     workers(env=short_lease(stack))
-    job_id = submit(stack, body(stack, reward="sleep_forever", reward_timeout=2))
+    job_id = stack.submit(body(stack, reward="sleep_forever", reward_timeout=2))
     stack.wait_job(job_id, statuses=("running",), timeout=60)
     t0 = time.monotonic()
     job = stack.wait_job(job_id, timeout=60)
@@ -188,7 +174,7 @@ def test_python_reward_that_never_returns_fails_the_job_within_its_timeout(stack
 
 def test_native_hang_is_ended_by_the_watchdog_and_counts_as_an_attempt(stack, workers):
     worker = workers(env=short_lease(stack))
-    job_id = submit(stack, body(stack, reward="native_hang", stall_timeout_s=3, max_attempts=2, reward_timeout=1))
+    job_id = stack.submit(body(stack, reward="native_hang", stall_timeout_s=3, max_attempts=2, reward_timeout=1))
     job = stack.wait_job(job_id, timeout=120)
     assert job["status"] == "failed"
     assert "gave up after 2 attempts" in job["error"] and "stalled: no progress" in job["error"], job["error"]
@@ -198,7 +184,7 @@ def test_native_hang_is_ended_by_the_watchdog_and_counts_as_an_attempt(stack, wo
     for pid in pids:  # the stuck training processes are gone (not left spinning)
         wait_for(lambda: not _alive(pid), 10, f"training process {pid} to exit")
     assert worker.poll() is None
-    assert stack.wait_job(submit(stack, body(stack)), timeout=120)["status"] == "completed"
+    assert stack.wait_job(stack.submit(body(stack)), timeout=120)["status"] == "completed"
 
 
 def _alive(pid: int) -> bool:
@@ -214,8 +200,8 @@ def _alive(pid: int) -> bool:
 
 def test_killed_training_process_is_replaced_and_its_job_resumed(stack, workers):
     worker = workers(env=short_lease(stack))
-    job_id = submit(stack, body(stack, iters=60, checkpoint_every=2))
-    wait_for(lambda: (get(stack, job_id)["checkpoint_step"] or 0) >= 2, 120, "a checkpoint")
+    job_id = stack.submit(body(stack, iters=60, checkpoint_every=2))
+    wait_for(lambda: (stack.get_job(job_id)["checkpoint_step"] or 0) >= 2, 120, "a checkpoint")
     child = [e for e in events(stack, job_id) if e["type"] == "started"][-1]["pid"]
     os.kill(child, signal.SIGKILL)
     job = stack.wait_job(job_id, timeout=120)
@@ -228,7 +214,7 @@ def test_killed_training_process_is_replaced_and_its_job_resumed(stack, workers)
 
 def test_resume_refuses_lora_shape_changes_and_a_mismatched_checkpoint_fails_loudly(stack, workers):
     workers()
-    job_id = submit(stack, body(stack, iters=4, checkpoint_every=1, learning_rate=1e30, warmup_steps=2,
+    job_id = stack.submit(body(stack, iters=4, checkpoint_every=1, learning_rate=1e30, warmup_steps=2,
                                 max_grad_norm=None))
     job = stack.wait_job(job_id)
     assert job["status"] == "failed" and job["checkpoint_step"] >= 1
@@ -252,7 +238,7 @@ def test_a_worker_that_lost_the_lease_writes_no_adapter_files(stack, tmp_path):
     import multiprocessing
 
     r = stack.redis
-    job_id = submit(stack, body(stack))
+    job_id = stack.submit(body(stack))
     old = lifecycle.start(r, job_id, "old-worker", lease_ttl_s=60)
     assert lifecycle.lose(r, job_id, "test", epoch=old) == "queued"  # the job moved on
     lifecycle.start(r, job_id, "new-worker", lease_ttl_s=60)
@@ -276,13 +262,13 @@ def test_every_terminal_path_leaves_no_key_after_retention(stack, workers):
     wait_for(stack._api_up, 30, "the API")
     try:
         workers(env=env)
-        jobs = {"completed": submit(stack, body(stack, iters=2))}
-        jobs["failed"] = submit(stack, body(stack, reward="raises"))
-        jobs["poisoned"] = submit(stack, body(stack, reward="exit_process", max_attempts=1))
-        jobs["running-cancel"] = submit(stack, body(stack, iters=100_000))
+        jobs = {"completed": stack.submit(body(stack, iters=2))}
+        jobs["failed"] = stack.submit(body(stack, reward="raises"))
+        jobs["poisoned"] = stack.submit(body(stack, reward="exit_process", max_attempts=1))
+        jobs["running-cancel"] = stack.submit(body(stack, iters=100_000))
         stack.wait_job(jobs["running-cancel"], statuses=("running",), timeout=120)
-        jobs["queued-cancel"] = submit(stack, body(stack))
-        jobs["dead-worker-cancel"] = submit(stack, body(stack))
+        jobs["queued-cancel"] = stack.submit(body(stack))
+        jobs["dead-worker-cancel"] = stack.submit(body(stack))
         with stack.client() as c:
             assert c.post(f"{JOBS}/{jobs['queued-cancel']}/cancel").json()["status"] == "cancelled"
             r.lrem("rq:queue:grpo", 0, jobs["dead-worker-cancel"])

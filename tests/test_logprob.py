@@ -2,8 +2,6 @@
 equal a direct mlx_lm computation, match the GRPO job's own sampling log-probs, come with
 an adapter or without, from an idle worker or one busy training (without disturbing it)."""
 
-import threading
-import time
 
 import mlx.core as mx
 import mlx_lm
