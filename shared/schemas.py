@@ -68,10 +68,38 @@ class GRPOConfig(BaseModel):
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings (besides EOS).")
     use_chat_template: bool = True
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1 (bias-corrected, as PyTorch's and TRL's).")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon.")
+
+    # Memory of the loss step (worker/memory.py).
+    micro_batch_size: int | None = Field(
+        None, ge=1, le=262_144,
+        description="Rows per forward/backward of the loss step (gradients accumulate over the step's B*G rows). "
+        "Default: chosen from max_memory_gb; a value that does not divide B*G is lowered to a divisor.",
+    )
+    gradient_checkpointing: bool | None = Field(
+        None, description="Recompute each layer's activations in the backward pass. Default: on (as TRL), "
+        "off when lora_dropout > 0 (MLX would draw new dropout masks when recomputing).",
+    )
+    max_memory_gb: float | None = Field(
+        None, gt=0.0, le=1_000_000.0, description="Memory the job may use. Default (and upper bound): the device's "
+        "recommended working set on Metal, else 90% of the GPU's memory, else 75% of RAM.",
+    )
 
     # Durability.
     checkpoint_every: int = Field(10, ge=1, description="Save a checkpoint every N steps.")
     checkpoint_interval_s: float = Field(300.0, gt=0.0, description="...and at least this often.")
+
+    @model_validator(mode="after")
+    def _checkpointing_without_dropout(self):
+        if self.gradient_checkpointing and self.lora_dropout > 0:
+            raise ValueError("gradient_checkpointing needs lora_dropout = 0 (recomputed layers would draw new dropout masks)")
+        return self
+
+    @property
+    def use_gradient_checkpointing(self) -> bool:
+        return self.lora_dropout == 0 if self.gradient_checkpointing is None else self.gradient_checkpointing
 
     @property
     def epsilon_low(self) -> float:

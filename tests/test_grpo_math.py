@@ -13,7 +13,8 @@ Hugging Face TRL's GRPO objective, written from TRL's definitions:
                dr_grpo: masked sum / (rows * max_completion_len)
   metrics      clip_ratio/low = ratio < 1 - eps_low and A < 0, high = ratio > 1 + eps_high
                and A > 0, region = either; masked means over completion tokens, as are
-               mean_ratio and kl.
+               mean_ratio and kl; at sequence level the clip metrics and mean_ratio are
+               means over sequences (every row, one value each), as TRL logs them.
 
 The gradient d loss / d logp is derived analytically (checked here against central finite
 differences of the NumPy loss) and compared with mx.grad through grpo_loss.
@@ -137,15 +138,19 @@ def ref_stats(logp, old_logp, ref_logp, adv, mask, *, level, eps_low, eps_high, 
     def mm(x):
         return float((x * mask).sum() / N)
 
+    def per_sequence(x):  # one value per row (the ratio is constant along a row), every row counts
+        return float(np.mean([x[i, 0] for i in range(x.shape[0])]))
+
+    ratio_mean = per_sequence if level == "sequence" else mm
     out = {
-        "clip_ratio/low_mean": mm(low),
-        "clip_ratio/high_mean": mm(high),
-        "clip_ratio/region_mean": mm(low | high),
-        "mean_ratio": mm(ratio),
+        "clip_ratio/low_mean": ratio_mean(low),
+        "clip_ratio/high_mean": ratio_mean(high),
+        "clip_ratio/region_mean": ratio_mean(low | high),
+        "mean_ratio": ratio_mean(ratio),
     }
     if beta > 0:
         d = ref_logp - logp
-        out["kl"] = mm(np.exp(d) - d - 1)
+        out["kl"] = mm(np.exp(d) - d - 1)  # per token at either level
     return out
 
 

@@ -23,11 +23,12 @@ from shared.settings import Settings, load_settings
 from worker import checkpoints
 from worker.grpo import Cancelled, GRPOTrainer, NonFiniteLoss, TrainState
 from worker.lease import Lease, LeaseLost, set_current
+from worker.memory import MemoryEstimateError
 from worker.models import ModelNotFound, attach_lora, get_model, save_adapter
 from worker.rewards import RewardError, build_scorer
 
 log = logging.getLogger(__name__)
-USER_ERRORS = (ModelNotFound, RewardError, NonFiniteLoss)  # the message says it all; no traceback
+USER_ERRORS = (ModelNotFound, RewardError, NonFiniteLoss, MemoryEstimateError)  # the message says it all; no traceback
 
 
 def run_grpo_job(job_id: str) -> str:
