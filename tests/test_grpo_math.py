@@ -411,3 +411,53 @@ def test_advantages_group_of_one_is_zero(scale_rewards, B):
     assert got.shape == (B, 1)
     assert np.all(np.isfinite(got))
     np.testing.assert_array_equal(got, 0.0)
+
+
+# --------------------------------------------------------------------------- unscorable completions (TRL's NaN)
+
+
+def test_unscorable_completions_get_zero_advantage_and_stay_out_of_group_statistics():
+    nan = np.nan
+    rewards = np.array([[1.0, nan, 3.0, 2.0], [nan, nan, nan, nan], [5.0, nan, nan, nan]], dtype=np.float32)
+    got = advantages_from_rewards(rewards, "group")
+    scored = np.array([1.0, 3.0, 2.0])  # the first group without its NaN
+    np.testing.assert_allclose(got[0, [0, 2, 3]], (scored - scored.mean()) / (scored.std(ddof=1) + 1e-4), rtol=1e-5)
+    assert got[0, 1] == 0.0
+    np.testing.assert_array_equal(got[1:], 0.0)  # nothing scorable / one scorable: std undefined
+    batch = advantages_from_rewards(rewards, "batch")
+    valid = rewards[~np.isnan(rewards)].astype(np.float64)
+    np.testing.assert_allclose(batch[0, 0], (1.0 - 2.0) / (valid.std(ddof=1) + 1e-4), rtol=1e-5)
+    assert np.isfinite(batch).all() and batch[1].tolist() == [0.0] * 4
+
+
+# --------------------------------------------------------------------------- the optimizer
+
+
+def test_first_updates_equal_pytorch_adamw():
+    """The trainer's optimizer (bias-corrected AdamW with the config's betas and eps) against
+    PyTorch's AdamW update written in NumPy, on fixed gradients, three steps."""
+    import mlx.nn as nn
+
+    from shared.schemas import GRPOConfig
+    from worker.grpo import make_optimizer
+
+    cfg = GRPOConfig(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6)
+    rng = np.random.default_rng(0)
+    theta = rng.normal(size=(3, 4)).astype(np.float32)
+    grads = [rng.normal(size=(3, 4)).astype(np.float32) * s for s in (1.0, 0.1, 3.0)]
+    layer = nn.Linear(4, 3, bias=False)
+    layer.weight = mx.array(theta)
+    opt = make_optimizer(cfg)
+    opt.init(layer.trainable_parameters())
+
+    p, m, v = theta.astype(np.float64), np.zeros((3, 4)), np.zeros((3, 4))
+    b1, b2, eps, lr, wd = 0.8, 0.99, 1e-6, 1e-2, 0.1
+    for t, g in enumerate(grads, start=1):
+        opt.update(layer, {"weight": mx.array(g)})
+        p = p * (1 - lr * wd)  # torch.optim.AdamW, decoupled weight decay
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g.astype(np.float64) ** 2
+        p = p - lr / (1 - b1**t) * m / (np.sqrt(v) / np.sqrt(1 - b2**t) + eps)
+        np.testing.assert_allclose(np.array(layer.weight), p, rtol=1e-5, atol=1e-6)
+    # Without bias correction the first step would be 1 / (1 - b1) / sqrt(1 / (1 - b2)) ~ 0.5x (here) as large.
+    assert abs(p - theta).max() > 1e-3

@@ -299,6 +299,14 @@ def learning_rate_schedule(cfg: GRPOConfig) -> Callable | float:
     return optim.join_schedules([optim.linear_schedule(0.0, cfg.learning_rate, warm), main], [warm])
 
 
+def make_optimizer(cfg: GRPOConfig) -> optim.Optimizer:
+    """AdamW as PyTorch's (and so TRL's): bias-corrected (MLX's default is not)."""
+    return optim.AdamW(
+        learning_rate=learning_rate_schedule(cfg), betas=[cfg.adam_beta1, cfg.adam_beta2], eps=cfg.adam_epsilon,
+        weight_decay=cfg.weight_decay, bias_correction=True,
+    )
+
+
 class Cancelled(Exception):
     pass
 
@@ -320,10 +328,7 @@ class GRPOTrainer:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
         self.decode_step = make_decode_step(model, self.sampling, self.eos_ids, pad_id)
-        self.optimizer = optim.AdamW(
-            learning_rate=learning_rate_schedule(cfg), betas=[cfg.adam_beta1, cfg.adam_beta2], eps=cfg.adam_epsilon,
-            weight_decay=cfg.weight_decay, bias_correction=True,
-        )
+        self.optimizer = make_optimizer(cfg)
         self.optimizer.init(model.trainable_parameters())
 
         # Memory: fails here, before anything runs, when even one row cannot fit.
