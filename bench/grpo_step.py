@@ -135,6 +135,7 @@ def main():
 
     model, tokenizer = mlx_lm.load(args.model_dir)
     tokenizer.eos_token_ids = []  # both sides decode every row to full length
+    default_memory_limit = mx.get_memory_limit()
     if args.sweep:
         return sweep(model, tokenizer, args, overrides)
     spec, trainer, metrics = run_trainer(
@@ -142,6 +143,7 @@ def main():
         args.steps, args.warmup, overrides,
     )
 
+    mx.set_memory_limit(default_memory_limit)  # the trainer set its job's limit: not the lower bound's
     prompt_ids = [prompt_token_ids(tokenizer, as_item(p), spec.config.use_chat_template) for p in spec.prompts]
     temperature = spec.config.temperature
     gen_s, fb_s = lower_bound(model, tokenizer, prompt_ids, args.group_size, args.max_completion_len, temperature, max(args.steps // 2, 3))

@@ -175,6 +175,25 @@ def test_first_update_is_on_policy_under_lora_dropout(lm):
         assert m["clip_ratio/region_mean"] == 0.0
 
 
+def test_resume_from_a_checkpoint_continues_exactly(lm):
+    # The optimizer state now holds AdamW's step count for its bias correction: a job
+    # resumed from the checkpoint of step 2 must take the same step 3 as one that never stopped.
+    from worker import checkpoints
+
+    config = dict(iters=3, lora_dropout=0.1, weight_decay=0.1, lr_scheduler="cosine", warmup_steps=1)
+    straight = [m for m, _ in run_steps(make_trainer(lm, **config), 3)]
+    first = make_trainer(lm, **config)
+    state = TrainState()
+    for _ in range(2):
+        first.step(state, lambda: False)
+    blobs = {k.encode(): v for k, v in checkpoints.to_blobs(checkpoints.snapshot(first.model, first.optimizer, state)).items()}
+    resumed = make_trainer(lm, **config)
+    state = checkpoints.restore(resumed.model, resumed.optimizer, blobs)
+    assert state.step == 2 and resumed.optimizer.step.item() == 2
+    third, _ = resumed.step(state, lambda: False)
+    assert {k: v for k, v in third.items() if k not in TIMING} == {k: v for k, v in straight[2].items() if k not in TIMING}
+
+
 def test_reward_text_has_no_special_tokens(lm):
     _, tok = lm
     ids = tok.encode("hello") + [tok.convert_tokens_to_ids("<|im_start|>")] + tok.encode(" world")
@@ -186,6 +205,17 @@ def test_reward_text_has_no_special_tokens(lm):
 # ----------------------------------------------------------------------------------------
 # 4b. Memory: micro-batches and gradient checkpointing change nothing but memory
 # ----------------------------------------------------------------------------------------
+
+
+def test_gradient_checkpointing_defaults_to_on_and_refuses_dropout():
+    from pydantic import ValidationError
+
+    from shared.schemas import GRPOConfig
+
+    assert GRPOConfig().use_gradient_checkpointing  # TRL's default
+    assert not GRPOConfig(lora_dropout=0.1).use_gradient_checkpointing  # recomputation would redraw the masks
+    with pytest.raises(ValidationError, match="gradient_checkpointing needs lora_dropout = 0"):
+        GRPOConfig(lora_dropout=0.1, gradient_checkpointing=True)
 
 
 def memory_variant_results(lm, batch, loss_type, level, micro_batch_size, checkpointing):
