@@ -79,8 +79,9 @@ class GRPOConfig(BaseModel):
         "Default: chosen from max_memory_gb; a value that does not divide B*G is lowered to a divisor.",
     )
     gradient_checkpointing: bool | None = Field(
-        None, description="Recompute each layer's activations in the backward pass. Default: on (as TRL), "
-        "off when lora_dropout > 0 (MLX would draw new dropout masks when recomputing).",
+        None, description="Recompute each layer's activations in the backward pass. Default: on where it allows "
+        "a larger micro-batch (TRL defaults to on), off when lora_dropout > 0 (MLX would draw new dropout masks "
+        "when recomputing).",
     )
     max_memory_gb: float | None = Field(
         None, gt=0.0, le=1_000_000.0, description="Memory the job may use. Default (and upper bound): the device's "
@@ -98,8 +99,11 @@ class GRPOConfig(BaseModel):
         return self
 
     @property
-    def use_gradient_checkpointing(self) -> bool:
-        return self.lora_dropout == 0 if self.gradient_checkpointing is None else self.gradient_checkpointing
+    def use_gradient_checkpointing(self) -> bool | None:
+        """None: decided by the memory plan (worker/memory.py)."""
+        if self.gradient_checkpointing is None and self.lora_dropout > 0:
+            return False
+        return self.gradient_checkpointing
 
     @property
     def epsilon_low(self) -> float:

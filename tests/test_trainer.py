@@ -207,13 +207,23 @@ def test_reward_text_has_no_special_tokens(lm):
 # ----------------------------------------------------------------------------------------
 
 
-def test_gradient_checkpointing_defaults_to_on_and_refuses_dropout():
+def test_gradient_checkpointing_is_planned_and_refuses_dropout(lm):
     from pydantic import ValidationError
 
     from shared.schemas import GRPOConfig
 
-    assert GRPOConfig().use_gradient_checkpointing  # TRL's default
-    assert not GRPOConfig(lora_dropout=0.1).use_gradient_checkpointing  # recomputation would redraw the masks
+    assert GRPOConfig().use_gradient_checkpointing is None  # the memory plan decides
+    assert GRPOConfig(lora_dropout=0.1).use_gradient_checkpointing is False  # recomputing would redraw the masks
+    # Checkpointing where it buys a larger micro-batch: in a deep model with long rows, not in
+    # the 2-layer tiny model (its recomputation would save nothing).
+    from mlx_lm.models import qwen3
+
+    from worker.memory import plan_memory
+
+    assert make_trainer(lm, group_size=16, batch_size=4, max_completion_len=256).memory.gradient_checkpointing is False
+    deep = qwen3.Model(qwen3.ModelArgs.from_dict({**vars(lm[0].args), "num_hidden_layers": 16}))
+    auto, plain = (plan_memory(deep, 64, 276, c, None, None) for c in (None, False))
+    assert auto.gradient_checkpointing and auto.micro_batch_size > plain.micro_batch_size
     with pytest.raises(ValidationError, match="gradient_checkpointing needs lora_dropout = 0"):
         GRPOConfig(lora_dropout=0.1, gradient_checkpointing=True)
 

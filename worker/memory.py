@@ -4,7 +4,7 @@ A step has two phases that never overlap (the sampling KV cache is gone before t
 
   sampling   the KV cache of all B*G rows, P + L positions each (P: longest prompt,
              L: max_completion_len), and the decode's transient copies of it:
-                 S = SAMPLING_KV_COPIES * rows * layers * 2 * kv_heads * head_dim * (P + L) * bytes
+                 S = copies * rows * layers * 2 * kv_heads * head_dim * (P + L) * bytes
   loss       m rows at a time (the micro-batch), gradients accumulated over the step:
                  no checkpointing:   m * (P + L) * layers * act
                  checkpointing:      m * (P + L) * (layers * hidden * bytes + 2 * act)
@@ -21,6 +21,7 @@ The micro-batch (when the job does not set it) is the largest divisor m of B*G s
     or m * (P + L) <= MIN_MICRO_BATCH_TOKENS (smaller would be mostly per-call overhead),
   - m * (P + L) <= MAX_MICRO_BATCH_TOKENS (larger forward passes are no faster), and
   - weights + loss(m) fits max_memory_gb.
+Gradient checkpointing (unless the job sets it) is used where it allows a larger micro-batch.
 If even m = 1 (or sampling) does not fit max_memory_gb, the job fails at start with
 MemoryEstimateError, which says how much it needs.
 """
@@ -33,7 +34,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 GB = 1e9
-SAMPLING_KV_COPIES = 2  # decode peak over the KV cache: ~2 on the H200 (bench --sweep); CPU measures ~4.7 (GQA copies)
+# The decode's peak over its KV cache, measured (bench --sweep): ~4.7 on CPU (attention copies
+# K/V for grouped-query heads, old and new buffers), within 2 on the H200 (fused attention).
+SAMPLING_KV_COPIES = {"cpu": 5, "gpu": 2}
 MAX_MICRO_BATCH_TOKENS = 8192
 MIN_MICRO_BATCH_TOKENS = 1024  # below this a micro-batch is mostly per-call overhead: allowed whenever it fits
 LOGITS_CHUNK_BYTES = 16 * 2**20  # float32 logits of one chunk of completion positions
@@ -98,7 +101,8 @@ def activation_bytes(s: ModelShape, width: int) -> int:
 
 
 def sampling_bytes(s: ModelShape, rows: int, width: int) -> int:
-    return SAMPLING_KV_COPIES * rows * s.layers * 2 * s.kv_heads * s.head_dim * width * s.act_bytes
+    copies = SAMPLING_KV_COPIES["gpu" if mx.default_device() == mx.gpu else "cpu"]
+    return copies * rows * s.layers * 2 * s.kv_heads * s.head_dim * width * s.act_bytes
 
 
 def loss_bytes(s: ModelShape, rows: int, width: int, checkpointing: bool) -> int:
@@ -124,10 +128,18 @@ class MemoryPlan:
 
 
 def plan_memory(
-    model: nn.Module, rows: int, width: int, checkpointing: bool,
+    model: nn.Module, rows: int, width: int, checkpointing: bool | None,
     micro_batch_size: int | None, max_memory_gb: float | None,
 ) -> MemoryPlan:
-    """rows = B*G, width = longest prompt + max_completion_len."""
+    """rows = B*G, width = longest prompt + max_completion_len. checkpointing None: only
+    where it buys a larger micro-batch (recomputing costs a forward pass)."""
+    if checkpointing is None:
+        with_it = plan_memory(model, rows, width, True, micro_batch_size, max_memory_gb)
+        try:
+            without = plan_memory(model, rows, width, False, micro_batch_size, max_memory_gb)
+        except MemoryEstimateError:
+            return with_it
+        return without if without.micro_batch_size >= with_it.micro_batch_size else with_it
     s = model_shape(model)
     limit = device_memory_bytes() if max_memory_gb is None else min(max_memory_gb * GB, device_memory_bytes())
     weights = weights_bytes(model)
