@@ -143,13 +143,19 @@ def test_beta_reports_kl_and_costs_little_memory(lm):
 
 def test_second_update_on_a_batch_sees_a_ratio_off_one(lm):
     # Metrics are those of the last update of the step. With mu=1 it is the first update on
-    # freshly sampled data: pi_theta == pi_old, so the ratio is 1 up to float noise (this
-    # also checks that sampling's log-probs match the loss's forward pass, at step 2 with a
-    # trained LoRA too). With mu=2 the second update sees weights the first one changed.
+    # freshly sampled data: the ratio is exactly 1 (TRL's detached log-probs). With mu=2 the
+    # ratio is against sampling's log-probs: with a zero learning rate the weights do not
+    # move, so it is 1 up to float noise (sampling's log-probs match the loss's forward pass,
+    # at step 2 with a trained LoRA too); the second update sees weights the first changed.
     single = [m for m, _ in run_steps(make_trainer(lm, learning_rate=0.1, num_iterations=1, iters=2), 2)]
     for m in single:
-        assert abs(m["mean_ratio"] - 1.0) < 1e-3, m["mean_ratio"]
-        assert m["clip_ratio/region_mean"] == 0.0
+        assert m["mean_ratio"] == 1.0 and m["clip_ratio/region_mean"] == 0.0
+    trained = make_trainer(lm, learning_rate=0.1, num_iterations=2, iters=2)
+    state = TrainState()
+    trained.step(state, lambda: False)
+    trained.optimizer.learning_rate = 0.0
+    frozen, _ = trained.step(state, lambda: False)
+    assert abs(frozen["mean_ratio"] - 1.0) < 1e-3 and frozen["clip_ratio/region_mean"] == 0.0
 
     def second_update(**config):
         return run_steps(make_trainer(lm, learning_rate=0.1, num_iterations=2, iters=1, **config), 1)[0][0]
