@@ -2,6 +2,8 @@
 
     python bench/grpo_step.py MODEL_DIR --group-size 4 --batch-size 2 --max-completion-len 64 [--steps 8] [--set beta=0.04 ...]
 
+    python bench/grpo_step.py MODEL_DIR --sweep 8,4,128 16,4,256 8,2,1024 [--set ...]
+
 Prints one JSON line:
   step_s          median seconds of a whole trainer step (sampling, rewards, loss, update,
                   metrics), after --warmup steps
@@ -10,10 +12,16 @@ Prints one JSON line:
   lower_bound_s   mlx_lm's own batch_generate of the same B*G rows and lengths, plus one
                   forward+backward of the same batch (medians)
   ratio           step_s / lower_bound_s
+  micro_batch_size, gradient_checkpointing, estimated_peak_gb: the trainer's memory plan
 EOS is switched off on both sides so every completion runs to max_completion_len.
+
+--sweep G,B,L ...: the trainer alone (no lower bound) at each group size x batch size x
+completion length, one JSON line each, then a table of rows x length with step time,
+measured peak memory and the estimate the micro-batch was chosen from.
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -70,6 +78,48 @@ def lower_bound(model, tokenizer, prompt_ids, group_size, length, temperature, r
     return statistics.median(gen_times), statistics.median(fb_times)
 
 
+def run_trainer(model, tokenizer, model_dir, group_size, batch_size, length, steps, warmup, overrides):
+    """Steps of a fresh job (fresh LoRA) on the loaded model; returns its spec, trainer and metrics."""
+    config = {"group_size": group_size, "batch_size": batch_size, "max_completion_len": length, "iters": steps + warmup}
+    config.update(overrides)
+    spec = JobCreate.model_validate({"model_id": model_dir, "prompts": (PROMPTS * 64)[:batch_size], "config": config})
+    mx.random.seed(spec.config.seed)
+    attach_lora(model, spec.config)
+    trainer = GRPOTrainer(model, tokenizer, spec, build_scorer(spec, "bench"))
+    state = TrainState()
+    metrics = [trainer.step(state, lambda: False)[0] for _ in range(steps + warmup)][warmup:]
+    return spec, trainer, metrics
+
+
+def summary(metrics, trainer, group_size, batch_size, length) -> dict:
+    plan = trainer.memory
+    return {
+        "group_size": group_size, "batch_size": batch_size, "max_completion_len": length,
+        "step_s": round(statistics.median(m["step_time"] for m in metrics), 4),
+        "tokens_per_s": round(statistics.median(m["tokens_per_second"] for m in metrics), 1),
+        "peak_memory_gb": round(max(m["peak_memory_gb"] for m in metrics), 4),
+        "micro_batch_size": plan.micro_batch_size, "gradient_checkpointing": plan.gradient_checkpointing,
+        "estimated_peak_gb": round(plan.peak_gb, 4),
+    }
+
+
+def sweep(model, tokenizer, args, overrides):
+    rows = []
+    for shape in args.sweep:
+        G, B, L = (int(x) for x in shape.split(","))
+        _, trainer, metrics = run_trainer(model, tokenizer, args.model_dir, G, B, L, args.steps, args.warmup, overrides)
+        rows.append(summary(metrics, trainer, G, B, L))
+        print(json.dumps({"model": Path(args.model_dir).name, "device": str(mx.default_device()), **rows[-1]}), flush=True)
+        del trainer
+        gc.collect()
+        mx.clear_cache()
+    print("\n| G | B | L | rows | micro-batch | checkpointing | step s | peak GB | estimate GB |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['group_size']} | {r['batch_size']} | {r['max_completion_len']} | {r['group_size'] * r['batch_size']} "
+              f"| {r['micro_batch_size']} | {r['gradient_checkpointing']} | {r['step_s']:.2f} | {r['peak_memory_gb']:.3f} "
+              f"| {r['estimated_peak_gb']:.3f} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir")
@@ -79,36 +129,32 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2, help="steps not timed (compilation)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="job config overrides")
+    ap.add_argument("--sweep", nargs="+", metavar="G,B,L", help="trainer only, at each group,batch,length")
     args = ap.parse_args()
-
-    config = {"group_size": args.group_size, "batch_size": args.batch_size,
-              "max_completion_len": args.max_completion_len, "iters": args.steps + args.warmup}
-    config.update({k: parse_value(v) for k, v in (kv.split("=", 1) for kv in args.set)})
-    spec = JobCreate.model_validate({"model_id": args.model_dir, "prompts": PROMPTS[: args.batch_size], "config": config})
+    overrides = {k: parse_value(v) for k, v in (kv.split("=", 1) for kv in args.set)}
 
     model, tokenizer = mlx_lm.load(args.model_dir)
     tokenizer.eos_token_ids = []  # both sides decode every row to full length
-    mx.random.seed(spec.config.seed)
-    attach_lora(model, spec.config)
-    trainer = GRPOTrainer(model, tokenizer, spec, build_scorer(spec, "bench"))
-    state = TrainState()
-    metrics = [trainer.step(state, lambda: False)[0] for _ in range(args.steps + args.warmup)][args.warmup:]
+    default_memory_limit = mx.get_memory_limit()
+    if args.sweep:
+        return sweep(model, tokenizer, args, overrides)
+    spec, trainer, metrics = run_trainer(
+        model, tokenizer, args.model_dir, args.group_size, args.batch_size, args.max_completion_len,
+        args.steps, args.warmup, overrides,
+    )
 
+    mx.set_memory_limit(default_memory_limit)  # the trainer set its job's limit: not the lower bound's
     prompt_ids = [prompt_token_ids(tokenizer, as_item(p), spec.config.use_chat_template) for p in spec.prompts]
     temperature = spec.config.temperature
     gen_s, fb_s = lower_bound(model, tokenizer, prompt_ids, args.group_size, args.max_completion_len, temperature, max(args.steps // 2, 3))
 
-    step_s = statistics.median(m["step_time"] for m in metrics)
+    result = summary(metrics, trainer, args.group_size, args.batch_size, args.max_completion_len)
     bound = gen_s + fb_s
     print(json.dumps({
         "model": Path(args.model_dir).name, "device": str(mx.default_device()),
-        "ld_preload": os.environ.get("LD_PRELOAD", ""),
-        "group_size": args.group_size, "batch_size": args.batch_size, "max_completion_len": args.max_completion_len,
-        "step_s": round(step_s, 4),
-        "tokens_per_s": round(statistics.median(m["tokens_per_second"] for m in metrics), 1),
-        "peak_memory_gb": round(max(m["peak_memory_gb"] for m in metrics), 4),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""), **result,
         "lower_bound_s": round(bound, 4), "lower_bound_generate_s": round(gen_s, 4), "lower_bound_fwd_bwd_s": round(fb_s, 4),
-        "ratio": round(step_s / bound, 3),
+        "ratio": round(result["step_s"] / bound, 3),
     }))
 
 

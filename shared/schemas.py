@@ -106,6 +106,25 @@ class GRPOConfig(BaseModel):
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16, description="Stop strings (besides EOS).")
     use_chat_template: bool = True
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1 (bias-corrected, as PyTorch's and TRL's).")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon.")
+
+    # Memory of the loss step (worker/memory.py).
+    micro_batch_size: int | None = Field(
+        None, ge=1, le=262_144,
+        description="Rows per forward/backward of the loss step (gradients accumulate over the step's B*G rows). "
+        "Default: chosen from max_memory_gb; a value that does not divide B*G is lowered to a divisor.",
+    )
+    gradient_checkpointing: bool | None = Field(
+        None, description="Recompute each layer's activations in the backward pass. Default: on where it allows "
+        "a larger micro-batch (TRL defaults to on), off when lora_dropout > 0 (MLX would draw new dropout masks "
+        "when recomputing).",
+    )
+    max_memory_gb: float | None = Field(
+        None, gt=0.0, le=1_000_000.0, description="Memory the job may use. Default (and upper bound): the device's "
+        "recommended working set on Metal, else 90% of the GPU's memory, else 75% of RAM.",
+    )
 
     # Durability.
     checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Save a checkpoint every N steps.")
@@ -120,6 +139,19 @@ class GRPOConfig(BaseModel):
         description="The worker's supervisor ends a training process that made no progress (decode chunk, "
         "reward call, optimizer step) for this long; the first step gets MTQ_COMPILE_GRACE_S more.",
     )
+
+    @model_validator(mode="after")
+    def _checkpointing_without_dropout(self):
+        if self.gradient_checkpointing and self.lora_dropout > 0:
+            raise ValueError("gradient_checkpointing needs lora_dropout = 0 (recomputed layers would draw new dropout masks)")
+        return self
+
+    @property
+    def use_gradient_checkpointing(self) -> bool | None:
+        """None: decided by the memory plan (worker/memory.py)."""
+        if self.gradient_checkpointing is None and self.lora_dropout > 0:
+            return False
+        return self.gradient_checkpointing
 
     @property
     def epsilon_low(self) -> float:

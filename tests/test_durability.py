@@ -64,7 +64,7 @@ def test_killed_worker_job_is_requeued_and_resumed_elsewhere(stack, workers):
 
 def test_long_job_is_never_declared_abandoned_while_its_worker_lives(stack, workers):
     workers(env=dict(stack.env, MTQ_LEASE_TTL="1"))
-    job_id = stack.submit(body(stack, iters=300))
+    job_id = stack.submit(body(stack, iters=300))  # a few ms a step on the tiny model: several TTLs long
     queue_registries = (StartedJobRegistry("grpo", connection=stack.redis), FailedJobRegistry("grpo", connection=stack.redis))
     deadline = time.monotonic() + 180
     started = None

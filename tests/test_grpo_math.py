@@ -13,7 +13,8 @@ Hugging Face TRL's GRPO objective, written from TRL's definitions:
                dr_grpo: masked sum / (rows * max_completion_len)
   metrics      clip_ratio/low = ratio < 1 - eps_low and A < 0, high = ratio > 1 + eps_high
                and A > 0, region = either; masked means over completion tokens, as are
-               mean_ratio and kl.
+               mean_ratio and kl; at sequence level the clip metrics and mean_ratio are
+               means over sequences (every row, one value each), as TRL logs them.
 
 The gradient d loss / d logp is derived analytically (checked here against central finite
 differences of the NumPy loss) and compared with mx.grad through grpo_loss.
@@ -137,15 +138,19 @@ def ref_stats(logp, old_logp, ref_logp, adv, mask, *, level, eps_low, eps_high, 
     def mm(x):
         return float((x * mask).sum() / N)
 
+    def per_sequence(x):  # one value per row (the ratio is constant along a row), every row counts
+        return float(np.mean([x[i, 0] for i in range(x.shape[0])]))
+
+    ratio_mean = per_sequence if level == "sequence" else mm
     out = {
-        "clip_ratio/low_mean": mm(low),
-        "clip_ratio/high_mean": mm(high),
-        "clip_ratio/region_mean": mm(low | high),
-        "mean_ratio": mm(ratio),
+        "clip_ratio/low_mean": ratio_mean(low),
+        "clip_ratio/high_mean": ratio_mean(high),
+        "clip_ratio/region_mean": ratio_mean(low | high),
+        "mean_ratio": ratio_mean(ratio),
     }
     if beta > 0:
         d = ref_logp - logp
-        out["kl"] = mm(np.exp(d) - d - 1)
+        out["kl"] = mm(np.exp(d) - d - 1)  # per token at either level
     return out
 
 
@@ -406,3 +411,53 @@ def test_advantages_group_of_one_is_zero(scale_rewards, B):
     assert got.shape == (B, 1)
     assert np.all(np.isfinite(got))
     np.testing.assert_array_equal(got, 0.0)
+
+
+# --------------------------------------------------------------------------- unscorable completions (TRL's NaN)
+
+
+def test_unscorable_completions_get_zero_advantage_and_stay_out_of_group_statistics():
+    nan = np.nan
+    rewards = np.array([[1.0, nan, 3.0, 2.0], [nan, nan, nan, nan], [5.0, nan, nan, nan]], dtype=np.float32)
+    got = advantages_from_rewards(rewards, "group")
+    scored = np.array([1.0, 3.0, 2.0])  # the first group without its NaN
+    np.testing.assert_allclose(got[0, [0, 2, 3]], (scored - scored.mean()) / (scored.std(ddof=1) + 1e-4), rtol=1e-5)
+    assert got[0, 1] == 0.0
+    np.testing.assert_array_equal(got[1:], 0.0)  # nothing scorable / one scorable: std undefined
+    batch = advantages_from_rewards(rewards, "batch")
+    valid = rewards[~np.isnan(rewards)].astype(np.float64)
+    np.testing.assert_allclose(batch[0, 0], (1.0 - 2.0) / (valid.std(ddof=1) + 1e-4), rtol=1e-5)
+    assert np.isfinite(batch).all() and batch[1].tolist() == [0.0] * 4
+
+
+# --------------------------------------------------------------------------- the optimizer
+
+
+def test_first_updates_equal_pytorch_adamw():
+    """The trainer's optimizer (bias-corrected AdamW with the config's betas and eps) against
+    PyTorch's AdamW update written in NumPy, on fixed gradients, three steps."""
+    import mlx.nn as nn
+
+    from shared.schemas import GRPOConfig
+    from worker.grpo import make_optimizer
+
+    cfg = GRPOConfig(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6)
+    rng = np.random.default_rng(0)
+    theta = rng.normal(size=(3, 4)).astype(np.float32)
+    grads = [rng.normal(size=(3, 4)).astype(np.float32) * s for s in (1.0, 0.1, 3.0)]
+    layer = nn.Linear(4, 3, bias=False)
+    layer.weight = mx.array(theta)
+    opt = make_optimizer(cfg)
+    opt.init(layer.trainable_parameters())
+
+    p, m, v = theta.astype(np.float64), np.zeros((3, 4)), np.zeros((3, 4))
+    b1, b2, eps, lr, wd = 0.8, 0.99, 1e-6, 1e-2, 0.1
+    for t, g in enumerate(grads, start=1):
+        opt.update(layer, {"weight": mx.array(g)})
+        p = p * (1 - lr * wd)  # torch.optim.AdamW, decoupled weight decay
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g.astype(np.float64) ** 2
+        p = p - lr / (1 - b1**t) * m / (np.sqrt(v) / np.sqrt(1 - b2**t) + eps)
+        np.testing.assert_allclose(np.array(layer.weight), p, rtol=1e-5, atol=1e-6)
+    # Without bias correction the first step would be 1 / (1 - b1) / sqrt(1 / (1 - b2)) ~ 0.5x (here) as large.
+    assert abs(p - theta).max() > 1e-3

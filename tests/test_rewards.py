@@ -258,7 +258,8 @@ def test_python_source_rewards(reward_fns):
     spec = make_spec([{"type": "python", "function": "reward_fns:answer_length_match", "name": "len_match"}])
     with build_scorer(spec, JOB_ID) as scorer:
         rewards, metrics = scorer.score(0, [item(answer="abc"), item()], [["xyz", "x"], ["a", "b"]])
-    assert rewards.tolist() == [[1.0, 0.0], [0.0, 0.0]]
+    assert rewards[0].tolist() == [1.0, 0.0]
+    assert np.isnan(rewards[1]).all()  # the function returned None for both: unscorable (TRL's NaN)
     assert metrics == {"rewards/len_match/mean": 0.5, "rewards/len_match/std": 0.5}
 
 
@@ -408,7 +409,8 @@ def test_endpoint_none_means_does_not_apply(server):
     spec = make_spec([endpoint(server.url, name="judge", weight=2.0)])
     with build_scorer(spec, JOB_ID) as scorer:
         rewards, metrics = scorer.score(0, [item()], [["a", "b", "c"]])
-    assert rewards.tolist() == [[2.0, 0.0, 6.0]]
+    # The middle completion has no reward from any source: NaN (TRL's "unscorable").
+    assert rewards[0, [0, 2]].tolist() == [2.0, 6.0] and np.isnan(rewards[0, 1])
     assert metrics == {"rewards/judge/mean": 2.0, "rewards/judge/std": 1.0}
 
 

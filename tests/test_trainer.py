@@ -21,7 +21,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from shared.schemas import JobCreate, PromptItem
-from worker.grpo import Cancelled, GRPOTrainer, TrainState, prompt_token_ids
+from mlx.utils import tree_map
+
+from worker.grpo import Batch, Cancelled, GRPOTrainer, TrainState, completion_text, prompt_token_ids
 from worker.models import attach_lora
 from worker.rewards import build_scorer
 
@@ -141,13 +143,19 @@ def test_beta_reports_kl_and_costs_little_memory(lm):
 
 def test_second_update_on_a_batch_sees_a_ratio_off_one(lm):
     # Metrics are those of the last update of the step. With mu=1 it is the first update on
-    # freshly sampled data: pi_theta == pi_old, so the ratio is 1 up to float noise (this
-    # also checks that sampling's log-probs match the loss's forward pass, at step 2 with a
-    # trained LoRA too). With mu=2 the second update sees weights the first one changed.
+    # freshly sampled data: the ratio is exactly 1 (TRL's detached log-probs). With mu=2 the
+    # ratio is against sampling's log-probs: with a zero learning rate the weights do not
+    # move, so it is 1 up to float noise (sampling's log-probs match the loss's forward pass,
+    # at step 2 with a trained LoRA too); the second update sees weights the first changed.
     single = [m for m, _ in run_steps(make_trainer(lm, learning_rate=0.1, num_iterations=1, iters=2), 2)]
     for m in single:
-        assert abs(m["mean_ratio"] - 1.0) < 1e-3, m["mean_ratio"]
-        assert m["clip_ratio/region_mean"] == 0.0
+        assert m["mean_ratio"] == 1.0 and m["clip_ratio/region_mean"] == 0.0
+    trained = make_trainer(lm, learning_rate=0.1, num_iterations=2, iters=2)
+    state = TrainState()
+    trained.step(state, lambda: False)
+    trained.optimizer.learning_rate = 0.0
+    frozen, _ = trained.step(state, lambda: False)
+    assert abs(frozen["mean_ratio"] - 1.0) < 1e-3 and frozen["clip_ratio/region_mean"] == 0.0
 
     def second_update(**config):
         return run_steps(make_trainer(lm, learning_rate=0.1, num_iterations=2, iters=1, **config), 1)[0][0]
@@ -162,6 +170,103 @@ def test_second_update_on_a_batch_sees_a_ratio_off_one(lm):
     assert wide["clip_ratio/high_mean"] == 0.0 and wide["clip_ratio/low_mean"] == double["clip_ratio/low_mean"]
     sequence = second_update(importance_sampling_level="sequence")
     assert abs(sequence["mean_ratio"] - double["mean_ratio"]) > 1e-3
+
+
+def test_first_update_is_on_policy_under_lora_dropout(lm):
+    # mu = 1: the ratio is exactly 1 on every token although sampling runs without dropout
+    # and the loss with it (TRL's detached current log-probs). With a zero clip range any
+    # token whose ratio were off 1 on its advantage's side would count as clipped.
+    for m, _ in run_steps(make_trainer(lm, lora_dropout=0.3, clip_ratio=0.0, epsilon_high=0.0, iters=2), 2):
+        assert m["mean_ratio"] == 1.0
+        assert m["clip_ratio/region_mean"] == 0.0
+
+
+def test_resume_from_a_checkpoint_continues_exactly(lm):
+    # The optimizer state now holds AdamW's step count for its bias correction: a job
+    # resumed from the checkpoint of step 2 must take the same step 3 as one that never stopped.
+    from worker import checkpoints
+
+    config = dict(iters=3, lora_dropout=0.1, weight_decay=0.1, lr_scheduler="cosine", warmup_steps=1)
+    straight = [m for m, _ in run_steps(make_trainer(lm, **config), 3)]
+    first = make_trainer(lm, **config)
+    state = TrainState()
+    for _ in range(2):
+        first.step(state, lambda: False)
+    blobs = {k.encode(): v for k, v in checkpoints.to_blobs(checkpoints.snapshot(first.model, first.optimizer, state)).items()}
+    resumed = make_trainer(lm, **config)
+    state = checkpoints.restore(resumed.model, resumed.optimizer, blobs)
+    assert state.step == 2 and resumed.optimizer.step.item() == 2
+    third, _ = resumed.step(state, lambda: False)
+    assert {k: v for k, v in third.items() if k not in TIMING} == {k: v for k, v in straight[2].items() if k not in TIMING}
+
+
+def test_reward_text_has_no_special_tokens(lm):
+    _, tok = lm
+    ids = tok.encode("hello") + [tok.convert_tokens_to_ids("<|im_start|>")] + tok.encode(" world")
+    ids += [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert "<|im_start|>" in tok.decode(ids)
+    assert completion_text(tok, ids) == tok.decode(tok.encode("hello")) + tok.decode(tok.encode(" world"))
+
+
+# ----------------------------------------------------------------------------------------
+# 4b. Memory: micro-batches and gradient checkpointing change nothing but memory
+# ----------------------------------------------------------------------------------------
+
+
+def test_gradient_checkpointing_is_planned_and_refuses_dropout(lm):
+    from pydantic import ValidationError
+
+    from shared.schemas import GRPOConfig
+
+    assert GRPOConfig().use_gradient_checkpointing is None  # the memory plan decides
+    assert GRPOConfig(lora_dropout=0.1).use_gradient_checkpointing is False  # recomputing would redraw the masks
+    # Checkpointing where it buys a larger micro-batch: in a deep model with long rows, not in
+    # the 2-layer tiny model (its recomputation would save nothing).
+    from mlx_lm.models import qwen3
+
+    from worker.memory import plan_memory
+
+    assert make_trainer(lm, group_size=16, batch_size=4, max_completion_len=256).memory.gradient_checkpointing is False
+    deep = qwen3.Model(qwen3.ModelArgs.from_dict({**vars(lm[0].args), "num_hidden_layers": 16}))
+    auto, plain = (plan_memory(deep, 64, 276, c, None, None) for c in (None, False))
+    assert auto.gradient_checkpointing and auto.micro_batch_size > plain.micro_batch_size
+    with pytest.raises(ValidationError, match="gradient_checkpointing needs lora_dropout = 0"):
+        GRPOConfig(lora_dropout=0.1, gradient_checkpointing=True)
+
+
+def memory_variant_results(lm, batch, loss_type, level, micro_batch_size, checkpointing):
+    trainer = make_trainer(lm, loss_type=loss_type, importance_sampling_level=level, micro_batch_size=micro_batch_size,
+                           gradient_checkpointing=checkpointing, num_iterations=2, beta=0.04, max_grad_norm=None,
+                           group_size=4, batch_size=2)
+    mx.random.seed(1)  # LoRA weights off zero, the same for every variant
+    trainer.model.update(tree_map(lambda p: 0.05 * mx.random.normal(p.shape), trainer.model.trainable_parameters()))
+    trainer.model.train()
+    loss, stats, _, grads = trainer.loss_and_grads(batch, batch.old_logp + 0.1)
+    assert trainer.memory.micro_batch_size == micro_batch_size
+    return loss.item(), {k: v.item() for k, v in stats.items()}, {k: np.array(v) for k, v in tree_flatten(grads)}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_micro_batches_and_checkpointing_give_the_unbatched_loss_and_gradients(lm, loss_type, level):
+    rng = np.random.default_rng(0)
+    rows, P, L = 8, 5, 16
+    inputs = rng.integers(3, 1000, (rows, P + L))
+    lengths = np.array([16, 3, 0, 9, 12, 1, 16, 7])  # rows of every length, one fully masked
+    batch = Batch(
+        inputs=mx.array(inputs, dtype=mx.int32), left_pad=mx.array(rng.integers(0, 3, rows), dtype=mx.int32),
+        completion=mx.array(inputs[:, P:], dtype=mx.int32), mask=mx.array(np.arange(L)[None] < lengths[:, None]),
+        old_logp=mx.array(-rng.uniform(6.0, 8.0, (rows, L)).astype(np.float32)),
+        advantages=mx.array(rng.normal(size=rows).astype(np.float32)),
+    )
+    loss0, stats0, grads0 = memory_variant_results(lm, batch, loss_type, level, rows, False)
+    assert any(np.abs(g).max() > 0 for g in grads0.values())
+    for micro_batch_size, checkpointing in ((2, False), (rows, True), (1, True)):
+        loss, stats, grads = memory_variant_results(lm, batch, loss_type, level, micro_batch_size, checkpointing)
+        assert loss == pytest.approx(loss0, rel=1e-5)
+        assert stats == pytest.approx(stats0, rel=1e-5, abs=1e-7)
+        for k, g in grads.items():
+            assert np.abs(g - grads0[k]).max() <= 1e-5 * np.abs(grads0[k]).max(), (k, micro_batch_size, checkpointing)
 
 
 # ----------------------------------------------------------------------------------------
@@ -396,3 +501,16 @@ def test_second_job_on_a_worker_reuses_the_loaded_model(stack, workers):
         assert len(samples[0]["completions"]) == 1 and len(samples[0]["completions"][0]) == 2
     assert [e["cached"] for e in ready] == [False, True]
     assert ready[1]["load_s"] < ready[0]["load_s"]
+
+
+def test_job_that_cannot_fit_one_row_fails_at_start_with_the_estimate(stack, workers):
+    workers()
+    body = {"model_id": stack.tiny_model.name, "prompts": ["Say hello."],
+            "config": {"iters": 1, "group_size": 2, "batch_size": 1, "max_completion_len": 8, "max_memory_gb": 1e-4}}
+    with stack.client() as c:
+        created = c.post(JOBS, json=body)
+        assert created.status_code == 200, created.text
+    job = stack.wait_job(created.json()["job_id"])
+    assert job["status"] == "failed"
+    assert job["error"].startswith("this job needs about ") and "max_memory_gb is 0.00" in job["error"]
+    assert "Traceback" not in job["error"] and job["progress"]["iter"] == 0

@@ -5,9 +5,12 @@ One step (= one `iter` of the job config):
   1. take B = batch_size prompts; sample G = group_size completions each, all B*G rows
      decoding together (worker/sampling.py). For every completion token t we keep
          old_logp_t = log pi_old(o_t | q, o_<t)      (logits / temperature, as sampled)
-  2. score each completion: r_i (worker/rewards.py), and turn rewards into advantages,
-     normalised inside each group of G:
-         A_i = (r_i - mean_group(r)) / (std(r) + 1e-4)     std: of the group, the batch, or 1
+     The sampling KV cache is freed when sampling returns, before the loss step.
+  2. score each completion on its text decoded without special tokens: r_i
+     (worker/rewards.py; NaN when every reward source returned None), and turn rewards
+     into advantages, normalised inside each group of G over the scorable completions:
+         A_i = (r_i - nanmean_group(r)) / (nanstd(r) + 1e-4)    std: of the group, the batch, or 1
+         A_i = 0 where r_i is NaN (or where the std is undefined: fewer than 2 scorable)
   3. mu = num_iterations times: forward the B*G sequences under the current LoRA weights
      theta, and minimise the clipped surrogate (TRL's GRPO):
          log_ratio_t = logp_t - old_logp_t                 token level
@@ -16,12 +19,28 @@ One step (= one `iter` of the job config):
          loss_t      = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i)
                        + beta * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)      (k3 KL)
      where ref_t is the log-prob under the base model (the same weights with LoRA off),
-     computed only when beta > 0. Aggregated over completion tokens (mask m):
-         grpo:    mean_i( sum_t m loss_t / sum_t m )
+     computed only when beta > 0. old_logp is, as in TRL:
+         mu == 1:  stop_gradient(logp): the ratio is exactly 1 and the update on-policy,
+                   also under LoRA dropout (sampling runs without it, the loss with it)
+         mu > 1:   log-probs recorded in the mode the loss runs in: sampling's own when
+                   lora_dropout == 0, else a train-mode (dropout) forward pass before the
+                   first update
+     Aggregated over completion tokens (mask m):
+         grpo:    sum_i( sum_t m loss_t / sum_t m ) / (B*G)
          bnpo:    sum m loss_t / sum m
          dapo:    sum m loss_t / sum m          (tokens of the whole generation batch)
          dr_grpo: sum m loss_t / (B*G * max_completion_len)
-     AdamW on the LoRA weights only, gradients clipped to max_grad_norm.
+     Memory: the rows go through forward+backward micro_batch_size at a time and the
+     gradients add up. Every normaliser above (B*G, sum m) is the whole step's, so the sum
+     of the micro-batches' losses and gradients is the step's. Log-probs of the chosen
+     tokens are computed from the last hidden states of completion positions only, a
+     chunk of positions at a time (full-vocabulary float32 logits of one chunk at once);
+     with gradient checkpointing each layer keeps only its input and recomputes the rest
+     in the backward pass (worker/memory.py estimates all this before the job starts).
+  4. AdamW on the LoRA weights only, bias-corrected as PyTorch's (TRL's numerics:
+     betas adam_beta1/adam_beta2, eps adam_epsilon), gradients clipped to max_grad_norm:
+         m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  theta *= 1 - lr * weight_decay
+         theta -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
 """
 
 import math
@@ -33,11 +52,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from shared.schemas import GRPOConfig, JobCreate, PromptItem
+from worker.memory import GB, logits_chunk_tokens, model_shape, plan_memory
 from worker.rewards import RewardStopped
-from worker.sampling import PaddingMaskCache, Samples, SamplingParams, left_pad, make_decode_step, sample, token_logprobs
+from worker.sampling import (
+    PaddingMaskCache, Samples, SamplingParams, left_pad, lm_head, make_decode_step, sample, token_logprobs,
+)
 
 ADV_EPS = 1e-4
 SAMPLE_TEXT_CHARS = 2000  # completions in the per-step `samples` event are cut to this (the events live in Redis)
@@ -48,18 +70,36 @@ LENGTH_BUCKET = 16  # pad completion lengths to a multiple of this so the loss c
 # --------------------------------------------------------------------------- the math
 
 
+def nan_mean(x: np.ndarray, axis=None, keepdims: bool = False) -> np.ndarray:
+    """Mean over the non-NaN values; NaN where there is none (torch.nanmean)."""
+    valid = ~np.isnan(x)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(valid, x, 0.0).sum(axis, keepdims=keepdims) / valid.sum(axis, keepdims=keepdims)
+
+
+def nan_std(x: np.ndarray, axis=None, keepdims: bool = False) -> np.ndarray:
+    """Unbiased std over the non-NaN values; NaN where there are fewer than 2 (TRL's nanstd)."""
+    valid = ~np.isnan(x)
+    n = valid.sum(axis, keepdims=keepdims)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        sq = np.where(valid, (x - nan_mean(x, axis, keepdims=True)) ** 2, 0.0).sum(axis, keepdims=keepdims)
+        return np.where(n > 1, np.sqrt(sq / np.maximum(n - 1, 1)), np.nan)
+
+
 def advantages_from_rewards(rewards: np.ndarray, scale_rewards: str) -> np.ndarray:
-    """rewards: (B, G). Returns (B, G) advantages, normalised per group (TRL's convention:
-    unbiased std; groups of one have zero advantage)."""
-    mean = rewards.mean(axis=1, keepdims=True)
-    G = rewards.shape[1]
+    """rewards: (B, G), NaN = unscorable. Returns (B, G) advantages, normalised per group
+    over the scorable completions (TRL's convention: unbiased std; advantage 0 for an
+    unscorable completion and where the std is undefined, e.g. groups of one)."""
+    mean = nan_mean(rewards, axis=1, keepdims=True)
     if scale_rewards == "group":
-        std = rewards.std(axis=1, ddof=1, keepdims=True) if G > 1 else np.zeros_like(mean)
+        std = nan_std(rewards, axis=1, keepdims=True)
     elif scale_rewards == "batch":
-        std = np.full_like(mean, rewards.std(ddof=1) if rewards.size > 1 else 0.0)
+        std = np.full_like(mean, nan_std(rewards))
     else:
         std = np.zeros_like(mean) + (1.0 - ADV_EPS)  # divide by exactly 1
-    return ((rewards - mean) / (std + ADV_EPS)).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        advantages = (rewards - mean) / (std + ADV_EPS)
+    return np.nan_to_num(advantages, nan=0.0).astype(np.float32)
 
 
 def grpo_loss(
@@ -75,10 +115,18 @@ def grpo_loss(
     epsilon_high: float,
     beta: float,
     max_completion_len: int,
+    n_rows: mx.array | None = None,
+    n_tokens: mx.array | None = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """The GRPO objective for rows of completion tokens. logp, old_logp, ref_logp, mask:
-    (rows, T); advantages: (rows,). Returns the scalar loss and per-step statistics."""
+    (rows, T); advantages: (rows,). Returns the scalar loss and per-step statistics.
+
+    n_rows, n_tokens: the whole step's rows and max(completion tokens, 1) when these rows
+    are one micro-batch of it (default: these rows' own). Loss and statistics are sums over
+    these rows divided by step-wide counts, so the micro-batches' values add up to the step's."""
     mask = mask.astype(mx.float32)
+    n_rows = mask.shape[0] if n_rows is None else n_rows
+    n_tokens = mx.maximum(mask.sum(), 1.0) if n_tokens is None else n_tokens
     tokens_per_row = mx.maximum(mask.sum(axis=1), 1.0)
     log_ratio = logp - old_logp
     if importance_sampling_level == "sequence":
@@ -95,28 +143,32 @@ def grpo_loss(
         per_token = per_token + beta * kl
 
     if loss_type == "grpo":
-        loss = ((per_token * mask).sum(axis=1) / tokens_per_row).mean()
+        loss = ((per_token * mask).sum(axis=1) / tokens_per_row).sum() / n_rows
     elif loss_type in ("bnpo", "dapo"):
-        loss = (per_token * mask).sum() / mx.maximum(mask.sum(), 1.0)
+        loss = (per_token * mask).sum() / n_tokens
     elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_len)
+        loss = (per_token * mask).sum() / (n_rows * max_completion_len)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
 
-    # Statistics, masked means over completion tokens (TRL's clip_ratio/* definitions).
-    def masked_mean(x):
-        return (mx.broadcast_to(x, mask.shape) * mask).sum() / mx.maximum(mask.sum(), 1.0)
+    # Statistics as TRL defines them: means over completion tokens, or over sequences when
+    # the ratio is one per sequence (sequence level).
+    def token_mean(x):
+        return (mx.broadcast_to(x, mask.shape) * mask).sum() / n_tokens
+
+    def ratio_mean(x):
+        return x.sum() / n_rows if importance_sampling_level == "sequence" else token_mean(x)
 
     low = (ratio < 1.0 - epsilon_low) & (A < 0)
     high = (ratio > 1.0 + epsilon_high) & (A > 0)
     stats = {
-        "clip_ratio/low_mean": masked_mean(low.astype(mx.float32)),
-        "clip_ratio/high_mean": masked_mean(high.astype(mx.float32)),
-        "clip_ratio/region_mean": masked_mean((low | high).astype(mx.float32)),
-        "mean_ratio": masked_mean(ratio),
+        "clip_ratio/low_mean": ratio_mean(low.astype(mx.float32)),
+        "clip_ratio/high_mean": ratio_mean(high.astype(mx.float32)),
+        "clip_ratio/region_mean": ratio_mean((low | high).astype(mx.float32)),
+        "mean_ratio": ratio_mean(ratio),
     }
     if kl is not None:
-        stats["kl"] = masked_mean(kl)
+        stats["kl"] = token_mean(kl)
     return loss, stats
 
 
@@ -129,7 +181,6 @@ class Batch:
 
     inputs: mx.array  # (rows, P + L) int32
     left_pad: mx.array  # (rows,) int32
-    prompt_width: int  # P
     completion: mx.array  # (rows, L) int32
     mask: mx.array  # (rows, L) bool
     old_logp: mx.array  # (rows, L) float32
@@ -137,12 +188,28 @@ class Batch:
     ref_logp: mx.array | None = None
 
 
-def completion_logprobs(model: nn.Module, batch: Batch, temperature: float) -> tuple[mx.array, mx.array]:
-    """log pi(o_t) and entropy for every completion position, one forward pass for all rows."""
-    caches = [PaddingMaskCache(batch.left_pad) for _ in model.layers]
-    logits = model(batch.inputs, cache=caches)
-    logits = logits[:, batch.prompt_width - 1 : -1, :]  # position t predicts token t + 1
-    return token_logprobs(logits, batch.completion, temperature)
+def completion_logprobs(
+    model: nn.Module, inputs: mx.array, pad: mx.array, completion: mx.array, temperature: float,
+    chunk_tokens: int, checkpointing: bool = False,
+) -> mx.array:
+    """log pi(o_t) for every completion position: one forward pass of the transformer for
+    all rows, then the output head on completion positions only, chunk_tokens positions at
+    a time. Each chunk is an mx.checkpoint: its full-vocabulary logits are recomputed in the
+    backward pass rather than kept, so one chunk's logits exist at a time."""
+    caches = [PaddingMaskCache(pad) for _ in model.layers]
+    with checkpointed_layers(model, checkpointing):
+        hidden = model.model(inputs, cache=caches)
+    rows, L = completion.shape
+    hidden = hidden[:, -L - 1 : -1].reshape(rows * L, -1)  # position t predicts token t + 1
+    tokens = completion.reshape(-1)
+    head = lm_head(model)
+
+    def chunk_logp(start):
+        return mx.checkpoint(lambda h: token_logprobs(head(h), tokens[start : start + chunk_tokens], temperature)[0])(
+            hidden[start : start + chunk_tokens]
+        )
+
+    return mx.concatenate([chunk_logp(i) for i in range(0, rows * L, chunk_tokens)]).reshape(rows, L)
 
 
 def make_batch(prompt_ids: list[list[int]], samples: Samples, mask: mx.array, advantages: np.ndarray, group_size: int) -> Batch:
@@ -153,7 +220,6 @@ def make_batch(prompt_ids: list[list[int]], samples: Samples, mask: mx.array, ad
     return Batch(
         inputs=mx.concatenate([prompts, completion], axis=1),
         left_pad=pad,
-        prompt_width=prompts.shape[1],
         completion=completion,
         mask=mask[:, :L],
         old_logp=samples.logprobs[:, :L],
@@ -188,16 +254,21 @@ def batch_indices(n_prompts: int, batch_size: int, step: int, seed: int) -> list
     return out
 
 
+def completion_text(tokenizer, tokens: list[int]) -> str:
+    """What reward functions see: special tokens (EOS, chat markers) left out, as TRL decodes."""
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
 def cut_at_stop_strings(tokenizer, tokens: list[int], stops: list[str]) -> tuple[str, int, bool]:
     """Text cut just before the first stop string, the tokens that stay in the completion
     (up to the one that completes the stop string), and whether a stop string was found."""
-    text = tokenizer.decode(tokens)
+    text = completion_text(tokenizer, tokens)
     hits = [text.find(s) for s in stops if s and s in text]
     if not hits:
         return text, len(tokens), False
     cut = min(hits)
     for n in range(1, len(tokens) + 1):  # fewest tokens whose text reaches past the stop string
-        if len(tokenizer.decode(tokens[:n])) > cut:
+        if len(completion_text(tokenizer, tokens[:n])) > cut:
             return text[:cut], n, True
     return text[:cut], len(tokens), True
 
@@ -227,6 +298,14 @@ def learning_rate_schedule(cfg: GRPOConfig) -> Callable | float:
     if not warm:
         return main
     return optim.join_schedules([optim.linear_schedule(0.0, cfg.learning_rate, warm), main], [warm])
+
+
+def make_optimizer(cfg: GRPOConfig) -> optim.Optimizer:
+    """AdamW as PyTorch's (and so TRL's): bias-corrected (MLX's default is not)."""
+    return optim.AdamW(
+        learning_rate=learning_rate_schedule(cfg), betas=[cfg.adam_beta1, cfg.adam_beta2], eps=cfg.adam_epsilon,
+        weight_decay=cfg.weight_decay, bias_correction=True,
+    )
 
 
 class Cancelled(Exception):
@@ -272,32 +351,78 @@ class GRPOTrainer:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
         self.decode_step = make_decode_step(model, self.sampling, self.eos_ids, pad_id)
-        self.optimizer = optim.AdamW(learning_rate=learning_rate_schedule(cfg), weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(cfg)
         self.optimizer.init(model.trainable_parameters())
+
+        # Memory: fails here, before anything runs, when even one row cannot fit.
+        width = max(len(p) for p in self.prompt_ids) + cfg.max_completion_len
+        self.memory = plan_memory(
+            model, cfg.batch_size * cfg.group_size, width, cfg.use_gradient_checkpointing,
+            cfg.micro_batch_size, cfg.max_memory_gb,
+        )
+        self.chunk_tokens = logits_chunk_tokens(model_shape(model).vocab)
+        # MLX queues GPU work ahead of the host and frees a buffer only once its kernel has
+        # run, so without a limit the whole backward pass (recomputed layers included) can
+        # be alive at once. Above this limit its scheduler waits for queued work first.
+        mx.set_memory_limit(int(self.memory.peak_gb * GB))
 
         loss_kwargs = dict(
             loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
             epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_upper, beta=cfg.beta,
             max_completion_len=cfg.max_completion_len,
         )
+        on_policy = cfg.num_iterations == 1
 
-        def loss_fn(model, inputs, left_pad_, completion, mask, old_logp, ref_logp, advantages):
-            batch = Batch(inputs, left_pad_, inputs.shape[1] - completion.shape[1], completion, mask, old_logp, advantages)
-            logp, _ = completion_logprobs(model, batch, cfg.temperature)
-            return grpo_loss(logp, old_logp, ref_logp, advantages, mask, **loss_kwargs)
+        def loss_fn(model, inputs, pad, completion, mask, old_logp, ref_logp, advantages, n_rows, n_tokens):
+            logp = completion_logprobs(
+                model, inputs, pad, completion, cfg.temperature, self.chunk_tokens, self.memory.gradient_checkpointing
+            )
+            if on_policy:  # TRL: old = detached current log-probs, so the ratio is exactly 1
+                old_logp = mx.stop_gradient(logp)
+            return grpo_loss(logp, old_logp, ref_logp, advantages, mask, n_rows=n_rows, n_tokens=n_tokens, **loss_kwargs)
 
         value_and_grad = nn.value_and_grad(model, loss_fn)
         state = [model.state, mx.random.state]
 
-        def loss_and_grads(*arrays):
+        def micro_batch_step(*arrays):
             (loss, stats), grads = value_and_grad(model, *arrays)
-            if cfg.max_grad_norm is not None:
-                grads, grad_norm = optim.clip_grad_norm(grads, cfg.max_grad_norm)
-            else:
-                grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
-            return loss, stats, grad_norm, grads
+            return loss, stats, grads
 
-        self.loss_and_grads = mx.compile(loss_and_grads, inputs=state, outputs=state)
+        self.micro_batch_step = mx.compile(micro_batch_step, inputs=state, outputs=state)
+
+    def micro_batches(self, batch: Batch) -> list[slice]:
+        m, rows = self.memory.micro_batch_size, batch.inputs.shape[0]
+        return [slice(i, i + m) for i in range(0, rows, m)]
+
+    def forward_logprobs(self, batch: Batch) -> mx.array:
+        """log pi(o_t) of every completion token under the model as it is (no gradient)."""
+        parts = []
+        for rows in self.micro_batches(batch):
+            logp = completion_logprobs(
+                self.model, batch.inputs[rows], batch.left_pad[rows], batch.completion[rows], self.cfg.temperature,
+                self.chunk_tokens,
+            )
+            mx.eval(logp)  # now, one micro-batch at a time (peak memory)
+            parts.append(logp)
+        return mx.concatenate(parts)
+
+    def loss_and_grads(self, batch: Batch, ref_logp: mx.array) -> tuple[mx.array, dict, mx.array, dict]:
+        """The step's loss, statistics, gradient norm and (clipped) gradients, summed over micro-batches."""
+        n_rows = mx.array(batch.inputs.shape[0], dtype=mx.float32)
+        n_tokens = mx.maximum(batch.mask.sum(), 1).astype(mx.float32)
+        loss, stats, grads = None, None, None
+        for rows in self.micro_batches(batch):
+            part = self.micro_batch_step(
+                batch.inputs[rows], batch.left_pad[rows], batch.completion[rows], batch.mask[rows],
+                batch.old_logp[rows], ref_logp[rows], batch.advantages[rows], n_rows, n_tokens,
+            )
+            loss, stats, grads = part if loss is None else tree_map(mx.add, (loss, stats, grads), part)
+            mx.eval(loss, stats, grads)
+        if self.cfg.max_grad_norm is not None:
+            grads, grad_norm = optim.clip_grad_norm(grads, self.cfg.max_grad_norm)
+        else:
+            grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
+        return loss, stats, grad_norm, grads
 
     # One iter: sample, score, update mu times. Returns the step's metrics and what was sampled.
     def step(
@@ -342,7 +467,7 @@ class GRPOTrainer:
             lengths = cut
             mask = mx.arange(mask.shape[1])[None, :] < mx.array(cut)[:, None]
         else:
-            texts = [tok.decode(body) for body in bodies]
+            texts = [completion_text(tok, body) for body in bodies]
         G = cfg.group_size
         completions = [texts[b * G : (b + 1) * G] for b in range(len(items))]
         try:
@@ -359,17 +484,16 @@ class GRPOTrainer:
         batch = make_batch(prompt_ids, samples, mask, advantages, G)
         if cfg.beta > 0:
             with lora_disabled(model):
-                batch.ref_logp, _ = completion_logprobs(model, batch, cfg.temperature)
-                mx.eval(batch.ref_logp)  # now, not fused into the training graph (peak memory)
+                batch.ref_logp = self.forward_logprobs(batch)
         ref = batch.ref_logp if batch.ref_logp is not None else batch.old_logp  # unused when beta == 0
 
         model.train()
+        if cfg.num_iterations > 1 and cfg.lora_dropout > 0:
+            batch.old_logp = self.forward_logprobs(batch)  # under dropout, as the loss sees the policy
         for mu in range(cfg.num_iterations):
             if mu and should_stop():
                 raise Cancelled()
-            loss, stats, grad_norm, grads = self.loss_and_grads(
-                batch.inputs, batch.left_pad, batch.completion, batch.mask, batch.old_logp, ref, batch.advantages
-            )
+            loss, stats, grad_norm, grads = self.loss_and_grads(batch, ref)
             mx.eval(loss, grad_norm, stats)
             if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
                 raise NonFiniteLoss(f"non-finite loss or gradient at step {state.step + 1} (loss={loss.item()}, grad_norm={grad_norm.item()})")
@@ -382,14 +506,16 @@ class GRPOTrainer:
         # Metrics, named as TRL users know them.
         n_tokens = int(sum(lengths))
         state.num_tokens += n_tokens + sum(len(p) for p in prompt_ids) * G
-        group_std = rewards.std(axis=1, ddof=1) if G > 1 else np.zeros(len(items))
+        group_std = nan_std(rewards, axis=1)  # NaN where a group has fewer than 2 scorable completions
+        defined = ~np.isnan(group_std)
         length_arr = np.asarray(lengths)
         sampled_tokens = samples.steps * len(rows)
         metrics = {
             "loss": float(loss.item()),
-            "reward": float(rewards.mean()),
-            "reward_std": float(group_std.mean()),
-            "frac_reward_zero_std": float(np.isclose(group_std, 0.0).mean()),
+            # Over scorable completions (0 when there is none: metrics stay JSON numbers).
+            "reward": float(np.nan_to_num(nan_mean(rewards))),
+            "reward_std": float(group_std[defined].mean()) if defined.any() else 0.0,
+            "frac_reward_zero_std": float(np.isclose(group_std, 0.0).mean()),  # undefined std: not zero (TRL)
             **{k: float(v.item()) for k, v in stats.items()},
             "entropy": float(((samples.entropy * samples.mask).sum() / mx.maximum(samples.mask.sum(), 1)).item()),
             "completions/mean_length": float(length_arr.mean()),
@@ -415,7 +541,8 @@ class GRPOTrainer:
         text_tokens = [min(n, len(body)) for n, body in zip(lengths, bodies)]
         old_logp = np.array(samples.logprobs)
         sums = [float(old_logp[i, :n].sum()) for i, n in enumerate(text_tokens)]
-        samples_record = {"prompt_indices": idx, "completions": shown, "rewards": rewards.tolist(),
+        samples_record = {"prompt_indices": idx, "completions": shown,
+                          "rewards": [[None if np.isnan(r) else float(r) for r in group] for group in rewards],
                           "token_counts": [text_tokens[b * G:(b + 1) * G] for b in range(len(items))],
                           "logprobs": [sums[b * G:(b + 1) * G] for b in range(len(items))]}
         return metrics, samples_record
@@ -435,3 +562,31 @@ class lora_disabled:
     def __exit__(self, *exc):
         for m, s in zip(self.layers, self.scales):
             m.scale = s
+
+
+class checkpointed_layers:
+    """Context: every transformer block keeps only its input for the backward pass and
+    recomputes the rest there (mx.checkpoint). Like mlx_lm's grad_checkpoint it patches
+    the block's class while the loss's forward pass is traced, but it undoes the patch: the
+    worker keeps the model loaded for jobs that may not want it."""
+
+    def __init__(self, model: nn.Module, on: bool):
+        self.cls = type(model.layers[0]) if on else None
+
+    def __enter__(self):
+        if self.cls is None:
+            return
+        self.call = call = self.cls.__call__
+
+        def checkpointed(layer, *args, **kwargs):
+            def inner(params, *args, **kwargs):
+                layer.update(params)
+                return call(layer, *args, **kwargs)
+
+            return mx.checkpoint(inner)(layer.trainable_parameters(), *args, **kwargs)
+
+        self.cls.__call__ = checkpointed
+
+    def __exit__(self, *exc):
+        if self.cls is not None:
+            self.cls.__call__ = self.call

@@ -15,12 +15,13 @@ from shared.schemas import JobCreate, Progress
 from shared.settings import Settings, load_settings
 from worker import checkpoints
 from worker.grpo import Cancelled, GRPOTrainer, NonFiniteLoss, TrainState
+from worker.memory import MemoryEstimateError
 from worker.models import ModelNotFound, attach_lora, get_model, save_adapter
 from worker.rewards import RewardError, build_scorer
 from worker.training_process import JobRun
 
 log = logging.getLogger(__name__)
-USER_ERRORS = (ModelNotFound, RewardError, NonFiniteLoss, checkpoints.CheckpointMismatch)
+USER_ERRORS = (ModelNotFound, RewardError, NonFiniteLoss, MemoryEstimateError, checkpoints.CheckpointMismatch)
 
 
 def run(job: JobRun, spec_json: str) -> dict:

@@ -8,7 +8,9 @@ Where the sources come from (build_scorer):
 
 Every source gives one value per completion: a float, or None meaning "does not apply"
 (TRL's convention, e.g. exact_match on a prompt item without an `answer`). A completion's
-reward is the weighted sum over the sources, a None counting as 0.
+reward is the weighted sum over the sources, a None counting as 0; a completion for which
+every source returns None has reward NaN (TRL: unscorable; the trainer leaves it out of its
+group's statistics and gives it advantage 0).
 
 Metrics: for each source, `rewards/<name>/mean` and `rewards/<name>/std` (population std)
 over the values that apply. When no value of a source applies in a step, both are left
@@ -690,22 +692,25 @@ class RewardScorer:
         self, step: int, items: list[PromptItem], completions: list[list[str]],
         *, token_counts: list[list[int]] | None = None, should_stop: Callable[[], bool] = lambda: False,
     ) -> tuple[np.ndarray, dict[str, float]]:
-        """Rewards of shape (B, G) as float32 (weighted sum over sources, None counting as 0)
-        and per-source metrics {"rewards/<name>/mean", "rewards/<name>/std"} over the values
+        """Rewards of shape (B, G) as float32 (weighted sum over sources, None counting as 0;
+        NaN where every source returned None) and per-source metrics {"rewards/<name>/mean", "rewards/<name>/std"} over the values
         that apply (left out when none does). token_counts: generated tokens per completion,
         needed by length sources with unit 'tokens'. should_stop: the job's cancel flag,
         looked at while waiting on a reward server (RewardStopped when it is set)."""
         _check_shapes(items, completions, token_counts)
         batch = ScoringBatch(self.job_id, step, items, completions, token_counts, should_stop)
         total = np.zeros(sum(len(g) for g in completions), dtype=np.float64)
+        scored = np.zeros(total.shape, dtype=bool)
         metrics: dict[str, float] = {}
         for source, reward_fn in zip(self.sources, self._reward_fns):
             values = reward_fn(batch)
             total += source.weight * np.array([0.0 if v is None else v for v in values], dtype=np.float64)
+            scored |= np.array([v is not None for v in values])
             applied = [v for v in values if v is not None]
             if applied:
                 metrics[f"rewards/{source.metric_name}/mean"] = float(np.mean(applied))
                 metrics[f"rewards/{source.metric_name}/std"] = float(np.std(applied))
+        total[~scored] = np.nan
         return total.reshape(len(completions), -1).astype(np.float32), metrics
 
     def close(self) -> None:

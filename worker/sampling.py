@@ -77,6 +77,12 @@ class PaddingMaskCache:
         return attention_mask(pos, pos, self.left_pad)
 
 
+def lm_head(model: nn.Module) -> Callable[[mx.array], mx.array]:
+    """The output projection of an mlx_lm model whose logits are head(model.model(x)):
+    its lm_head, or the tied embedding."""
+    return model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens.as_linear
+
+
 def attention_mask(q_pos: mx.array, k_pos: mx.array, left_pad: mx.array) -> mx.array:
     """(rows, 1, queries, keys): causal, padding hidden. A padding query sees only itself:
     a row with every key masked gives NaN in attention (on CUDA), which would reach the
@@ -180,7 +186,7 @@ def sample(
     # Prefill each distinct prompt once, into buffers sized for the whole completion.
     start = mx.array(0, dtype=mx.int32)
     caches = [StaticKVCache(width + params.max_tokens, start, pad) for _ in model.layers]
-    logits = model(prompt_tokens, cache=caches)[:, -1, :]
+    logits = lm_head(model)(model.model(prompt_tokens, cache=caches)[:, -1, :])  # last position's logits only
 
     # Repeat to group_size rows per prompt.
     rows = len(prompts) * group_size

@@ -34,7 +34,8 @@ from shared.keys import ADAPTERS_INDEX, adapter_key
 from shared.lifecycle import adapter_ref
 from shared.schemas import PromptItem
 from shared.settings import Settings
-from worker.grpo import Batch, completion_logprobs, prompt_token_ids
+from worker.grpo import completion_logprobs, prompt_token_ids
+from worker.memory import logits_chunk_tokens, model_shape
 from worker.models import ModelNotFound, get_model
 from worker.sampling import left_pad
 
@@ -87,6 +88,7 @@ def adapter_swapped(model: nn.Module, adapter_dir: Path | None):
 def score_rows(model: nn.Module, tokenizer, rows: list[tuple[list[int], list[int]]], temperature: float) -> list[dict]:
     """{logprob, token_count, per_token} for each (prompt ids, completion ids) row."""
     results: list[dict | None] = [None] * len(rows)
+    vocab = model_shape(model).vocab
     todo = [i for i, (_, c) in enumerate(rows) if c]
     for i, (_, c) in enumerate(rows):
         if not c:  # an empty completion has nothing to score
@@ -96,9 +98,8 @@ def score_rows(model: nn.Module, tokenizer, rows: list[tuple[list[int], list[int
         prompts, pad = left_pad([rows[i][0] for i in chunk], pad_id=0)
         width = max(len(rows[i][1]) for i in chunk)
         completion = mx.array([rows[i][1] + [0] * (width - len(rows[i][1])) for i in chunk], dtype=mx.int32)
-        batch = Batch(inputs=mx.concatenate([prompts, completion], axis=1), left_pad=pad, prompt_width=prompts.shape[1],
-                      completion=completion, mask=None, old_logp=None, advantages=None)  # type: ignore[arg-type]
-        logp, _ = completion_logprobs(model, batch, temperature)
+        inputs = mx.concatenate([prompts, completion], axis=1)
+        logp = completion_logprobs(model, inputs, pad, completion, temperature, logits_chunk_tokens(vocab))
         logp = np.array(logp.astype(mx.float32))
         for k, i in enumerate(chunk):
             per_token = logp[k, : len(rows[i][1])].tolist()

@@ -1,0 +1,168 @@
+"""Memory of a GRPO step, estimated before the job runs, and the loss step's micro-batch.
+
+A step has two phases that never overlap (the sampling KV cache is gone before the loss):
+
+  sampling   the KV cache of all B*G rows, P + L positions each (P: longest prompt,
+             L: max_completion_len), and the decode's transient copies of it:
+                 S = copies * rows * layers * 2 * kv_heads * head_dim * (P + L) * bytes
+  loss       m rows at a time (the micro-batch), gradients accumulated over the step:
+                 no checkpointing:   m * (P + L) * layers * act
+                 checkpointing:      m * (P + L) * (layers * hidden * bytes + 2 * act)
+             plus the chunk of full-vocabulary float32 logits being turned into log-probs.
+             act = the activations one layer keeps per token for its backward pass
+             (inputs of every projection, attention, MLP, LoRA's float32 inputs; written
+             out in `activation_bytes`).
+
+Peak = weights + max(S, loss). The formulas were calibrated against measured peaks
+(bench/grpo_step.py --sweep prints estimate beside measurement). The trainer makes the
+estimate MLX's memory limit, so a GPU that would queue work far ahead keeps to it.
+
+The micro-batch (when the job does not set it) is the largest divisor m of B*G such that
+  - the loss step needs no more than sampling does (the peak stays the sampling peak),
+    or m * (P + L) <= MIN_MICRO_BATCH_TOKENS (smaller would be mostly per-call overhead),
+  - m * (P + L) <= MAX_MICRO_BATCH_TOKENS (larger forward passes are no faster), and
+  - weights + loss(m) fits max_memory_gb.
+Gradient checkpointing (unless the job sets it) is used where it allows a larger micro-batch.
+If even m = 1 (or sampling) does not fit max_memory_gb, the job fails at start with
+MemoryEstimateError, which says how much it needs.
+"""
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+GB = 1e9
+# The decode's peak over its KV cache: ~4.7 measured on CPU (attention copies K/V for
+# grouped-query heads, old and new buffers). On the H200 (fused attention) a limit of 2x held
+# (bench --sweep: 4.56 GB at G16 B4 L256) at the cost of ~6% decode speed, MLX waiting on queued work.
+SAMPLING_KV_COPIES = {"cpu": 5, "gpu": 2}
+MAX_MICRO_BATCH_TOKENS = 8192
+MIN_MICRO_BATCH_TOKENS = 1024  # below this a micro-batch is mostly per-call overhead: allowed whenever it fits
+LOGITS_CHUNK_BYTES = 16 * 2**20  # float32 logits of one chunk of completion positions
+MIN_LOGITS_CHUNK_TOKENS = 64
+
+
+class MemoryEstimateError(Exception):
+    """The job cannot fit max_memory_gb even one row at a time; the message gives the estimate."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    act_bytes: int  # bytes per activation value (2 for bf16/fp16 models, 4 for fp32)
+
+
+def model_shape(model: nn.Module) -> ModelShape:
+    a = model.args
+    heads = a.num_attention_heads
+    head_dim = getattr(a, "head_dim", None) or a.hidden_size // heads
+    embed = model.model.embed_tokens
+    dtype = embed.scales.dtype if hasattr(embed, "scales") else embed.weight.dtype
+    return ModelShape(
+        layers=len(model.layers), hidden=a.hidden_size, intermediate=a.intermediate_size, heads=heads,
+        kv_heads=getattr(a, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=a.vocab_size,
+        act_bytes=dtype.size,
+    )
+
+
+def weights_bytes(model: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def device_memory_bytes() -> float:
+    """What a job may use at most: Metal's recommended working set, else 90% of a GPU's
+    memory, else 75% of RAM."""
+    info = mx.device_info()
+    if "max_recommended_working_set_size" in info:  # Metal
+        return float(info["max_recommended_working_set_size"])
+    if "total_memory" in info and mx.default_device() == mx.gpu:  # CUDA
+        return 0.9 * info["total_memory"]
+    return 0.75 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def logits_chunk_tokens(vocab: int) -> int:
+    return max(MIN_LOGITS_CHUNK_TOKENS, LOGITS_CHUNK_BYTES // (4 * vocab))
+
+
+def activation_bytes(s: ModelShape, width: int) -> int:
+    """Bytes one transformer layer keeps per token for its backward pass."""
+    q, kv, d, f = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
+    stored = 6 * d + 4 * q + 6 * kv + 4 * f  # norms, q/k/v (+ norms, rope), attention out, MLP
+    lora_inputs = 5 * d + q + f  # LoRA's float32 copies of each projection's input
+    attention = s.heads * width  # attention probabilities, float32
+    return s.act_bytes * stored + 4 * lora_inputs + 4 * attention
+
+
+def sampling_bytes(s: ModelShape, rows: int, width: int) -> int:
+    copies = SAMPLING_KV_COPIES["gpu" if mx.default_device() == mx.gpu else "cpu"]
+    return copies * rows * s.layers * 2 * s.kv_heads * s.head_dim * width * s.act_bytes
+
+
+def loss_bytes(s: ModelShape, rows: int, width: int, checkpointing: bool) -> int:
+    act = activation_bytes(s, width)
+    # checkpointing: each layer's input, plus the layer being recomputed and its neighbour's gradient
+    per_token = s.layers * s.hidden * s.act_bytes + 2 * act if checkpointing else s.layers * act
+    logits = 4 * min(logits_chunk_tokens(s.vocab), rows * width) * s.vocab * 4  # logits, softmax, their gradients
+    return rows * width * per_token + logits
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    weights_gb: float
+    sampling_gb: float
+    loss_gb: float  # of one micro-batch
+    limit_gb: float
+
+    @property
+    def peak_gb(self) -> float:
+        return self.weights_gb + max(self.sampling_gb, self.loss_gb)
+
+
+def plan_memory(
+    model: nn.Module, rows: int, width: int, checkpointing: bool | None,
+    micro_batch_size: int | None, max_memory_gb: float | None,
+) -> MemoryPlan:
+    """rows = B*G, width = longest prompt + max_completion_len. checkpointing None: only
+    where it buys a larger micro-batch (recomputing costs a forward pass)."""
+    if checkpointing is None:
+        with_it = plan_memory(model, rows, width, True, micro_batch_size, max_memory_gb)
+        try:
+            without = plan_memory(model, rows, width, False, micro_batch_size, max_memory_gb)
+        except MemoryEstimateError:
+            return with_it
+        return without if without.micro_batch_size >= with_it.micro_batch_size else with_it
+    s = model_shape(model)
+    limit = device_memory_bytes() if max_memory_gb is None else min(max_memory_gb * GB, device_memory_bytes())
+    weights = weights_bytes(model)
+    sampling = sampling_bytes(s, rows, width)
+    divisors = [m for m in range(1, rows + 1) if rows % m == 0]
+
+    def fits(m: int) -> bool:
+        return weights + loss_bytes(s, m, width, checkpointing) <= limit
+
+    need = weights + max(sampling, loss_bytes(s, 1, width, checkpointing))
+    if need > limit:
+        raise MemoryEstimateError(
+            f"this job needs about {need / GB:.2f} GB (weights {weights / GB:.2f} GB, sampling {rows} rows of "
+            f"{width} tokens {sampling / GB:.2f} GB, loss step for one row "
+            f"{loss_bytes(s, 1, width, checkpointing) / GB:.2f} GB) but max_memory_gb is {limit / GB:.2f}; "
+            f"lower group_size, batch_size or max_completion_len"
+            + ("" if checkpointing else ", or turn gradient_checkpointing on (needs lora_dropout 0)")
+        )
+    if micro_batch_size is not None:
+        m = max(d for d in divisors if d <= micro_batch_size)
+    else:
+        m = max(d for d in divisors if d == 1 or (fits(d) and d * width <= MAX_MICRO_BATCH_TOKENS and (
+            loss_bytes(s, d, width, checkpointing) <= sampling or d * width <= MIN_MICRO_BATCH_TOKENS)))
+    return MemoryPlan(m, checkpointing, weights / GB, sampling / GB, loss_bytes(s, m, width, checkpointing) / GB, limit / GB)
