@@ -17,6 +17,10 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    if args.print_service:
+        from cli.service import print_service
+
+        return print_service(args.print_service, args.queues, args.name)
     from worker.supervisor import run_worker
 
     run_worker(args.queues, args.name)
@@ -34,7 +38,13 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from cli.stack import run_stack
 
-    return run_stack(port=args.port, workers=args.workers)
+    return run_stack(port=args.port, workers=args.workers, dashboard_port=args.dashboard)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from cli.dashboard import run_dashboard
+
+    return run_dashboard(args.host, args.port)
 
 
 def _count(text: str) -> int:
@@ -57,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker = commands.add_parser("worker", help="run a training worker (rq) on REDIS_URL")
     worker.add_argument("--queues", nargs="+", default=[QUEUE_NAME], help="queues to take jobs from (default: %(default)s)")
     worker.add_argument("--name", help="worker name (default: chosen by rq)")
+    worker.add_argument("--print-service", choices=["launchd", "systemd"],
+                        help="print a launchd plist or systemd unit that runs this worker as a service, and exit")
     worker.set_defaults(func=cmd_worker)
 
     make = commands.add_parser("make-model", help="write a random-weight model directory (for tests and benchmarks)")
@@ -69,7 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="run the local stack in the foreground: redis (if REDIS_URL is unset), API, workers")
     up.add_argument("--port", type=int, default=settings.api_port, help="API port (default: MTQ_API_PORT, %(default)s)")
     up.add_argument("--workers", type=_count, default=1, help="number of workers (default: %(default)s)")
+    up.add_argument("--dashboard", type=int, nargs="?", const=9181, metavar="PORT",
+                    help="also serve rq-dashboard on 127.0.0.1:PORT (default port 9181)")
     up.set_defaults(func=cmd_up)
+
+    dash = commands.add_parser("dashboard", help="serve rq-dashboard on REDIS_URL (loopback unless told otherwise)")
+    dash.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s; others need MTQ_API_TOKEN)")
+    dash.add_argument("--port", type=int, default=9181, help="default: %(default)s")
+    dash.set_defaults(func=cmd_dashboard)
     return parser
 
 

@@ -127,7 +127,7 @@ class LocalStack:
         say(f"redis-server on {url} (data in {data_dir})")
         return url
 
-    def run(self, port: int, workers: int) -> int:
+    def run(self, port: int, workers: int, dashboard_port: int | None = None) -> int:
         settings = load_settings()
         if not os.environ.get("REDIS_URL"):
             self.env["REDIS_URL"] = self.start_redis(settings.home / "redis")
@@ -139,12 +139,16 @@ class LocalStack:
         self.start("api", [*mtq, "api", "--port", str(port)])
         for i in range(workers):
             self.start(f"worker-{i + 1}", [*mtq, "worker"])
+        if dashboard_port is not None:
+            self.start("dashboard", [*mtq, "dashboard", "--port", str(dashboard_port)])
 
         host = "127.0.0.1" if settings.api_host in ("0.0.0.0", "::", "") else settings.api_host
         base_url = f"http://{host}:{port}"
         if not self.wait_until(lambda: _answers_http(base_url + "/healthz"), API_START_TIMEOUT_S, "the API"):
             return 0
         say(f"API: {base_url}  docs: {base_url}/docs  (Ctrl-C stops everything)")
+        if dashboard_port is not None:
+            say(f"rq-dashboard: http://127.0.0.1:{dashboard_port}")
 
         while self.stop_signal is None:
             self.check_children()
@@ -194,11 +198,11 @@ def _answers_http(url: str) -> bool:
         return False
 
 
-def run_stack(port: int, workers: int) -> int:
+def run_stack(port: int, workers: int, dashboard_port: int | None = None) -> int:
     stack = LocalStack()
     previous = {sig: signal.signal(sig, stack.on_signal) for sig in STOP_SIGNALS}
     try:
-        return stack.run(port, workers)
+        return stack.run(port, workers, dashboard_port)
     except StackError as exc:
         say(f"{exc}; stopping the stack")
         return 1

@@ -43,7 +43,7 @@ install_python_env() {
   if [ ! -f "$stamp" ] || ! cmp -s pyproject.toml "$stamp"; then
     say "installing the project and its pinned dependencies into .venv"
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -e '.[test,dashboard]'
+    .venv/bin/python -m pip install -q -e '.[test]'
     cp pyproject.toml "$stamp"
   fi
 }

@@ -375,8 +375,10 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
             p.expire(RQ_JOB_PREFIX + rec["rq_job"], _retention_s())
         # job_timeout -1: training runs as long as it takes; liveness is the supervisor's business.
         # rq's own record of the attempt lives no longer than ours.
-        Queue(rec.get("queue") or change.fields["queue"], connection=r).enqueue_call(
-            RUN_JOB_FUNC, args=(job_id,), job_id=rq_id, timeout=-1, pipeline=p,
+        record = {**rec, **change.fields}
+        description = f"{record['kind']} job {job_id} on {json.loads(record['spec'])['model_id']} (run {attempt + 1})"
+        Queue(record["queue"], connection=r).enqueue_call(
+            RUN_JOB_FUNC, args=(job_id,), job_id=rq_id, timeout=-1, pipeline=p, description=description,
             result_ttl=min(3600, _retention_s()), failure_ttl=min(7 * 86400, _retention_s()),
         )
     sets = {"queued": QUEUED_JOBS, "running": RUNNING_JOBS}

@@ -59,7 +59,7 @@ def command(service: dict) -> list[str]:
 
 
 def test_services_exist(services):
-    assert {"redis", "api", "worker"} <= services.keys()
+    assert {"redis", "api", "worker", "dashboard"} <= services.keys()
 
 
 def test_redis_is_durable(services):
@@ -69,7 +69,7 @@ def test_redis_is_durable(services):
     assert any(v.endswith(":/data") for v in redis["volumes"])
 
 
-@pytest.mark.parametrize("name,subcommand", [("api", "api"), ("worker", "worker")])
+@pytest.mark.parametrize("name,subcommand", [("api", "api"), ("worker", "worker"), ("dashboard", "dashboard")])
 def test_api_and_worker_run_mtq_with_the_settings(services, name, subcommand):
     service = services[name]
     assert command(service)[:2] == ["mtq", subcommand]
@@ -78,7 +78,8 @@ def test_api_and_worker_run_mtq_with_the_settings(services, name, subcommand):
     assert env["REDIS_URL"] == f"redis://:{SECRETS['REDIS_PASSWORD']}@redis:6379/0"  # the password, in every service
     assert env["MTQ_API_TOKEN"] == SECRETS["MTQ_API_TOKEN"]  # from the host
     assert env["MTQ_HOME"] == "/data" and env["MTQ_MODELS_DIR"] == "/data/models"
-    assert "mtq-data:/data" in service["volumes"]  # models and adapters shared by api and worker
+    if name != "dashboard":
+        assert "mtq-data:/data" in service["volumes"]  # models and adapters shared by api and worker
     assert service.get("build") == "."
 
 
@@ -100,6 +101,7 @@ def test_api_is_published_on_loopback_only(services):
     # Inside its container the API listens on every interface; the host publishes it on 127.0.0.1.
     assert "--host" in command(services["api"]) and "0.0.0.0" in command(services["api"])
     assert services["api"]["ports"] == ["127.0.0.1:8000:8000"]
+    assert services["dashboard"]["ports"] == ["127.0.0.1:9181:9181"]  # and behind the token (cli/dashboard.py)
     assert all("ports" not in services[name] for name in ("redis", "worker"))
 
 
@@ -114,7 +116,7 @@ def test_images_run_as_a_non_root_user(services):
     dockerfile = (ROOT / "Dockerfile").read_text()
     users = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)
     assert users and users[-1] not in ("root", "0", "0:0")
-    assert all(services[name].get("user", "mtq") not in ("root", "0") for name in ("api", "worker"))
+    assert all(services[name].get("user", "mtq") not in ("root", "0") for name in ("api", "worker", "dashboard"))
 
 
 def test_env_names_are_the_ones_the_settings_read(services, monkeypatch):
@@ -126,7 +128,7 @@ def test_env_names_are_the_ones_the_settings_read(services, monkeypatch):
     assert str(settings.home) == "/data" and str(settings.models_dir) == "/data/models"
 
 
-@pytest.mark.parametrize("subcommand", ["api", "worker"])
+@pytest.mark.parametrize("subcommand", ["api", "worker", "dashboard"])
 def test_the_compose_commands_exist_in_the_cli(services, subcommand):
     argv = command(services[subcommand])[1:] + ["--help"]
     res = subprocess.run([sys.executable, "-m", "cli.main", *argv], cwd=ROOT, capture_output=True, text=True)

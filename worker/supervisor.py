@@ -20,6 +20,7 @@ While a job runs, the supervisor's main thread watches (Supervisor.watch):
   or it was cancelled)                             killed after LEASE_LOST_GRACE_S
 """
 
+import json
 import logging
 import multiprocessing
 import os
@@ -33,6 +34,7 @@ from rq import SimpleWorker
 from rq.worker import WorkerStatus
 
 from shared.jobstore import connect, get_spec
+from shared.keys import job_key
 from shared.lifecycle import Reconciler
 from shared.settings import QUEUE_NAME, load_settings
 from worker import openblas
@@ -150,12 +152,25 @@ class Supervisor(SimpleWorker):
                 running = self._running
                 if running is not None:
                     self.maintain_heartbeats(*running)
+                    if lease is not None:
+                        self._mirror_progress(running[0], lease.job_id)
                 for job_id in reconciler.scan():
                     log.warning("job %s: repaired by the reconciler (its worker or rq job was lost)", job_id)
             except redis.RedisError as e:
                 log.warning("heartbeat: redis error %s", e)
             except Exception:
                 log.exception("heartbeat failed")
+
+    def _mirror_progress(self, rq_job, job_id: str) -> None:
+        """Copy the job's progress into its rq job's meta, for rq-dashboard's job page."""
+        raw = self.connection.hget(job_key(job_id), "progress")
+        progress = json.loads(raw) if raw else {}
+        done, total = progress.get("iter", 0), progress.get("total_iters")
+        eta = None if not (done and total and progress.get("step_time")) else (total - done) * progress["step_time"]
+        rq_job.meta.update({"mtq_job_id": job_id, "step": f"{done}/{total}", "reward": progress.get("mean_reward"),
+                            "loss": progress.get("loss"), "eta_s": None if eta is None else round(eta, 1),
+                            "phase": self.training.marks.phase})
+        rq_job.save_meta()
 
     # ------------------------------------------------------------------ one job
 
