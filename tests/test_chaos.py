@@ -54,6 +54,13 @@ def _events(r, job_id):
     return [(int(eid.split("-")[0]) / 1000, e) for eid, e in read_events(r, job_id, count=100_000)]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
 def _try(fn, default=None):
     try:
         return fn()
@@ -89,7 +96,8 @@ def test_chaos_soak(stack):
                 rec = _try(lambda: r.hmget(f"mtq:job:{job_id}", "status", "progress"), [None, None])
                 if rec[0] == b"running" and rec[1] and json.loads(rec[1])["iter"] >= 1:
                     started = [e for _, e in _events(r, job_id) if e["type"] == "started"]
-                    if started:
+                    # Not a job whose worker an earlier fault killed (its lease has not lapsed yet).
+                    if started and _alive(started[-1]["supervisor_pid"]) and _alive(started[-1]["pid"]):
                         return job_id, started[-1]["supervisor_pid"], started[-1]["pid"]
             return None
 
