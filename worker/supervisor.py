@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from rq import SimpleWorker
 from rq.worker import WorkerStatus
 
+from shared import workers
 from shared.jobstore import connect, get_spec
 from shared.lifecycle import Reconciler
 from shared.settings import QUEUE_NAME, load_settings
@@ -138,11 +139,18 @@ class Supervisor(SimpleWorker):
         finally:
             stop.set()
             self.training.stop()
+            try:
+                workers.withdraw(self.connection, self.name)
+            except redis.RedisError:
+                pass  # it expires on its own
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         ttl = load_settings().lease_ttl_s
         reconciler = Reconciler(self.connection, grace_s=ttl / 2)
+        started_at = time.time()
+        self._advertise(started_at)
         while not stop.wait(ttl / 4):
+            self._advertise(started_at)
             try:
                 lease = self.lease
                 if lease is not None and not lease.renew():
@@ -156,6 +164,15 @@ class Supervisor(SimpleWorker):
                 log.warning("heartbeat: redis error %s", e)
             except Exception:
                 log.exception("heartbeat failed")
+
+    def _advertise(self, started_at: float) -> None:
+        """What this worker offers (shared/workers.py), read by GET /admin/api/fine-tune/models."""
+        settings = load_settings()
+        try:
+            rec = workers.record(self.name, self.queue_names(), settings.models_dir, started_at)
+            workers.advertise(self.connection, rec, ttl_s=settings.lease_ttl_s)
+        except (redis.RedisError, OSError) as e:
+            log.warning("heartbeat: could not advertise this worker: %s", e)
 
     # ------------------------------------------------------------------ one job
 

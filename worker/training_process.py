@@ -25,6 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from shared import workers
 from shared.jobstore import connect
 from shared.keys import adapter_key, checkpoint_key, job_key
 from shared.settings import load_settings
@@ -98,6 +99,11 @@ class JobRun:
 
     def write(self, event: dict | None = None, **fields) -> None:
         self.lease.write(event, **fields)
+
+    def publish_loaded(self, model_ids: list[str]) -> None:
+        """Tell the worker's advertisement which models this process holds loaded now."""
+        retrying(lambda: workers.publish_loaded(self.lease.r, self.lease.worker, model_ids, load_settings().lease_ttl_s),
+                 "loaded models")
 
     def load_checkpoint(self) -> dict[bytes, bytes]:
         return self.lease.load_checkpoint()
@@ -176,7 +182,9 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
                         format=f"%(asctime)s [training {os.getpid()}] %(name)s %(levelname)s %(message)s")
     for module in set(KINDS.values()):
         importlib.import_module(module)  # mlx and the trainers load now, on this main thread
-    r = connect(load_settings().redis_url)
+    settings = load_settings()
+    r = connect(settings.redis_url)
+    retrying(lambda: workers.publish_loaded(r, worker, [], settings.lease_ttl_s), "loaded models")  # a fresh process holds none
     conn.send("ready")
     while True:
         try:
