@@ -10,6 +10,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.auth import Principal, TokenEntry, authenticate, load_tokens
 from shared import jobstore
+from shared.schemas import ErrorBody
 from shared.settings import Settings, load_settings
 
 
@@ -40,6 +41,12 @@ def get_async_redis() -> redis.asyncio.Redis:
         get_settings().redis_url, socket_connect_timeout=5, socket_timeout=30, max_connections=8192
     )
 
+
+# What every /admin route may answer besides its own codes (for the OpenAPI schema).
+ADMIN_ERRORS = {
+    401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
+    503: {"model": ErrorBody, "description": "Redis is unavailable."},
+}
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]

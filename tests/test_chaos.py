@@ -87,7 +87,7 @@ def test_chaos_soak(stack):
             """(job id, supervisor pid, training pid) of a job in the middle of its steps."""
             for job_id in rng.sample(jobs, len(jobs)):
                 rec = _try(lambda: r.hmget(f"mtq:job:{job_id}", "status", "progress"), [None, None])
-                if rec[0] == b"running" and rec[1] and json.loads(rec[1])["iter"] >= 1:
+                if rec[0] == b"running" and rec[1] and json.loads(rec[1]).get("iter", 0) >= 1:
                     started = [e for _, e in _events(r, job_id) if e["type"] == "started"]
                     if started:
                         return job_id, started[-1]["supervisor_pid"], started[-1]["pid"]

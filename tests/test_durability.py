@@ -216,7 +216,7 @@ def test_finished_jobs_expire_after_retention_and_leave_the_index(stack, workers
 def test_sigterm_checkpoints_and_hands_the_job_back_at_once(stack, workers):
     procs = two_workers(stack, workers)
     job_id = submit(stack, body(stack, iters=40, checkpoint_every=1000))  # no periodic checkpoint
-    wait_for(lambda: get(stack, job_id)["progress"]["iter"] >= 3, 120, "three steps")
+    wait_for(lambda: get(stack, job_id)["progress"].get("iter", 0) >= 3, 120, "three steps")
     leaving = owner_pid(stack, job_id)
     sent_at = time.time()
     os.kill(leaving, signal.SIGTERM)

@@ -16,7 +16,6 @@ import time
 
 import httpx
 import pytest
-import yaml
 
 from conftest import ROOT, TOKEN, Stack, wait_for
 from reward_server import serving
@@ -36,13 +35,12 @@ def stack(tmp_path_factory, tiny_model):
     """The module's own stack: named tokens (MTQ_TOKENS_FILE) besides MTQ_API_TOKEN, and a
     stream cap of MAX_STREAMS per token."""
     s = Stack(tmp_path_factory.mktemp("stack"), tiny_model)
-    tokens = s.workdir / "tokens.yaml"
-    tokens.write_text(yaml.safe_dump({"tokens": [
+    s.use_tokens([
         {"name": "alice", "token": TRAINER_A, "role": "trainer"},
         {"name": "bob", "token": TRAINER_B, "role": "trainer"},
         {"name": "victor", "token": VIEWER, "role": "viewer"},
-    ]}))
-    s.env.update(MTQ_TOKENS_FILE=str(tokens), MTQ_MAX_STREAMS_PER_TOKEN=str(MAX_STREAMS))
+    ])
+    s.env.update(MTQ_MAX_STREAMS_PER_TOKEN=str(MAX_STREAMS))
     s.redis_server.start()
     s.start_api()
     yield s

@@ -17,7 +17,6 @@ import tarfile
 
 import httpx
 import pytest
-import yaml
 from rq import Queue
 
 from conftest import ROOT, TOKEN, Stack, wait_for
@@ -36,13 +35,12 @@ def stack(tmp_path_factory, tiny_model):
     (models / "org").mkdir(parents=True)
     (models / "tiny").symlink_to(tiny_model)
     (models / "org" / "tiny").symlink_to(tiny_model)
-    tokens = s.workdir / "tokens.yaml"
-    tokens.write_text(yaml.safe_dump({"tokens": [
+    s.use_tokens([
         {"name": "alice", "token": ALICE, "role": "trainer"},
         {"name": "bob", "token": BOB, "role": "trainer"},
         {"name": "victor", "token": VIEWER, "role": "viewer"},
-    ]}))
-    s.env.update(MTQ_TOKENS_FILE=str(tokens), MTQ_MODELS_DIR=str(models), MTQ_API_HOST="0.0.0.0")
+    ])
+    s.env.update(MTQ_MODELS_DIR=str(models), MTQ_API_HOST="0.0.0.0")
     s.redis_server.start()
     s.start_api()
     yield s

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response, status
 from pydantic import BaseModel, Field
 
 from api.auth import Principal
-from api.deps import PrincipalDep, RedisDep, WriterDep, require_token
+from api.deps import ADMIN_ERRORS, PrincipalDep, RedisDep, WriterDep, require_token
 from api.json_body import JSONBodyRoute
 from shared import adapters
 from shared.keys import job_key
@@ -23,11 +23,7 @@ router = APIRouter(
     tags=["adapters"],
     dependencies=[Depends(require_token)],
     route_class=JSONBodyRoute,
-    responses={
-        400: {"model": ErrorBody, "description": "Invalid request (`detail` says why)."},
-        401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
-        503: {"model": ErrorBody, "description": "Redis is unavailable."},
-    },
+    responses={400: {"model": ErrorBody, "description": "Invalid request (`detail` says why)."}, **ADMIN_ERRORS},
 )
 
 NOT_FOUND = {404: {"model": ErrorBody, "description": "No such adapter (or not one of this trainer token's)."}}
@@ -86,8 +82,8 @@ def list_adapters(
 @router.delete("", response_model=Deleted,
                responses={**NOT_FOUND, 403: {"model": ErrorBody, "description": "A viewer token cannot delete."}},
                summary="Delete an adapter: its index entry and its copy in Redis")
-def delete_adapter(body: AdapterRef, r: RedisDep, who: WriterDep) -> Deleted:
-    if not body.model_id or not body.adapter_name:
+def delete_adapter(r: RedisDep, who: WriterDep, body: AdapterRef | None = None) -> Deleted:
+    if body is None or not body.model_id or not body.adapter_name:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, "model_id and adapter_name required")
     _job_id_or_404(r, body.model_id, body.adapter_name, who)
     if not adapters.delete(r, body.model_id, body.adapter_name):

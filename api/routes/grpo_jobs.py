@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from api import sse
 from api.auth import Principal
-from api.deps import PrincipalDep, RedisDep, SettingsDep, WriterDep, get_async_redis, get_settings, require_token
+from api.deps import ADMIN_ERRORS, PrincipalDep, RedisDep, SettingsDep, WriterDep, get_async_redis, get_settings, require_token
 from api.json_body import JSONBodyRoute
 from api.routes.adapters import archive_response
 from api.submission import check_spec
@@ -34,9 +34,8 @@ router = APIRouter(
     responses={
         400: {"model": ErrorBody, "description": "Invalid request: malformed or over-deep JSON, or a field that is "
               "missing or wrong (`detail` says which, in words; `errors` lists them)."},
-        401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
         413: {"model": ErrorBody, "description": "Body larger than MTQ_MAX_BODY_BYTES."},
-        503: {"model": ErrorBody, "description": "Redis is unavailable."},
+        **ADMIN_ERRORS,
     },
 )
 

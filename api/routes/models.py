@@ -9,17 +9,13 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
-from api.deps import RedisDep, require_token
+from api.deps import ADMIN_ERRORS, RedisDep, require_token
 from shared import workers
-from shared.schemas import ErrorBody
 
 router = APIRouter(
     tags=["models and workers"],
     dependencies=[Depends(require_token)],
-    responses={
-        401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
-        503: {"model": ErrorBody, "description": "Redis is unavailable."},
-    },
+    responses=ADMIN_ERRORS,
 )
 
 
