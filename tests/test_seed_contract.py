@@ -21,6 +21,7 @@ from rq import Queue
 
 from conftest import ROOT, TOKEN, Stack, wait_for
 from shared.keys import JOBS_INDEX
+from shared.workers import local_models
 
 API = "/admin/api/fine-tune"
 JOBS = f"{API}/grpo/jobs"
@@ -331,3 +332,23 @@ def test_adapters_of_deleted_jobs_drop_out_of_the_list(admin, worker):
     assert admin.delete(f"{JOBS}/{entry['job_id']}").json() == {"status": "deleted"}
     assert [a for a in admin.get(f"{API}/adapters").json() if a["adapter_name"] == "numbered"] == []
     assert admin.get(f"{API}/adapters/tiny/numbered/download").status_code == 404
+
+
+def test_local_models_are_model_directories_with_their_type(tmp_path):
+    for rel, config in (("a", '{"model_type": "qwen3"}'), ("org/b", '{"vision_config": {}}'), ("c", "not json"),
+                        (".hidden", "{}"), ("org/.tmp-x", "{}")):
+        (tmp_path / rel).mkdir(parents=True)
+        (tmp_path / rel / "config.json").write_text(config)
+    (tmp_path / "no-config").mkdir()
+    assert local_models(tmp_path) == [
+        {"model_id": "a", "model_type": "llm", "model_path": str(tmp_path / "a")},
+        {"model_id": "c", "model_type": None, "model_path": str(tmp_path / "c")},
+        {"model_id": "org/b", "model_type": "vlm", "model_path": str(tmp_path / "org" / "b")},
+    ]
+
+
+def test_a_stopped_worker_withdraws_its_advertisement(stack, admin, worker):
+    """Last in the module: it stops the module's worker."""
+    stack.stop_proc(worker)
+    assert admin.get("/admin/api/workers").json() == []
+    assert models(admin) == {}

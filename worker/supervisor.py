@@ -139,6 +139,7 @@ class Supervisor(SimpleWorker):
         finally:
             stop.set()
             self.training.stop()
+            beat.join(5)  # no advertisement after the withdrawal
             try:
                 workers.withdraw(self.connection, self.name)
             except redis.RedisError:
