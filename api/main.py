@@ -42,6 +42,8 @@ def readable(error: dict) -> str:
         return "model_id is required"
     if where == "body" and path == ["prompts"] and error["type"] in ("missing", "too_short", "list_type"):
         return "prompts (non-empty list) required"
+    if where == "body" and path[:1] == ["prompts"] and len(path) > 1:  # one error per union branch: say it once
+        return f"prompts[{path[1]}] must be a string, a list of chat messages or an item {{prompt, ...}}"
     if where == "body" and path[:1] == ["config"]:
         if error["type"] == "extra_forbidden":
             return f"Invalid config: unknown field {path[-1]!r}"

@@ -98,6 +98,9 @@ def test_other_field_errors_are_400_naming_the_field(admin):
     assert res.status_code == 400 and res.json()["detail"].startswith("adapter_name: String should match pattern")
     res = admin.post(JOBS, json={"model_id": "../etc", "prompts": ["hi"]})
     assert res.status_code == 400 and "model_id" in res.json()["detail"]
+    res = admin.post(JOBS, json={"model_id": "tiny", "prompts": ["ok", 3]})
+    assert res.status_code == 400
+    assert res.json()["detail"] == "prompts[1] must be a string, a list of chat messages or an item {prompt, ...}"
     res = admin.post(JOBS, content=b"{not json", headers={"Content-Type": "application/json"})
     assert res.status_code == 400 and res.json()["detail"].startswith("malformed JSON body")
     res = admin.get(JOBS, params={"limit": 1001})
