@@ -5,11 +5,12 @@ from typing import Annotated
 
 import redis
 import redis.asyncio
-from fastapi import Depends, HTTPException, status
+from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.auth import Principal, TokenEntry, authenticate, load_tokens
 from shared import jobstore
+from shared.schemas import ErrorBody
 from shared.settings import Settings, load_settings
 
 
@@ -41,6 +42,12 @@ def get_async_redis() -> redis.asyncio.Redis:
     )
 
 
+# What every /admin route may answer besides its own codes (for the OpenAPI schema).
+ADMIN_ERRORS = {
+    401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
+    503: {"model": ErrorBody, "description": "Redis is unavailable."},
+}
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 AsyncRedisDep = Annotated[redis.asyncio.Redis, Depends(get_async_redis)]
@@ -54,15 +61,29 @@ def _unauthorized(detail: str) -> HTTPException:
     return HTTPException(status.HTTP_401_UNAUTHORIZED, detail, headers={"WWW-Authenticate": "Bearer"})
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "::1")
+
+
+def query_token(request: Request) -> str | None:
+    """`?key=` / `?api_key=`, as the seed server accepts them: from a client on this machine
+    only (a token in a URL ends up in logs and browser history; over loopback it stays here)."""
+    if request.client is None or request.client.host not in LOOPBACK_HOSTS:
+        return None
+    return request.query_params.get("key") or request.query_params.get("api_key")
+
+
 async def require_token(
+    request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
-    """Every /admin route needs `Authorization: Bearer <token>`; returns whose token it is."""
+    """Every /admin route needs `Authorization: Bearer <token>` (or, from loopback, `?key=`);
+    returns whose token it is."""
     tokens = get_tokens()
     if not tokens:
         # Fail closed: no token configured must not mean "no auth".
         raise _unauthorized("the server has no API token configured (set MTQ_API_TOKEN or MTQ_TOKENS_FILE); /admin is disabled")
-    principal = None if credentials is None else authenticate(tokens, credentials.credentials)
+    presented = credentials.credentials if credentials is not None else query_token(request)
+    principal = None if presented is None else authenticate(tokens, presented)
     if principal is None:
         raise _unauthorized("missing or invalid bearer token")
     return principal

@@ -11,7 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.deps import get_settings, get_tokens
-from api.routes import grpo_jobs, health, logprob
+from api.routes import adapters, grpo_jobs, health, logprob, models
 
 get_tokens()  # a broken MTQ_TOKENS_FILE stops the API at start, not at its first request
 
@@ -26,6 +26,8 @@ app = FastAPI(
 app.include_router(health.router)
 app.include_router(grpo_jobs.router)
 app.include_router(logprob.router)
+app.include_router(models.router)
+app.include_router(adapters.router)
 
 
 def _printable(text: str) -> str:
@@ -33,13 +35,53 @@ def _printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def readable(error: dict) -> str:
+    """One validation error in words, with the seed server's wording where it has one."""
+    where, *path = error["loc"]
+    field = ".".join(str(p) for p in path)
+    if where == "body" and path == ["model_id"] and error["type"] == "missing":
+        return "model_id is required"
+    if where == "body" and path == ["prompts"] and error["type"] in ("missing", "too_short", "list_type"):
+        return "prompts (non-empty list) required"
+    if where == "body" and path[:1] == ["prompts"] and len(path) > 1:  # one error per union branch: say it once
+        return f"prompts[{path[1]}] must be a string, a list of chat messages or an item {{prompt, ...}}"
+    if where == "body" and path[:1] == ["config"]:
+        if error["type"] == "extra_forbidden":
+            return f"Invalid config: unknown field {path[-1]!r}"
+        return f"Invalid config: {field.removeprefix('config').lstrip('.') or 'config'}: {error['msg']}"
+    if where == "body" and not path:
+        return "request body is required" if error["type"] == "missing" else error["msg"]
+    name = {"query": "query parameter ", "header": "header ", "path": "path parameter "}.get(str(where), "")
+    return f"{name}{field}: {error['msg']}"
+
+
 @app.exception_handler(RequestValidationError)
 async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-    # The one place that answers invalid input (422 now). Only loc, msg and type are sent
-    # back: FastAPI's default also echoes the input, which may not be encodable as JSON (NaN).
+    # The one place that answers invalid input: 400 with the errors in words in `detail` (as
+    # the seed server), and as a list under `errors`. Only loc, msg and type are sent back:
+    # FastAPI's default also echoes the input, which may not be encodable as JSON (NaN).
     errors = [{"loc": [_printable(str(p)) if isinstance(p, str) else p for p in e["loc"]],
                "msg": _printable(e["msg"]), "type": e["type"]} for e in exc.errors()]
-    return JSONResponse(status_code=422, content={"detail": errors})
+    detail = "; ".join(dict.fromkeys(readable(e) for e in errors))
+    return JSONResponse(status_code=400, content={"detail": detail, "errors": errors})
+
+
+_fastapi_openapi = app.openapi
+
+
+def openapi() -> dict:
+    """FastAPI's schema, saying what this API answers to invalid input: 400, not 422."""
+    schema = _fastapi_openapi()
+    for item in schema["paths"].values():
+        for operation in item.values():
+            responses = operation.get("responses", {})
+            if responses.pop("422", None) is not None:
+                responses.setdefault("400", {"description": "Invalid request: `detail` says why in words, "
+                                             "`errors` lists the fields.", "content": {"application/json": {}}})
+    return schema
+
+
+app.openapi = openapi  # type: ignore[method-assign]
 
 
 @app.exception_handler(RedisConnectionError)

@@ -47,7 +47,7 @@ def follow(client: httpx.Client, job_id: str) -> None:
             if event["type"] == "started":
                 print(f"job {job_id} started on worker {event['worker']} (pid {event['pid']})")
             elif event["type"] == "grpo_step":
-                print(f"\r{progress_bar(event['iter'], event['total_iters'])} loss={event['loss']:+.4f} "
+                print(f"\r{progress_bar(event['iter'] + 1, event['total_iters'])} loss={event['loss']:+.4f} "
                       f"reward={event['mean_reward']:.1f} step={event['step_time']:.2f}s", end="", flush=True)
             elif event["type"] in ("done", "failed", "cancelled"):
                 print(f"\n{event['type']}")

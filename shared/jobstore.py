@@ -13,7 +13,8 @@ import redis
 
 from shared import lifecycle
 from shared.keys import JOBS_INDEX, events_key, job_key
-from shared.schemas import FINISHED_STATUSES, GRPOConfig, Job, JobCreate, JobStatus, Progress, UnreadableJob
+from shared.adapters import adapter_dir
+from shared.schemas import FINISHED_STATUSES, GRPOConfig, Job, JobCreate, JobStatus, UnreadableJob
 from shared.settings import QUEUE_NAME, load_settings
 
 EVENTS_MAXLEN = lifecycle.EVENTS_MAXLEN
@@ -44,9 +45,10 @@ def create_job(r: redis.Redis, spec: JobCreate, owner: str | None = None) -> Job
     of the token that created it (api/auth.py)."""
     job_id = uuid.uuid4().hex
     spec = spec.model_copy(update={"adapter_name": spec.adapter_name or f"grpo-{job_id[:8]}"})
-    progress = Progress(iter=0, total_iters=spec.config.iters)
+    # As the seed server: the adapter's path is known from the start, progress is {} until a step.
+    path = adapter_dir(load_settings(), spec.model_id, spec.adapter_name)
     lifecycle.create(r, job_id, "grpo", QUEUE_NAME, spec.model_dump_json(by_alias=True),
-                     progress=progress.model_dump_json(), max_attempts=max_attempts(spec.config),
+                     progress="{}", adapter_path=str(path), max_attempts=max_attempts(spec.config),
                      **({"owner": owner} if owner else {}))
     return get_job(r, job_id)  # type: ignore[return-value]
 
@@ -66,13 +68,13 @@ def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
         config=spec.config,
         reward=spec.reward,
         adapter_name=spec.adapter_name or "",
-        adapter_path=_s(h.get(b"adapter_path")),
+        adapter_path=_s(h.get(b"adapter_path")) or str(adapter_dir(load_settings(), spec.model_id, spec.adapter_name or "")),
         status=h[b"status"].decode(),  # type: ignore[arg-type]
         created_at=float(h[b"created_at"]),
-        started_at=_f(h.get(b"started_at")),
-        finished_at=_f(h.get(b"finished_at")),
-        error=_s(h.get(b"error")),
-        progress=Progress.model_validate_json(h[b"progress"]),
+        started_at=_f(h.get(b"started_at")) or 0.0,
+        finished_at=_f(h.get(b"finished_at")) or 0.0,
+        error=_s(h.get(b"error")) or "",
+        progress=json.loads(h.get(b"progress") or b"{}"),
         worker=_s(h.get(b"worker")),
         checkpoint_step=None if checkpoint is None else int(checkpoint),
         attempts=int(h.get(b"attempts", 0)),

@@ -77,7 +77,7 @@ class GRPOConfig(BaseModel):
     learning_rate: float = Field(1e-5, ge=0.0, allow_inf_nan=False)
     lora_layers: int = Field(16, ge=-1, le=4096, description="Transformer blocks (from the top) that get LoRA; -1 = all.")
     lora_rank: int = Field(8, ge=1, le=1024)
-    lora_alpha: float = Field(16.0, gt=0.0, description="LoRA scale is lora_alpha / lora_rank.")
+    lora_alpha: float = Field(16.0, gt=0.0, le=1e6, description="The LoRA scale, passed to mlx_lm as is (as the seed server does; not alpha / rank).")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     max_completion_len: int = Field(64, ge=1, le=32768)
     clip_ratio: float = Field(
@@ -105,7 +105,7 @@ class GRPOConfig(BaseModel):
     top_k: int = Field(0, ge=0, le=1_000_000, description="0 = off; at most the model's vocabulary (checked at job start).")
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16, description="Stop strings (besides EOS).")
-    use_chat_template: bool = True
+    use_chat_template: bool = Field(False, description="Render string prompts with the tokenizer's chat template (default: raw text, `tokenizer.encode`, as the seed server). Chat-message prompts always use the template.")
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1 (bias-corrected, as PyTorch's and TRL's).")
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2.")
     adam_epsilon: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon.")
@@ -188,10 +188,11 @@ class JobCreate(BaseModel):
 
 
 class Progress(BaseModel):
-    """Latest step's metrics; TRL's metric names (with '/') ride along as extra fields."""
+    """The latest step's metrics (a job has `progress: {}` until its first step); TRL's
+    metric names (with '/') ride along as extra fields."""
 
     model_config = ConfigDict(extra="allow")
-    iter: int = 0
+    iter: int = Field(0, description="Completed steps.")
     total_iters: int = 0
     loss: float | None = None
     mean_reward: float | None = None
@@ -204,13 +205,14 @@ class Job(BaseModel):
     config: GRPOConfig
     reward: list[RewardSource] | None = None
     adapter_name: str
-    adapter_path: str | None = None
+    adapter_path: str = Field(description="Where the worker writes the adapter: $MTQ_HOME/adapters/<model_id>/<adapter_name>.")
     status: JobStatus
     created_at: float
-    started_at: float | None = None
-    finished_at: float | None = None
-    error: str | None = None
-    progress: Progress
+    started_at: float = Field(0.0, description="0.0 until a worker starts it (as the seed server).")
+    finished_at: float = Field(0.0, description="0.0 until it finishes.")
+    error: str = ""
+    progress: dict[str, Any] = Field(default_factory=dict, description="{} until the first step, then Progress: "
+                                     "{iter (completed steps), total_iters, loss, mean_reward, ...metrics}.")
     worker: str | None = Field(None, description="The worker running (or that last ran) the job.")
     checkpoint_step: int | None = Field(None, description="Step of the last checkpoint (resume starts there).")
     attempts: int = Field(0, description="Runs of the job started by workers (a clean hand-back included).")
@@ -228,12 +230,6 @@ class UnreadableJob(BaseModel):
     status: Literal["unreadable"] = "unreadable"
     error: str
     owner: str | None = None
-
-
-class JobList(BaseModel):
-    data: list[Job | UnreadableJob]
-    has_more: bool
-    next_after: str | None = Field(None, description="Pass as `after` to get the next page.")
 
 
 class ErrorBody(BaseModel):

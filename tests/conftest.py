@@ -97,6 +97,14 @@ class Stack:
         )
         self.redis = redis.Redis.from_url(self.redis_server.url)
 
+    def use_tokens(self, tokens: list[dict]) -> None:
+        """Named tokens with roles (MTQ_TOKENS_FILE), besides MTQ_API_TOKEN: call before start_api."""
+        import yaml
+
+        path = self.workdir / "tokens.yaml"
+        path.write_text(yaml.safe_dump({"tokens": tokens}))
+        self.env["MTQ_TOKENS_FILE"] = str(path)
+
     def spawn(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
         log = open(self.workdir / f"{name}-{len(self.procs)}.log", "ab")
         proc = subprocess.Popen(

@@ -101,10 +101,11 @@ def test_create_returns_a_queued_job_with_the_seed_fields_and_defaults(stack, cl
     assert job["model_id"] == "tiny"
     assert job["prompts"] == ["What is 2+2?", "Say hello."]
     assert job["adapter_name"]
-    assert job["adapter_path"] is job["started_at"] is job["finished_at"] is job["error"] is None
+    assert job["adapter_path"] == str(stack.workdir / "home" / "adapters" / "tiny" / job["adapter_name"])
+    assert job["started_at"] == job["finished_at"] == 0.0 and job["error"] == ""  # the seed's values
     assert isinstance(job["created_at"], float)
     assert {k: job["config"][k] for k in SEED_CONFIG_DEFAULTS} == SEED_CONFIG_DEFAULTS
-    assert job["progress"] == {"iter": 0, "total_iters": 50, "loss": None, "mean_reward": None}
+    assert job["progress"] == {}  # until the first step
     # It is on rq's queue for the workers, and GET returns the same record.
     assert job["job_id"] in Queue("grpo", connection=stack.redis).job_ids
     assert client.get(f"{JOBS}/{job['job_id']}").json() == job
@@ -114,7 +115,6 @@ def test_create_keeps_the_given_adapter_name_and_config(client):
     job = create(client, adapter_name="grpo_smoke", config={"group_size": 2, "iters": 3, "temperature": 0.8})
     assert job["adapter_name"] == "grpo_smoke"
     assert job["config"]["group_size"] == 2 and job["config"]["temperature"] == 0.8
-    assert job["progress"]["total_iters"] == 3
 
 
 @pytest.mark.parametrize("body,loc", [
@@ -123,21 +123,23 @@ def test_create_keeps_the_given_adapter_name_and_config(client):
     ({"prompts": ["hi"]}, ["body", "model_id"]),
     ({"model_id": "tiny", "prompts": ["hi"], "config": {"no_such_knob": 1}}, ["body", "config", "no_such_knob"]),
 ], ids=["group_size-0", "no-prompts", "no-model", "unknown-config-field"])
-def test_invalid_input_is_422_with_field_errors(client, body, loc):
+def test_invalid_input_is_400_with_field_errors(client, body, loc):
     res = client.post(JOBS, json=body)
-    assert res.status_code == 422, res.text
-    assert loc in [e["loc"] for e in res.json()["detail"]]
+    assert res.status_code == 400, res.text
+    assert isinstance(res.json()["detail"], str)
+    assert loc in [e["loc"] for e in res.json()["errors"]]
 
 
 @pytest.mark.parametrize("body", [
     {"config": {"reward_endpoint": "http://example.com/r"}},
     {"reward": [{"type": "endpoint", "url": "http://example.com/r"}]},
 ], ids=["config.reward_endpoint", "reward-source"])
-def test_disallowed_reward_host_is_422(stack, client, body):
+def test_disallowed_reward_host_is_400(stack, client, body):
     queued_before = Queue("grpo", connection=stack.redis).count
     res = client.post(JOBS, json={"model_id": "tiny", "prompts": ["hi"], **body})
-    assert res.status_code == 422, res.text
-    [error] = res.json()["detail"]
+    assert res.status_code == 400, res.text
+    [error] = res.json()["errors"]
+    assert res.json()["detail"] == error["msg"]
     assert {"loc", "msg", "type"} <= error.keys()
     assert "example.com" in error["msg"] and "not allowed" in error["msg"]
     assert Queue("grpo", connection=stack.redis).count == queued_before  # nothing was queued
@@ -150,11 +152,15 @@ def test_allowed_reward_host_is_accepted(client):
 
 # --- unknown ids ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method,suffix", [("GET", ""), ("POST", "/cancel"), ("DELETE", ""), ("GET", "/stream")])
-def test_unknown_job_is_404(client, method, suffix):
+@pytest.mark.parametrize("method,suffix,message", [
+    ("GET", "", "Job not found"), ("POST", "/cancel", "Job not found or not cancellable"),
+    ("DELETE", "", "Job not found or currently running"), ("GET", "/stream", "Job not found"),
+    ("GET", "/adapter", "Job not found"), ("GET", "/history", "Job not found"), ("POST", "/resume", "Job not found"),
+])
+def test_unknown_job_is_404(client, method, suffix, message):
     res = client.request(method, f"{JOBS}/no-such-job{suffix}")
     assert res.status_code == 404
-    assert res.json() == {"detail": "job not found: no-such-job"}
+    assert res.json() == {"detail": f"{message}: no-such-job"}
 
 
 # --- list -------------------------------------------------------------------------------
@@ -165,31 +171,31 @@ def test_list_filters_by_status_and_pages_with_after(stack, client):
     for job_id in ids[:3]:
         assert client.post(f"{JOBS}/{job_id}/cancel").status_code == 200
 
-    everything = client.get(JOBS).json()
-    assert [j["job_id"] for j in everything["data"]] == ids[::-1]  # newest first
-    assert everything["has_more"] is False and everything["next_after"] is None
+    everything = client.get(JOBS)
+    assert [j["job_id"] for j in everything.json()] == ids[::-1]  # a plain array, newest first
+    assert everything.headers["X-Has-More"] == "false" and "X-Next-After" not in everything.headers
 
     queued = client.get(JOBS, params={"status": "queued"}).json()
-    assert [j["job_id"] for j in queued["data"]] == ids[4:2:-1]
+    assert [j["job_id"] for j in queued] == ids[4:2:-1]
 
     pages, after = [], None
     while True:
-        page = client.get(JOBS, params={"status": "cancelled", "limit": 2, **({"after": after} if after else {})}).json()
-        pages.append([j["job_id"] for j in page["data"]])
-        assert all(j["status"] == "cancelled" for j in page["data"])
-        if not page["has_more"]:
-            assert page["next_after"] is None
+        page = client.get(JOBS, params={"status": "cancelled", "limit": 2, **({"after": after} if after else {})})
+        pages.append([j["job_id"] for j in page.json()])
+        assert all(j["status"] == "cancelled" for j in page.json())
+        if page.headers["X-Has-More"] == "false":
+            assert "X-Next-After" not in page.headers
             break
-        after = page["next_after"]
-        assert after == page["data"][-1]["job_id"]
+        after = page.headers["X-Next-After"]
+        assert after == page.json()[-1]["job_id"]
     assert pages == [[ids[2], ids[1]], [ids[0]]]
 
 
 @pytest.mark.parametrize("params,code", [
     ({"after": "no-such-job"}, 400),
-    ({"limit": 0}, 422),
-    ({"limit": 201}, 422),
-    ({"status": "paused"}, 422),
+    ({"limit": 0}, 400),
+    ({"limit": 1001}, 400),
+    ({"status": "paused"}, 400),
 ])
 def test_list_rejects_bad_query(client, params, code):
     assert client.get(JOBS, params=params).status_code == code
@@ -197,35 +203,32 @@ def test_list_rejects_bad_query(client, params, code):
 
 # --- cancel and delete --------------------------------------------------------------------
 
-def test_cancel_a_queued_job_then_again_is_409(client):
+def test_cancel_a_queued_job_then_again_is_404(client):
     job_id = create(client)["job_id"]
     res = client.post(f"{JOBS}/{job_id}/cancel")
     assert res.status_code == 200
-    assert res.json()["status"] == "cancelled" and res.json()["finished_at"] is not None
+    assert res.json()["status"] == "cancelled" and res.json()["finished_at"] > 0
     again = client.post(f"{JOBS}/{job_id}/cancel")
-    assert again.status_code == 409
-    assert "cancelled" in again.json()["detail"]
+    assert again.status_code == 404
+    assert again.json()["detail"] == f"Job not found or not cancellable: {job_id}"
 
 
-def test_delete_queued_is_409_then_cancelled_deletes_record_and_events(stack, client):
+def test_delete_a_cancelled_job_deletes_record_and_events(stack, client):
     job_id = create(client)["job_id"]
-    res = client.delete(f"{JOBS}/{job_id}")
-    assert res.status_code == 409
-    assert "cancel" in res.json()["detail"]
     client.post(f"{JOBS}/{job_id}/cancel")
 
     res = client.delete(f"{JOBS}/{job_id}")
     assert res.status_code == 200
-    assert res.json() == {"job_id": job_id, "deleted": True}
+    assert res.json() == {"status": "deleted"}
     assert client.get(f"{JOBS}/{job_id}").status_code == 404
     assert client.delete(f"{JOBS}/{job_id}").status_code == 404
     assert stack.redis.exists(f"mtq:job:{job_id}", f"mtq:job:{job_id}:events") == 0
 
 
-def test_running_job_cancel_is_requested_and_delete_is_409(stack, client):
+def test_running_job_cancel_is_at_once_and_delete_is_404(stack, client):
     job_id = create(client)["job_id"]
     assert lifecycle.start(stack.redis, job_id, "test-worker", lease_ttl_s=60)  # as a worker would
-    assert client.delete(f"{JOBS}/{job_id}").status_code == 409
+    assert client.delete(f"{JOBS}/{job_id}").status_code == 404
     res = client.post(f"{JOBS}/{job_id}/cancel")
     assert res.status_code == 200 and res.json()["status"] == "cancelled"  # its worker is fenced out at once
     assert stack.redis.hget(f"mtq:job:{job_id}", "lease_epoch") == b"2"  # ...whose lease epoch was 1

@@ -94,11 +94,13 @@ def test_chaos_soak(stack):
             """(job id, supervisor pid, training pid) of a job in the middle of its steps."""
             for job_id in rng.sample(jobs, len(jobs)):
                 rec = _try(lambda: r.hmget(f"mtq:job:{job_id}", "status", "progress"), [None, None])
-                if rec[0] == b"running" and rec[1] and json.loads(rec[1])["iter"] >= 1:
-                    started = [e for _, e in _events(r, job_id) if e["type"] == "started"]
-                    # Not a job whose worker an earlier fault killed (its lease has not lapsed yet).
-                    if started and _alive(started[-1]["supervisor_pid"]) and _alive(started[-1]["pid"]):
-                        return job_id, started[-1]["supervisor_pid"], started[-1]["pid"]
+                if rec[0] == b"running" and rec[1] and json.loads(rec[1]).get("iter", 0) >= 1:
+                    # The current run's "started", not one from before the job was last re-queued,
+                    # on a worker an earlier fault has not killed (its lease has not lapsed yet).
+                    runs = [e for _, e in _events(r, job_id) if e["type"] in ("started", "requeued")]
+                    if runs and runs[-1]["type"] == "started" and _alive(runs[-1]["supervisor_pid"]) \
+                            and _alive(runs[-1]["pid"]):
+                        return job_id, runs[-1]["supervisor_pid"], runs[-1]["pid"]
             return None
 
         def recovery_s(job_id, t_fault):

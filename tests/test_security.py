@@ -16,7 +16,6 @@ import time
 
 import httpx
 import pytest
-import yaml
 
 from conftest import ROOT, TOKEN, Stack, wait_for
 from reward_server import serving
@@ -36,13 +35,12 @@ def stack(tmp_path_factory, tiny_model):
     """The module's own stack: named tokens (MTQ_TOKENS_FILE) besides MTQ_API_TOKEN, and a
     stream cap of MAX_STREAMS per token."""
     s = Stack(tmp_path_factory.mktemp("stack"), tiny_model)
-    tokens = s.workdir / "tokens.yaml"
-    tokens.write_text(yaml.safe_dump({"tokens": [
+    s.use_tokens([
         {"name": "alice", "token": TRAINER_A, "role": "trainer"},
         {"name": "bob", "token": TRAINER_B, "role": "trainer"},
         {"name": "victor", "token": VIEWER, "role": "viewer"},
-    ]}))
-    s.env.update(MTQ_TOKENS_FILE=str(tokens), MTQ_MAX_STREAMS_PER_TOKEN=str(MAX_STREAMS))
+    ])
+    s.env.update(MTQ_MAX_STREAMS_PER_TOKEN=str(MAX_STREAMS))
     s.redis_server.start()
     s.start_api()
     yield s
@@ -95,10 +93,10 @@ def a_normal_job_completes(stack, client):
 
 @pytest.mark.parametrize("field", ["beta", "weight_decay", "lora_alpha", "checkpoint_interval_s", "learning_rate", "temperature"])
 @pytest.mark.parametrize("number", ["1e999", "-1e999", "NaN", "Infinity"])
-def test_non_finite_config_is_422(stack, client, field, number):
+def test_non_finite_config_is_400(stack, client, field, number):
     text = json.dumps(body(stack)).replace('"config": {', f'"config": {{"{field}": {number}, ', 1)
     res = post_raw(client, text)
-    assert res.status_code == 422, res.text
+    assert res.status_code == 400, res.text
     assert_list_and_get_work(client)
 
 
@@ -107,26 +105,26 @@ def test_non_finite_config_is_422(stack, client, field, number):
     '"reward": [{"type": "math_answer", "tolerance": NUMBER}]',
     '"prompts": [{"prompt": "2+2?", "answer": NUMBER}]',
 ])
-def test_non_finite_numbers_anywhere_are_422(stack, client, where):
+def test_non_finite_numbers_anywhere_are_400(stack, client, where):
     text = json.dumps(body(stack, prompts=[])).replace('"prompts": []', where.replace("NUMBER", "1e999"))
     res = post_raw(client, text)
-    assert res.status_code == 422, res.text
+    assert res.status_code == 400, res.text
 
 
-def test_non_finite_resume_override_is_422_and_the_job_stays_usable(stack, client):
+def test_non_finite_resume_override_is_400_and_the_job_stays_usable(stack, client):
     job_id = create(client, stack, model_id="no-such-model-for-resume")["job_id"]
     client.post(f"{JOBS}/{job_id}/cancel")  # queued -> cancelled at once (no worker takes it in time: see below)
     assert stack.wait_job(job_id, statuses=("cancelled", "failed"))["status"] in ("cancelled", "failed")
     for number in ("1e999", "NaN", "-Infinity"):
         res = post_raw(client, f'{{"config": {{"beta": {number}}}}}', f"{JOBS}/{job_id}/resume")
-        assert res.status_code == 422, res.text
+        assert res.status_code == 400, res.text
     res = post_raw(client, '{"config": {"batch_size": 1024, "group_size": 256}}', f"{JOBS}/{job_id}/resume")
-    assert res.status_code == 422 and "MTQ_MAX_STEP_TOKENS" in res.text  # limits apply to resume too
+    assert res.status_code == 400 and "MTQ_MAX_STEP_TOKENS" in res.text  # limits apply to resume too
     assert client.get(f"{JOBS}/{job_id}").json()["config"]["beta"] == 0.0
     assert_list_and_get_work(client, job_id)
 
 
-@pytest.mark.parametrize("seed,code", [(0, 200), (2**32 - 1, 200), (2**32, 422), (-1, 422), (10**30, 422)])
+@pytest.mark.parametrize("seed,code", [(0, 200), (2**32 - 1, 200), (2**32, 400), (-1, 400), (10**30, 400)])
 def test_seed_range(stack, client, seed, code):
     res = client.post(JOBS, json=body(stack, config={**SMALL, "seed": seed}))
     assert res.status_code == code, res.text
@@ -146,16 +144,16 @@ def test_deep_nesting_is_400(stack, client):
 
 
 @pytest.mark.parametrize("where", ['"prompts": ["\\ud800"]', '"prompts": [{"prompt": "x", "a\\udfff": 1}]', '"adapter_name": "\\ud800"'])
-def test_lone_surrogates_are_422(stack, client, where):
+def test_lone_surrogates_are_400(stack, client, where):
     text = json.dumps(body(stack, prompts=[])).replace('"prompts": []', where)
     res = post_raw(client, text)
-    assert res.status_code == 422, res.text
+    assert res.status_code == 400, res.text
 
 
 @pytest.mark.parametrize("pattern", ["a{4294967296}", "a{1001}", "(a)\\1", "(?=x)y", "x" * 3000])
-def test_regex_that_re2_rejects_or_too_long_is_422(stack, client, pattern):
+def test_regex_that_re2_rejects_or_too_long_is_400(stack, client, pattern):
     res = client.post(JOBS, json=body(stack, reward=[{"type": "regex", "pattern": pattern}]))
-    assert res.status_code == 422, res.text
+    assert res.status_code == 400, res.text
 
 
 def test_unreadable_record_is_listed_as_such_and_can_be_deleted(stack, client):
@@ -169,13 +167,13 @@ def test_unreadable_record_is_listed_as_such_and_can_be_deleted(stack, client):
     stack.redis.zadd(JOBS_INDEX, {bad: time.time()})
     listed = client.get(JOBS, params={"limit": 200})
     assert listed.status_code == 200
-    entry, = [j for j in listed.json()["data"] if j["job_id"] == bad]
+    entry, = [j for j in listed.json() if j["job_id"] == bad]
     assert entry["status"] == "unreadable" and "stored record cannot be loaded" in entry["error"]
-    assert any(j["job_id"] == good for j in listed.json()["data"])
+    assert any(j["job_id"] == good for j in listed.json())
     got = client.get(f"{JOBS}/{bad}")
     assert got.status_code == 200 and got.json()["status"] == "unreadable"
     for method, suffix in (("POST", "/cancel"), ("POST", "/resume"), ("GET", "/stream")):
-        assert client.request(method, f"{JOBS}/{bad}{suffix}").status_code in (409, 200), suffix
+        assert client.request(method, f"{JOBS}/{bad}{suffix}").status_code in (404, 409, 200), suffix
     assert client.delete(f"{JOBS}/{bad}").status_code == 200
     assert client.get(f"{JOBS}/{bad}").status_code == 404
 
@@ -230,18 +228,18 @@ def test_chunked_body_is_cut_at_the_limit(stack):
     ({"prompts": ["x"] * 10_001}, "MTQ_MAX_PROMPTS"),
     ({"config": {**SMALL, "batch_size": 1024, "group_size": 256}}, "MTQ_MAX_STEP_TOKENS"),
 ])
-def test_limits_are_422_at_submission(stack, client, fields, limit):
+def test_limits_are_400_at_submission(stack, client, fields, limit):
     res = client.post(JOBS, json=body(stack, **fields))
-    assert res.status_code == 422 and limit in res.text, res.text[:500]
+    assert res.status_code == 400 and limit in res.text, res.text[:500]
 
 
 # --- what a job may point at -------------------------------------------------------------------
 
 @pytest.mark.parametrize("model_id", ["../../x", "/proc/self", "a/b/c", "..", "./tiny", "/tmp/../etc", "~/x", "tiny\x00"])
-def test_model_ids_outside_the_allowed_places_are_422(stack, client, model_id):
+def test_model_ids_outside_the_allowed_places_are_400(stack, client, model_id):
     res = client.post(JOBS, json=body(stack, model_id=model_id))
-    assert res.status_code == 422, res.text
-    assert "/proc/self/" not in res.text and "fd" not in res.json()["detail"][0]["msg"]
+    assert res.status_code == 400, res.text
+    assert "/proc/self/" not in res.text and "fd" not in res.json()["detail"]
 
 
 def test_absolute_path_under_model_roots_is_accepted(stack, client):
@@ -257,24 +255,24 @@ def test_absolute_path_under_model_roots_is_accepted(stack, client):
     "file:///etc/passwd",
     "http://localhost.:1/x",
 ])
-def test_reward_urls_that_could_reach_other_hosts_are_422(stack, client, url):
+def test_reward_urls_that_could_reach_other_hosts_are_400(stack, client, url):
     as_source = client.post(JOBS, json=body(stack, reward=[{"type": "endpoint", "url": url}]))
     as_config = client.post(JOBS, json=body(stack, config={**SMALL, "reward_endpoint": url}))
-    assert as_source.status_code == 422, as_source.text
-    assert as_config.status_code == 422, as_config.text
+    assert as_source.status_code == 400, as_source.text
+    assert as_config.status_code == 400, as_config.text
 
 
-def test_json_schema_with_a_remote_ref_is_422(stack, client):
+def test_json_schema_with_a_remote_ref_is_400(stack, client):
     schema = {"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:1/schema.json"}}}
     res = client.post(JOBS, json=body(stack, reward=[{"type": "json_valid", "schema": schema}]))
-    assert res.status_code == 422 and "inside the schema" in res.text, res.text
+    assert res.status_code == 400 and "inside the schema" in res.text, res.text
 
 
 @pytest.mark.parametrize("function", ["antigravity:x", "this:x", "logging:basicConfig", "unittest.__main__:main",
                                       "os:system", "tests.reward_fns_evil:x", "reward_fnsX:f"])
-def test_python_rewards_outside_the_allow_list_are_422_naming_the_module(stack, client, function):
+def test_python_rewards_outside_the_allow_list_are_400_naming_the_module(stack, client, function):
     res = client.post(JOBS, json=body(stack, reward=[{"type": "python", "function": function}]))
-    assert res.status_code == 422, res.text
+    assert res.status_code == 400, res.text
     assert f"module {function.split(':')[0]!r} is not allowed" in res.text
 
 
@@ -288,18 +286,18 @@ def test_trainers_see_only_their_jobs_viewers_only_read_admin_sees_all(stack):
         assert job["owner"] == "alice"
         for method, suffix in (("GET", ""), ("GET", "/stream"), ("POST", "/cancel"), ("POST", "/resume"), ("DELETE", "")):
             assert bob.request(method, f"{JOBS}/{job_id}{suffix}").status_code == 404, (method, suffix)
-        assert job_id not in [j["job_id"] for j in bob.get(JOBS, params={"limit": 200}).json()["data"]]
-        assert job_id in [j["job_id"] for j in alice.get(JOBS, params={"limit": 200}).json()["data"]]
-        assert all(j["owner"] == "alice" for j in alice.get(JOBS, params={"limit": 200}).json()["data"])
+        assert job_id not in [j["job_id"] for j in bob.get(JOBS, params={"limit": 200}).json()]
+        assert job_id in [j["job_id"] for j in alice.get(JOBS, params={"limit": 200}).json()]
+        assert all(j["owner"] == "alice" for j in alice.get(JOBS, params={"limit": 200}).json())
 
         assert victor.post(JOBS, json=body(stack)).status_code == 403
         assert victor.post(f"{JOBS}/{job_id}/cancel").status_code == 403
         assert victor.delete(f"{JOBS}/{job_id}").status_code == 403
         assert victor.get(f"{JOBS}/{job_id}").status_code == 200
 
-        assert job_id in [j["job_id"] for j in admin.get(JOBS, params={"limit": 200}).json()["data"]]
+        assert job_id in [j["job_id"] for j in admin.get(JOBS, params={"limit": 200}).json()]
         assert admin.get(f"{JOBS}/{job_id}").json()["owner"] == "alice"
-        assert alice.post(f"{JOBS}/{job_id}/cancel").status_code in (200, 409)
+        assert alice.post(f"{JOBS}/{job_id}/cancel").status_code in (200, 404)
 
 
 # --- event streams ---------------------------------------------------------------------------
@@ -477,7 +475,7 @@ def test_a_job_that_does_not_fit_the_model_fails_before_its_first_step(stack, cl
         job = create(client, stack, config={**SMALL, **config})
         done = stack.wait_job(job["job_id"], timeout=90)
         assert done["status"] == "failed" and message in done["error"], done["error"]
-        assert done["progress"]["iter"] == 0
+        assert done["progress"] == {}  # no step ran
     a_normal_job_completes(stack, client)
 
 
@@ -553,8 +551,8 @@ def test_a_module_that_exits_on_import_is_a_reward_error(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("config", [{"lora_layers": 10**30}, {"top_k": 10**30}, {"warmup_steps": 10**30},
                                     {"checkpoint_every": 10**30}, {"stop": ["x" * 257]}, {"stop": [""]}])
-def test_unbounded_numbers_and_strings_are_422(stack, client, config):
-    assert client.post(JOBS, json=body(stack, config={**SMALL, **config})).status_code == 422
+def test_unbounded_numbers_and_strings_are_400(stack, client, config):
+    assert client.post(JOBS, json=body(stack, config={**SMALL, **config})).status_code == 400
 
 
 def test_prompt_fields_reach_only_the_parameters_a_function_declares():
@@ -687,4 +685,4 @@ def test_generated_requests_never_get_a_5xx_or_an_undocumented_code(stack, clien
         assert str(code) in op["responses"], (method, path, code, sorted(op["responses"]))
 
     one_request()
-    assert {code for (_, code) in seen} >= {200, 404, 422}, seen
+    assert {code for (_, code) in seen} >= {200, 400, 404}, seen

@@ -29,8 +29,10 @@ from worker.rewards import build_scorer
 
 PROMPTS = ["What is 2+2?", "Say hello.", "Count to five.", "Name a color.", "Write a word.", "Tell me a story."]
 SHARE_OF_E = [{"type": "python", "function": "reward_fns:share_of_e"}]
-BASE = dict(group_size=8, batch_size=2, iters=3, learning_rate=5e-2, lora_layers=-1, lora_rank=8,
-            max_completion_len=16, temperature=1.0, seed=0)
+# The chat template and a LoRA scale of 2 (lora_alpha is the scale itself): the setting these
+# tests' measured figures were taken with (the job defaults are raw text and scale 16).
+BASE = dict(group_size=8, batch_size=2, iters=3, learning_rate=5e-2, lora_layers=-1, lora_rank=8, lora_alpha=2.0,
+            max_completion_len=16, temperature=1.0, seed=0, use_chat_template=True)
 TIMING = ("step_time", "tokens_per_second", "peak_memory_gb")  # vary run to run
 
 
@@ -276,24 +278,24 @@ def test_micro_batches_and_checkpointing_give_the_unbatched_loss_and_gradients(l
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
 
 
-def test_chat_template_is_applied_only_when_asked(lm):
+def test_text_prompts_are_raw_text_unless_asked_and_chat_messages_use_the_template(lm):
     _, tok = lm
     assert tok.chat_template
     assistant = tok.encode("<|im_start|>assistant\n")
     im_start = tok.convert_tokens_to_ids("<|im_start|>")
     assert assistant[0] == im_start and len(assistant) >= 2
 
-    for prompt in (CHAT, "Say hello."):
-        item = PromptItem(prompt=prompt)
-        templated = prompt_token_ids(tok, item, use_chat_template=True)
-        assert templated[-len(assistant):] == assistant  # the generation prompt
-        plain = prompt_token_ids(tok, item, use_chat_template=False)
-        assert im_start not in plain
+    text = PromptItem(prompt="Say hello.")
+    assert prompt_token_ids(tok, text, use_chat_template=False) == tok.encode("Say hello.")  # the seed server's encoding
+    assert JobCreate(model_id="tiny", prompts=["x"]).config.use_chat_template is False  # ...and the default
+    templated = prompt_token_ids(tok, text, use_chat_template=True)
+    assert templated[-len(assistant):] == assistant and im_start in templated[:1]  # the generation prompt
 
-    assert tok.decode(prompt_token_ids(tok, PromptItem(prompt=CHAT), True)) == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"
-    )
-    assert tok.decode(prompt_token_ids(tok, PromptItem(prompt=CHAT), False)) == "Be brief.\nSay hello."
+    # Chat messages have no text of their own: they always go through the template.
+    for flag in (True, False):
+        assert tok.decode(prompt_token_ids(tok, PromptItem(prompt=CHAT), flag)) == (
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"
+        )
 
 
 def test_chat_prompts_and_items_with_fields_train(lm):
@@ -497,7 +499,7 @@ def test_second_job_on_a_worker_reuses_the_loaded_model(stack, workers):
         events = [e for _, e in read_events(stack.redis, job_id)]
         ready += [e for e in events if e["type"] == "model_ready"]
         samples = [e for e in events if e["type"] == "samples"]
-        assert len(samples) == 1 and samples[0]["iter"] == 1
+        assert len(samples) == 1 and samples[0]["iter"] == 0
         assert len(samples[0]["completions"]) == 1 and len(samples[0]["completions"][0]) == 2
     assert [e["cached"] for e in ready] == [False, True]
     assert ready[1]["load_s"] < ready[0]["load_s"]

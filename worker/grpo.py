@@ -231,7 +231,11 @@ def make_batch(prompt_ids: list[list[int]], samples: Samples, mask: mx.array, ad
 
 
 def prompt_token_ids(tokenizer, item: PromptItem, use_chat_template: bool) -> list[int]:
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
+    """Raw text with `tokenizer.encode` (the seed server's way, and the default); the chat
+    template for string prompts only with use_chat_template, and always for chat messages
+    (a list of messages has no text of its own)."""
+    chat = use_chat_template or isinstance(item.prompt, list)
+    if chat and getattr(tokenizer, "chat_template", None):
         messages = item.prompt if isinstance(item.prompt, list) else [{"role": "user", "content": item.prompt}]
         messages = [m if isinstance(m, dict) else m.model_dump() for m in messages]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -472,7 +476,7 @@ class GRPOTrainer:
         completions = [texts[b * G : (b + 1) * G] for b in range(len(items))]
         try:
             rewards, reward_metrics = self.scorer.score(
-                state.step + 1, items, completions, token_counts=[lengths[b * G : (b + 1) * G] for b in range(len(items))],
+                state.step, items, completions, token_counts=[lengths[b * G : (b + 1) * G] for b in range(len(items))],
                 should_stop=should_stop,
             )
         except RewardStopped:  # cancelled while waiting on a reward server

@@ -7,16 +7,16 @@ in Redis that any worker resumes from, and the adapter committed through the job
 
 import logging
 import time
-from pathlib import Path
 
 import mlx.core as mx
 
+from shared.adapters import adapter_dir
 from shared.schemas import JobCreate, Progress
-from shared.settings import Settings, load_settings
+from shared.settings import load_settings
 from worker import checkpoints
 from worker.grpo import Cancelled, GRPOTrainer, NonFiniteLoss, TrainState
 from worker.memory import MemoryEstimateError
-from worker.models import ModelNotFound, attach_lora, get_model, save_adapter
+from worker.models import ModelNotFound, attach_lora, get_model, loaded_model_ids, save_adapter
 from worker.rewards import RewardError, build_scorer
 from worker.training_process import JobRun
 
@@ -31,6 +31,8 @@ def run(job: JobRun, spec_json: str) -> dict:
     t0 = time.perf_counter()
     job.mark("loading_model")
     model, tokenizer, cached = get_model(spec.model_id, settings)
+    if not cached:
+        job.publish_loaded(loaded_model_ids())
     job.write(event={"type": "model_ready", "cached": cached, "load_s": time.perf_counter() - t0})
     with build_scorer(spec, job.job_id) as scorer:
         mx.random.seed(cfg.seed)  # LoRA init and dropout
@@ -51,10 +53,13 @@ def run(job: JobRun, spec_json: str) -> dict:
                 job.mark("sampling")
                 metrics, samples = trainer.step(state, job.should_stop, on_finite_loss=saver.flush)
                 job.marks.step_done()
+                # As the seed server: progress.iter counts completed steps, events carry the
+                # 0-based index of the step they report.
                 progress = Progress(iter=state.step, total_iters=cfg.iters, **metrics)
-                job.write(event={"type": "grpo_step", "worker": job.lease.worker, **progress.model_dump()},
-                          progress=progress)
-                job.write(event={"type": "samples", "iter": state.step, **samples})
+                step_index = state.step - 1
+                job.write(event={**progress.model_dump(), "type": "grpo_step", "iter": step_index,
+                                 "worker": job.lease.worker}, progress=progress)
+                job.write(event={"type": "samples", "iter": step_index, **samples})
                 saver.maybe_snapshot(model, trainer.optimizer, state)
                 job.between_steps(spec.model_id)
                 log.info("job %s step %d/%d loss %.4f reward %.4f (%.2fs)", job.job_id, state.step, cfg.iters,
@@ -125,8 +130,3 @@ class CheckpointSaver:
             self.last_written = step
             self.pending = None
 
-
-def adapter_dir(settings: Settings, model_id: str, adapter_name: str) -> Path:
-    """$MTQ_HOME/adapters/<model_id>/<adapter_name>; a local model path contributes its directory name."""
-    model_part = Path(model_id).name if Path(model_id).expanduser().exists() else model_id
-    return settings.adapters_dir / model_part / adapter_name

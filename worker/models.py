@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 MAX_LOADED_MODELS = 2
 HUB_PROBE_S = 3.0  # how long a worker tries to reach the Hugging Face hub before saying it cannot
 
-_loaded: "OrderedDict[str, tuple[nn.Module, object]]" = OrderedDict()
+_loaded: "OrderedDict[str, tuple[nn.Module, object, str]]" = OrderedDict()  # where -> (model, tokenizer, model_id)
 
 
 class ModelNotFound(Exception):
@@ -94,7 +94,8 @@ def get_model(model_id: str, settings: Settings) -> tuple[nn.Module, object, boo
     where = resolve_model(model_id, settings)
     if where in _loaded:
         _loaded.move_to_end(where)
-        return (*_loaded[where], True)
+        model, tokenizer, _ = _loaded[where]
+        return model, tokenizer, True
     log.info("loading model %s from %s", model_id, where)
     try:
         model, tokenizer = mlx_lm_load(where)
@@ -102,18 +103,24 @@ def get_model(model_id: str, settings: Settings) -> tuple[nn.Module, object, boo
         # The message may hold the worker's paths: it goes to the worker's log, not to the client.
         log.warning("could not load model %s from %s: %s: %s", model_id, where, type(e).__name__, e)
         raise ModelNotFound(f"model {model_id!r} could not be loaded ({type(e).__name__}; see the worker's log)") from e
-    _loaded[where] = (model, tokenizer)
+    _loaded[where] = (model, tokenizer, model_id)
     while len(_loaded) > MAX_LOADED_MODELS:
         _loaded.popitem(last=False)
     return model, tokenizer, False
 
 
+def loaded_model_ids() -> list[str]:
+    """The model ids of the models this process holds loaded (for its worker's advertisement)."""
+    return [model_id for _, _, model_id in _loaded.values()]
+
+
 def lora_config(cfg: GRPOConfig) -> dict:
-    """mlx_lm's adapter_config.json content for this job's LoRA."""
+    """mlx_lm's adapter_config.json content for this job's LoRA. lora_alpha is mlx_lm's LoRA
+    `scale` itself, as the seed server passes it (so the same request trains the same model)."""
     return {
         "fine_tune_type": "lora",
         "num_layers": cfg.lora_layers,
-        "lora_parameters": {"rank": cfg.lora_rank, "scale": cfg.lora_alpha / cfg.lora_rank, "dropout": cfg.lora_dropout},
+        "lora_parameters": {"rank": cfg.lora_rank, "scale": cfg.lora_alpha, "dropout": cfg.lora_dropout},
     }
 
 

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from rq import SimpleWorker
 from rq.worker import WorkerStatus
 
+from shared import workers
 from shared.jobstore import connect, get_spec
 from shared.keys import job_key
 from shared.lifecycle import Reconciler
@@ -140,11 +141,19 @@ class Supervisor(SimpleWorker):
         finally:
             stop.set()
             self.training.stop()
+            beat.join(5)  # no advertisement after the withdrawal
+            try:
+                workers.withdraw(self.connection, self.name)
+            except redis.RedisError:
+                pass  # it expires on its own
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         ttl = load_settings().lease_ttl_s
         reconciler = Reconciler(self.connection, grace_s=ttl / 2)
+        started_at = time.time()
+        self._advertise(started_at)
         while not stop.wait(ttl / 4):
+            self._advertise(started_at)
             try:
                 lease = self.lease
                 if lease is not None and not lease.renew():
@@ -171,6 +180,15 @@ class Supervisor(SimpleWorker):
                             "loss": progress.get("loss"), "eta_s": None if eta is None else round(eta, 1),
                             "phase": self.training.marks.phase})
         rq_job.save_meta()
+
+    def _advertise(self, started_at: float) -> None:
+        """What this worker offers (shared/workers.py), read by GET /admin/api/fine-tune/models."""
+        settings = load_settings()
+        try:
+            rec = workers.record(self.name, self.queue_names(), settings.models_dir, started_at)
+            workers.advertise(self.connection, rec, ttl_s=settings.lease_ttl_s)
+        except (redis.RedisError, OSError) as e:
+            log.warning("heartbeat: could not advertise this worker: %s", e)
 
     # ------------------------------------------------------------------ one job
 

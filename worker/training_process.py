@@ -25,6 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from shared import workers
 from shared.jobstore import connect
 from shared.keys import adapter_key, checkpoint_key, job_key
 from shared.settings import load_settings
@@ -108,6 +109,11 @@ class JobRun:
         scoring.serve_waiting(self.lease.r, load_settings(), model_id)
         self.marks.mark()
 
+    def publish_loaded(self, model_ids: list[str]) -> None:
+        """Tell the worker's advertisement which models this process holds loaded now."""
+        retrying(lambda: workers.publish_loaded(self.lease.r, self.lease.worker, model_ids, load_settings().lease_ttl_s),
+                 "loaded models")
+
     def load_checkpoint(self) -> dict[bytes, bytes]:
         return self.lease.load_checkpoint()
 
@@ -189,13 +195,25 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
 
     settings = load_settings()
     r = connect(settings.redis_url)
+    from worker.models import loaded_model_ids
+
+    published: list[str] | None = None
+
+    def publish_loaded() -> None:  # the worker's advertisement says which models this process holds
+        nonlocal published
+        if loaded_model_ids() != published:
+            published = loaded_model_ids()
+            retrying(lambda: workers.publish_loaded(r, worker, published, settings.lease_ttl_s), "loaded models")
+
+    publish_loaded()  # a fresh process holds none
     conn.send("ready")
     while True:
         # Idle: answer log-prob requests for any model; a job waiting gets the process after
         # the requests already queued (scoring comes before training work).
         try:
             while not conn.poll(0):
-                retrying(lambda: scoring.serve_waiting(r, settings, wait_s=IDLE_WAIT_S), "scoring")
+                if retrying(lambda: scoring.serve_waiting(r, settings, wait_s=IDLE_WAIT_S), "scoring"):
+                    publish_loaded()  # a request may have loaded a model
                 if os.getppid() != parent_pid:
                     return
             retrying(lambda: scoring.serve_waiting(r, settings), "scoring")

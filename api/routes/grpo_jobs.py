@@ -9,21 +9,22 @@ Who may do what (api/auth.py): every route needs a token; a viewer's token only 
 """
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import redis
-from fastapi import APIRouter, Depends, Header, HTTPException, Query, status
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from api import sse
 from api.auth import Principal
-from api.deps import PrincipalDep, RedisDep, SettingsDep, WriterDep, get_async_redis, get_settings, require_token
+from api.deps import ADMIN_ERRORS, PrincipalDep, RedisDep, SettingsDep, WriterDep, get_async_redis, get_settings, require_token
 from api.json_body import JSONBodyRoute
+from api.routes.adapters import archive_response
 from api.submission import check_spec
-from shared import jobstore, lifecycle
-from shared.schemas import ErrorBody, Job, JobCreate, JobList, JobStatus, UnreadableJob, check_json_values
+from shared import adapters, jobstore, lifecycle
+from shared.schemas import ErrorBody, Job, JobCreate, JobStatus, UnreadableJob, check_json_values
 
 router = APIRouter(
     prefix="/admin/api/fine-tune/grpo/jobs",
@@ -31,10 +32,10 @@ router = APIRouter(
     dependencies=[Depends(require_token)],
     route_class=JSONBodyRoute,
     responses={
-        400: {"model": ErrorBody, "description": "Malformed or over-deep JSON body."},
-        401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
+        400: {"model": ErrorBody, "description": "Invalid request: malformed or over-deep JSON, or a field that is "
+              "missing or wrong (`detail` says which, in words; `errors` lists them)."},
         413: {"model": ErrorBody, "description": "Body larger than MTQ_MAX_BODY_BYTES."},
-        503: {"model": ErrorBody, "description": "Redis is unavailable."},
+        **ADMIN_ERRORS,
     },
 )
 
@@ -45,18 +46,24 @@ FORBIDDEN = {403: {"model": ErrorBody, "description": "A viewer token cannot cha
 JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-class JobDeleted(BaseModel):
-    job_id: str
-    deleted: bool = True
+class Deleted(BaseModel):
+    status: Literal["deleted"] = "deleted"
 
 
-def _not_found(job_id: str) -> HTTPException:
-    return HTTPException(status.HTTP_404_NOT_FOUND, f"job not found: {job_id[:100]}")
+def _not_found(job_id: str, what: str = "Job not found") -> HTTPException:
+    # The seed server's messages: "Job not found: <id>", "Job not found or not cancellable: <id>", ...
+    return HTTPException(status.HTTP_404_NOT_FOUND, f"{what}: {job_id[:100]}")
+
+
+def _entry(r: redis.Redis, job_id: str, who: Principal) -> Job | UnreadableJob | None:
+    """The job, if it exists and this principal may see it."""
+    entry = jobstore.get_job_entry(r, job_id) if JOB_ID.match(job_id) else None
+    return entry if entry is not None and who.sees(entry.owner) else None
 
 
 def _entry_or_404(r: redis.Redis, job_id: str, who: Principal) -> Job | UnreadableJob:
-    entry = jobstore.get_job_entry(r, job_id) if JOB_ID.match(job_id) else None
-    if entry is None or not who.sees(entry.owner):
+    entry = _entry(r, job_id, who)
+    if entry is None:
         raise _not_found(job_id)
     return entry
 
@@ -75,20 +82,29 @@ def create_job(spec: JobCreate, r: RedisDep, settings: SettingsDep, who: WriterD
     return jobstore.create_job(r, spec, owner=who.name)
 
 
-@router.get("", response_model=JobList, summary="List jobs, newest first (a trainer token: its own)")
+@router.get("", response_model=list[Job | UnreadableJob],
+            summary="List jobs, newest first (a trainer token: its own): a plain array, as the seed server",
+            responses={200: {"headers": {
+                "X-Has-More": {"description": "`true` if more jobs follow this page.", "schema": {"type": "string"}},
+                "X-Next-After": {"description": "Pass as `after` to get the next page (only when X-Has-More is true).",
+                                 "schema": {"type": "string"}}}}})
 def list_jobs(
     r: RedisDep,
     who: PrincipalDep,
+    response: Response,
     status_: Annotated[JobStatus | None, Query(alias="status", description="Only jobs in this status.")] = None,
-    limit: Annotated[int, Query(ge=1, le=200)] = 20,
-    after: Annotated[str | None, Query(max_length=64, description="`next_after` of the previous page.")] = None,
-) -> JobList:
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    after: Annotated[str | None, Query(max_length=64, description="X-Next-After of the previous page.")] = None,
+) -> list[Job | UnreadableJob]:
     owner = who.name if who.role == "trainer" else None
     try:
         jobs, has_more = jobstore.list_jobs(r, status=status_, limit=limit, after=after, owner=owner)
     except KeyError:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"unknown job id in 'after': {after}") from None
-    return JobList(data=jobs, has_more=has_more, next_after=jobs[-1].job_id if has_more else None)
+    response.headers["X-Has-More"] = "true" if has_more else "false"
+    if has_more:
+        response.headers["X-Next-After"] = jobs[-1].job_id
+    return jobs
 
 
 @router.get("/{job_id}", response_model=Job | UnreadableJob, responses=NOT_FOUND, summary="Get one job")
@@ -96,28 +112,24 @@ def get_job(job_id: str, r: RedisDep, who: PrincipalDep) -> Job | UnreadableJob:
     return _entry_or_404(r, job_id, who)
 
 
-@router.delete("/{job_id}", response_model=JobDeleted, responses={**NOT_FOUND, **CONFLICT, **FORBIDDEN},
-               summary="Delete a finished (or unreadable) job's record and events")
-def delete_job(job_id: str, r: RedisDep, who: WriterDep) -> JobDeleted:
-    entry = _entry_or_404(r, job_id, who)
-    if isinstance(entry, Job) and not jobstore.is_finished(entry.status):
-        raise HTTPException(
-            status.HTTP_409_CONFLICT,
-            f"job {job_id} is {entry.status}; cancel it first (POST {router.prefix}/{job_id}/cancel)",
-        )
-    if not lifecycle.delete(r, job_id):  # it was resumed meanwhile
-        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {jobstore.get_status(r, job_id)}")
-    return JobDeleted(job_id=job_id)
+@router.delete("/{job_id}", response_model=Deleted,
+               responses={404: {"model": ErrorBody, "description": "Unknown (or another trainer's) or running job."}, **FORBIDDEN},
+               summary="Delete a queued, finished or unreadable job with everything it stored")
+def delete_job(job_id: str, r: RedisDep, who: WriterDep) -> Deleted:
+    # lifecycle.delete refuses a running job (and removes a queued one's rq job).
+    if _entry(r, job_id, who) is None or not lifecycle.delete(r, job_id):
+        raise _not_found(job_id, "Job not found or currently running")
+    return Deleted()
 
 
-@router.post("/{job_id}/cancel", response_model=Job, responses={**NOT_FOUND, **CONFLICT, **FORBIDDEN},
-             summary="Cancel a job (a queued one at once, a running one at its next step)")
+@router.post("/{job_id}/cancel", response_model=Job,
+             responses={404: {"model": ErrorBody, "description": "Unknown (or another trainer's) or finished job."}, **FORBIDDEN},
+             summary="Cancel a queued or running job: answered with the job already cancelled")
 def cancel_job(job_id: str, r: RedisDep, who: WriterDep) -> Job:
-    job = _job_or_404(r, job_id, who)
-    if jobstore.is_finished(job.status):
-        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is already {job.status}")
-    if not lifecycle.cancel(r, job_id):  # it finished between our read and the request
-        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is already {jobstore.get_status(r, job_id)}")
+    # A running job's worker is fenced out at once and stops at its next check.
+    entry = _entry(r, job_id, who)
+    if not isinstance(entry, Job) or not lifecycle.cancel(r, job_id):
+        raise _not_found(job_id, "Job not found or not cancellable")
     return _job_or_404(r, job_id, who)
 
 
@@ -132,6 +144,20 @@ class JobHistory(BaseModel):
 def job_history(job_id: str, r: RedisDep, who: PrincipalDep) -> JobHistory:
     _job_or_404(r, job_id, who)
     return JobHistory(job_id=job_id, history=jobstore.get_history(r, job_id))
+
+
+@router.get("/{job_id}/adapter", response_class=Response,
+            responses={200: {"content": {"application/gzip": {}},
+                             "description": "A .tar.gz of adapters.safetensors + adapter_config.json (mlx_lm's format), "
+                             "from the copy in Redis: extract it into a directory and pass that as adapter_path."},
+                       404: {"model": ErrorBody, "description": "Unknown job, or it has no stored adapter (not completed, or deleted)."}},
+            summary="Download a completed job's adapter")
+def download_job_adapter(job_id: str, r: RedisDep, who: PrincipalDep) -> Response:
+    job = _job_or_404(r, job_id, who)
+    stored = adapters.files(r, job_id)
+    if not stored:
+        raise _not_found(job_id, "Adapter not found for job")
+    return archive_response(stored, job.adapter_name)
 
 
 class ResumeRequest(BaseModel):

@@ -1,0 +1,135 @@
+"""Adapters: where a job's adapter lives on a worker's disk, and its copy in Redis.
+
+A completed GRPO job stores its adapter's files in Redis (shared.keys.adapter_key: file name
+-> bytes) and indexes it in ADAPTERS_INDEX ("<model_id>/<adapter_name>" -> job_id of the
+newest completed job of that name; shared/lifecycle.py `finish`). The API lists, deletes and
+serves adapters from there, so a client never needs the worker's disk.
+"""
+
+import io
+import json
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from shared.keys import ADAPTERS_INDEX, adapter_key, job_key
+from shared.settings import Settings
+
+WEIGHTS_FILE = "adapters.safetensors"
+CONFIG_FILE = "adapter_config.json"
+
+
+def adapter_dir(settings: Settings, model_id: str, adapter_name: str) -> Path:
+    """$MTQ_HOME/adapters/<model_id>/<adapter_name>; a model given as an absolute path
+    contributes its directory name. The API sets a new job's adapter_path with it, and the
+    worker writes the adapter there: both ask this one function."""
+    model_part = Path(model_id).name if model_id.startswith("/") else model_id
+    return settings.adapters_dir / model_part / adapter_name
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+    """(model_id, adapter_name) of an index field (adapter names have no '/')."""
+    model_id, _, adapter_name = ref.rpartition("/")
+    return model_id, adapter_name
+
+
+def list_adapters(r: redis.Redis, model_id: str | None = None, owner: str | None = None) -> list[dict[str, Any]]:
+    """The indexed adapters (of one model, of one token's jobs), sorted by model and name.
+    Entries whose job has expired or was deleted are dropped from the index."""
+    refs = {k.decode(): v.decode() for k, v in r.hgetall(ADAPTERS_INDEX).items()}
+    if model_id is not None:
+        refs = {ref: j for ref, j in refs.items() if split_ref(ref)[0] == model_id}
+    items = sorted(refs.items())
+    with r.pipeline(transaction=False) as p:
+        for _, job_id in items:
+            p.hmget(job_key(job_id), "adapter_path", "finished_at", "owner")
+            p.hstrlen(adapter_key(job_id), WEIGHTS_FILE)
+            p.hget(adapter_key(job_id), CONFIG_FILE)
+            p.exists(adapter_key(job_id))
+        answers = p.execute()
+    out, gone = [], []
+    for i, (ref, job_id) in enumerate(items):
+        (path, finished_at, job_owner), weights_len, config_raw, stored = answers[4 * i : 4 * i + 4]
+        if not stored or path is None:
+            gone.append(ref)
+            continue
+        if owner is not None and (job_owner or b"").decode() != owner:
+            continue
+        out.append(_entry(ref, job_id, path.decode(), finished_at, weights_len, config_raw))
+    if gone:
+        _forget(r, {ref: refs[ref] for ref in gone})
+    return out
+
+
+def _entry(ref: str, job_id: str, path: str, finished_at: bytes | None, weights_len: int,
+           config_raw: bytes | None) -> dict[str, Any]:
+    model_id, adapter_name = split_ref(ref)
+    try:
+        config = json.loads(config_raw) if config_raw else {}
+    except ValueError:
+        config = {}
+    lora = config.get("lora_parameters") or {}
+    return {
+        "model_id": model_id, "adapter_name": adapter_name, "adapter_path": path,
+        "has_weights": weights_len > 0, "has_config": config_raw is not None,
+        "lora_layers": config.get("num_layers"), "lora_rank": lora.get("rank"),
+        "fine_tune_type": config.get("fine_tune_type"),
+        "job_id": job_id, "size": weights_len + len(config_raw or b""),
+        "created_at": float(finished_at) if finished_at else None,
+    }
+
+
+def _forget(r: redis.Redis, refs: dict[str, str]) -> None:
+    """Drop index entries, each only if it still names the same job (a newer job may have
+    taken the name meanwhile)."""
+    for ref, job_id in refs.items():
+        r.eval("if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end return 0",
+               1, ADAPTERS_INDEX, ref, job_id)
+
+
+def find(r: redis.Redis, model_id: str, adapter_name: str) -> str | None:
+    """The job id whose adapter carries this name, if its copy is still stored."""
+    job_id = r.hget(ADAPTERS_INDEX, f"{model_id}/{adapter_name}")
+    if job_id is None or not r.exists(adapter_key(job_id.decode())):
+        return None
+    return job_id.decode()
+
+
+def delete(r: redis.Redis, model_id: str, adapter_name: str) -> bool:
+    """Remove the index entry and the adapter's copy in Redis. False if there is none."""
+    ref = f"{model_id}/{adapter_name}"
+    with r.pipeline() as p:
+        while True:
+            try:
+                p.watch(ADAPTERS_INDEX)
+                job_id = p.hget(ADAPTERS_INDEX, ref)
+                if job_id is None:
+                    return False
+                p.multi()
+                p.hdel(ADAPTERS_INDEX, ref)
+                p.delete(adapter_key(job_id.decode()))
+                p.execute()
+                return True
+            except redis.WatchError:
+                continue
+
+
+def files(r: redis.Redis, job_id: str) -> dict[str, bytes]:
+    """The adapter's files as stored by the job ({} if there is no copy)."""
+    return {k.decode(): v for k, v in r.hgetall(adapter_key(job_id)).items()}
+
+
+def tar_gz(stored: dict[str, bytes]) -> bytes:
+    """A .tar.gz of the adapter's files at its top level: extract it into a directory and
+    pass that directory to mlx_lm.load(..., adapter_path=...)."""
+    buf = io.BytesIO()
+    now = time.time()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name in sorted(stored):
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(stored[name]), int(now), 0o644
+            tar.addfile(info, io.BytesIO(stored[name]))
+    return buf.getvalue()
