@@ -515,4 +515,4 @@ def test_job_that_cannot_fit_one_row_fails_at_start_with_the_estimate(stack, wor
     job = stack.wait_job(created.json()["job_id"])
     assert job["status"] == "failed"
     assert job["error"].startswith("this job needs about ") and "max_memory_gb is 0.00" in job["error"]
-    assert "Traceback" not in job["error"] and job["progress"]["iter"] == 0
+    assert "Traceback" not in job["error"] and job["progress"].get("iter", 0) == 0
