@@ -72,7 +72,7 @@ def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
         started_at=_f(h.get(b"started_at")),
         finished_at=_f(h.get(b"finished_at")),
         error=_s(h.get(b"error")),
-        progress=Progress.model_validate_json(h[b"progress"]),
+        progress=_progress(h),
         worker=_s(h.get(b"worker")),
         checkpoint_step=None if checkpoint is None else int(checkpoint),
         attempts=int(h.get(b"attempts", 0)),
@@ -81,6 +81,20 @@ def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
         resumed_from=None if h.get(b"resumed_from") is None else int(h[b"resumed_from"]),
         owner=_s(h.get(b"owner")),
     )
+
+
+def _progress(h: dict[bytes, bytes]) -> Progress:
+    """The last step's metrics and the phase: a queued job waits for a worker; a running one
+    is in the phase its training process last wrote (its own fields: not rewritten per step)."""
+    progress = Progress.model_validate_json(h[b"progress"])
+    status = h[b"status"]
+    if status == b"queued":
+        progress.phase = "waiting_for_worker"
+    elif status == b"running":
+        progress.phase, progress.phase_note = _s(h.get(b"phase")) or "starting", _s(h.get(b"phase_note"))
+    else:
+        progress.phase = progress.phase_note = None
+    return progress
 
 
 def _job_or_unreadable(job_id: str, h: dict[bytes, bytes]) -> Job | UnreadableJob:

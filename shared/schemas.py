@@ -163,6 +163,11 @@ class Progress(BaseModel):
     total_iters: int = 0
     loss: float | None = None
     mean_reward: float | None = None
+    phase: str | None = Field(
+        None, description="What the job is doing now: waiting_for_worker (queued), loading_model, compiling "
+        "(first step on a fresh machine), sampling, scoring, updating, checkpointing, saving; null once finished.",
+    )
+    phase_note: str | None = Field(None, description="A sentence about the phase, e.g. why compiling takes long.")
 
 
 class Job(BaseModel):

@@ -104,7 +104,8 @@ def test_create_returns_a_queued_job_with_the_seed_fields_and_defaults(stack, cl
     assert job["adapter_path"] is job["started_at"] is job["finished_at"] is job["error"] is None
     assert isinstance(job["created_at"], float)
     assert {k: job["config"][k] for k in SEED_CONFIG_DEFAULTS} == SEED_CONFIG_DEFAULTS
-    assert job["progress"] == {"iter": 0, "total_iters": 50, "loss": None, "mean_reward": None}
+    assert job["progress"] == {"iter": 0, "total_iters": 50, "loss": None, "mean_reward": None,
+                               "phase": "waiting_for_worker", "phase_note": None}
     # It is on rq's queue for the workers, and GET returns the same record.
     assert job["job_id"] in Queue("grpo", connection=stack.redis).job_ids
     assert client.get(f"{JOBS}/{job['job_id']}").json() == job

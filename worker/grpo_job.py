@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from shared.metrics import recorder
 from shared.schemas import JobCreate, Progress
 from shared.settings import Settings, load_settings
 from worker import checkpoints
@@ -49,11 +50,14 @@ def run(job: JobRun, spec_json: str) -> dict:
                     raise Cancelled()
                 job.mark("sampling")
                 metrics, samples = trainer.step(state, job.should_stop, on_finite_loss=saver.flush)
-                job.marks.step_done()
+                job.step_done()
                 progress = Progress(iter=state.step, total_iters=cfg.iters, **metrics)
-                job.write(event={"type": "grpo_step", "worker": job.lease.worker, **progress.model_dump()},
+                job.write(event={"type": "grpo_step", "worker": job.lease.worker, **progress.model_dump(exclude_none=True)},
                           progress=progress)
                 job.write(event={"type": "samples", "iter": state.step, **samples})
+                recorder.observe("mtq_step_seconds", metrics["step_time"])
+                recorder.observe("mtq_tokens_per_second", metrics["tokens_per_second"])
+                recorder.flush(job.lease.r)
                 saver.maybe_snapshot(model, trainer.optimizer, state)
                 log.info("job %s step %d/%d loss %.4f reward %.4f (%.2fs)", job.job_id, state.step, cfg.iters,
                          metrics["loss"], metrics["reward"], metrics["step_time"])
@@ -72,16 +76,18 @@ def run(job: JobRun, spec_json: str) -> dict:
 
 class MarkedScorer:
     """The job's reward scorer, leaving progress marks around each call (a reward call that
-    never returns shows up as a stall in phase 'scoring')."""
+    never returns shows up as a stall in phase 'scoring'), timed for /metrics."""
 
     def __init__(self, scorer, job: JobRun):
         self.scorer, self.job = scorer, job
 
     def score(self, *args, **kwargs):
         self.job.mark("scoring")
+        t0 = time.perf_counter()
         try:
             return self.scorer.score(*args, **kwargs)
         finally:
+            recorder.observe("mtq_scoring_seconds", time.perf_counter() - t0)
             self.job.mark("updating")
 
 
