@@ -54,10 +54,15 @@ def _unauthorized(detail: str) -> HTTPException:
     return HTTPException(status.HTTP_401_UNAUTHORIZED, detail, headers={"WWW-Authenticate": "Bearer"})
 
 
-async def require_token(
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> Principal:
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+async def require_token(credentials: BearerDep) -> Principal:
     """Every /admin route needs `Authorization: Bearer <token>`; returns whose token it is."""
+    return check_token(credentials)
+
+
+def check_token(credentials: HTTPAuthorizationCredentials | None) -> Principal:
     tokens = get_tokens()
     if not tokens:
         # Fail closed: no token configured must not mean "no auth".
