@@ -1,5 +1,6 @@
 """`mtq`: the command line. Only argument parsing lives here; each command imports what
-it needs when it runs, so that `mtq api` never loads the worker (or mlx)."""
+it needs when it runs, so that `mtq api` never loads the worker (or mlx). The client
+commands (submit, jobs, watch...) are in cli/commands.py."""
 
 import argparse
 import sys
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=settings.api_port, help="API port (default: MTQ_API_PORT, %(default)s)")
     up.add_argument("--workers", type=_count, default=1, help="number of workers (default: %(default)s)")
     up.set_defaults(func=cmd_up)
+
+    from cli.commands import add_client_commands
+
+    add_client_commands(commands)
     return parser
 
 
