@@ -11,7 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.deps import get_settings, get_tokens
-from api.routes import grpo_jobs, health
+from api.routes import grpo_jobs, health, metrics, ui
 
 get_tokens()  # a broken MTQ_TOKENS_FILE stops the API at start, not at its first request
 
@@ -25,6 +25,8 @@ app = FastAPI(
 )
 app.include_router(health.router)
 app.include_router(grpo_jobs.router)
+app.include_router(metrics.router)
+app.include_router(ui.router)
 
 
 def _printable(text: str) -> str:
