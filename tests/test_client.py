@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT, TOKEN, wait_for
-from reward_server import closed_port_url, serving
+from reward_server import closed_port_url, serving, slow_rewards
 
 CONFIG = {"group_size": 2, "batch_size": 1, "max_completion_len": 8, "lora_layers": 2, "lora_rank": 4,
           "lora_alpha": 8.0, "temperature": 1.0}
@@ -154,14 +154,9 @@ def test_watch_exits_nonzero_when_the_job_fails(stack, worker):
     assert "failed: model not found: 'no-such-model'" in term.text, term.text
 
 
-def slow_rewards(body: dict, k: int) -> dict:
-    time.sleep(0.2)  # steps of 0.2 s or more: the API restart falls in the middle of the job
-    return {"rewards": [1.0] * len(body["completions"])}
-
-
 def test_watch_and_logs_follow_across_an_api_restart(stack, worker, tmp_path):
     iters = 30
-    with serving(slow_rewards) as server:
+    with serving(slow_rewards(0.2)) as server:  # steps of 0.2 s: the API restart falls in the middle of the job
         job_file = write_job(tmp_path, stack, iters=iters, reward=[{"type": "endpoint", "url": server.url}])
         job_id = re.search(r"submitted job ([0-9a-f]{32})", mtq(stack, "submit", str(job_file)).stdout).group(1)
         term = InPty(stack, "watch", job_id)
@@ -223,3 +218,35 @@ def test_metrics_need_the_token_unless_from_loopback_and_count_reward_calls(stac
     # Each attempt is timed: the good job's calls and the bad job's two refused attempts.
     assert after['mtq_reward_endpoint_seconds_count{}'] - before['mtq_reward_endpoint_seconds_count{}'] == calls + 2
     assert after['mtq_jobs{"status": "failed"}'] == before['mtq_jobs{"status": "failed"}'] + 1
+
+
+def test_adapter_archives_unpack_by_base_name_only(tmp_path):
+    """`mtq download` unpacks the adapter route's zip or tar archive: regular files only, each
+    by its base name, so that no name in the archive decides where a file is written."""
+    import io
+    import tarfile
+    import zipfile
+
+    from cli.client import ApiError, _unpack
+
+    files = {"adapters.safetensors": b"weights", "adapter_config.json": b"{}"}
+    zipped = io.BytesIO()
+    with zipfile.ZipFile(zipped, "w") as z:
+        z.writestr("job/adapters.safetensors", files["adapters.safetensors"])
+        z.writestr("../../adapter_config.json", files["adapter_config.json"])
+    assert _unpack(zipped.getvalue()) == files
+    tarred = io.BytesIO()
+    with tarfile.open(fileobj=tarred, mode="w:gz") as t:
+        for name, data in files.items():
+            info = tarfile.TarInfo("/abs/" + name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("evil")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        t.addfile(link)
+    assert _unpack(tarred.getvalue()) == files
+    with pytest.raises(ApiError, match="lacks adapter_config.json"):
+        only = io.BytesIO()
+        with zipfile.ZipFile(only, "w") as z:
+            z.writestr("adapters.safetensors", b"w")
+        _unpack(only.getvalue())

@@ -145,8 +145,8 @@ class JobRun:
         """Write the adapter's files with write_files(dir) into a private directory, store them
         in Redis (fenced: a worker that lost the job stops here), then rename the directory
         into place, so the files on disk are only ever the current holder's."""
-        self.mark("saving")
         out_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.mark("saving")
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{self.job_id}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
