@@ -4,7 +4,6 @@ resume it with the page's buttons. Screenshots go to test-artifacts/ (TEST_ARTIF
 
 import json
 import os
-import time
 from pathlib import Path
 
 import httpx
@@ -12,17 +11,12 @@ import pytest
 
 from browser import Browser
 from conftest import ROOT, TOKEN, wait_for
-from reward_server import serving
+from reward_server import serving, slow_rewards
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR") or ROOT / "test-artifacts")
 CONFIG = {"iters": 200, "group_size": 2, "batch_size": 1, "max_completion_len": 8, "lora_layers": 2, "lora_rank": 4,
           "lora_alpha": 8.0}
-
-
-def slow_rewards(body: dict, k: int) -> dict:
-    time.sleep(0.2)  # a few steps a second: the job is still running while the page is read
-    return {"rewards": [float(k % 5)] * len(body["completions"])}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +39,7 @@ def text(browser: Browser, element_id: str) -> str:
 
 def test_page_logs_in_lists_jobs_draws_live_curves_and_cancels(stack, worker, browser):
     api = stack.client()
-    with serving(slow_rewards) as server:
+    with serving(slow_rewards(0.2)) as server:  # a few steps a second: still running while the page is read
         job_id = api.post(JOBS, json={"model_id": stack.tiny_model.name, "prompts": ["What is 2+2?", "Say hello."],
                                       "config": CONFIG, "reward": [{"type": "endpoint", "url": server.url}]}).json()["job_id"]
 
