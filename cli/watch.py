@@ -48,6 +48,7 @@ def watch(client: ApiClient, job_id: str, console: Console | None = None) -> int
     job = client.job(job_id)
     total = (job.get("progress") or {}).get("total_iters") or job["config"]["iters"]
     rewards: list[float] = []
+    seen_steps: set[int] = set()
     done = threading.Event()
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[stats]}"), TimeRemainingColumn(compact=True))
@@ -78,9 +79,10 @@ def watch(client: ApiClient, job_id: str, console: Console | None = None) -> int
                     value = event.get("reward", event.get("mean_reward"))
                     if value is not None:
                         rewards.append(value)
-                    # Steps count from 1 (seed: from 0 in events): the bar shows steps done.
-                    steps_done = max(event["iter"], bar.tasks[0].completed)
-                    bar.update(task, completed=steps_done, total=event.get("total_iters") or total,
+                    # Steps done = distinct steps seen (events may number them from 0 or 1, and a
+                    # step re-run after a lost worker appears twice).
+                    seen_steps.add(event["iter"])
+                    bar.update(task, completed=len(seen_steps), total=event.get("total_iters") or total,
                                stats=stats_text(event, rewards))
                 elif kind == "started":
                     bar.console.print(f"started on worker {event.get('worker')}")
@@ -93,7 +95,7 @@ def watch(client: ApiClient, job_id: str, console: Console | None = None) -> int
             poller.join()
         job = client.job(job_id)
         progress = job.get("progress") or {}
-        bar.update(task, description=job["status"], completed=progress.get("iter") or bar.tasks[0].completed)
+        bar.update(task, description=job["status"], completed=max(len(seen_steps), progress.get("iter") or 0))
 
     if job["status"] == "completed":
         console.print(f"[green]completed[/]: adapter {job.get('adapter_path')}")
