@@ -1,5 +1,6 @@
 """Dependencies shared by the routers: settings, the Redis clients, who is asking."""
 
+import ipaddress
 from functools import lru_cache
 from typing import Annotated
 
@@ -61,28 +62,36 @@ def _unauthorized(detail: str) -> HTTPException:
     return HTTPException(status.HTTP_401_UNAUTHORIZED, detail, headers={"WWW-Authenticate": "Bearer"})
 
 
-LOOPBACK_HOSTS = ("127.0.0.1", "::1")
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def from_loopback(request: Request) -> bool:
+    """The client is on this machine (uvicorn puts a trusted proxy's X-Forwarded-For here)."""
+    try:
+        return request.client is not None and ipaddress.ip_address(request.client.host).is_loopback
+    except ValueError:
+        return False
 
 
 def query_token(request: Request) -> str | None:
     """`?key=` / `?api_key=`, as the seed server accepts them: from a client on this machine
     only (a token in a URL ends up in logs and browser history; over loopback it stays here)."""
-    if request.client is None or request.client.host not in LOOPBACK_HOSTS:
+    if not from_loopback(request):
         return None
     return request.query_params.get("key") or request.query_params.get("api_key")
 
 
-async def require_token(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> Principal:
+async def require_token(request: Request, credentials: BearerDep) -> Principal:
     """Every /admin route needs `Authorization: Bearer <token>` (or, from loopback, `?key=`);
     returns whose token it is."""
+    return check_token(credentials.credentials if credentials is not None else query_token(request))
+
+
+def check_token(presented: str | None) -> Principal:
     tokens = get_tokens()
     if not tokens:
         # Fail closed: no token configured must not mean "no auth".
         raise _unauthorized("the server has no API token configured (set MTQ_API_TOKEN or MTQ_TOKENS_FILE); /admin is disabled")
-    presented = credentials.credentials if credentials is not None else query_token(request)
     principal = None if presented is None else authenticate(tokens, presented)
     if principal is None:
         raise _unauthorized("missing or invalid bearer token")

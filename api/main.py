@@ -11,7 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.deps import get_settings, get_tokens
-from api.routes import adapters, grpo_jobs, health, logprob, models
+from api.routes import adapters, grpo_jobs, health, logprob, metrics, models, ui
 
 get_tokens()  # a broken MTQ_TOKENS_FILE stops the API at start, not at its first request
 
@@ -28,6 +28,8 @@ app.include_router(grpo_jobs.router)
 app.include_router(logprob.router)
 app.include_router(models.router)
 app.include_router(adapters.router)
+app.include_router(metrics.router)
+app.include_router(ui.router)
 
 
 def _printable(text: str) -> str:

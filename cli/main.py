@@ -1,5 +1,6 @@
 """`mtq`: the command line. Only argument parsing lives here; each command imports what
-it needs when it runs, so that `mtq api` never loads the worker (or mlx)."""
+it needs when it runs, so that `mtq api` never loads the worker (or mlx). The client
+commands (submit, jobs, watch...) are in cli/commands.py."""
 
 import argparse
 import sys
@@ -89,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s; others need MTQ_API_TOKEN)")
     dash.add_argument("--port", type=int, default=9181, help="default: %(default)s")
     dash.set_defaults(func=cmd_dashboard)
+
+    from cli.commands import add_client_commands
+
+    add_client_commands(commands)
     return parser
 
 

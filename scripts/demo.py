@@ -2,7 +2,7 @@
 
 Starts `mtq up` (private redis-server, API, one worker) with its state under .mtq/demo,
 generates the `small` random-weight model, posts the seed bug report's GRPO job over HTTP
-(only model_id changed), follows it live over server-sent events, prints the final job,
+(only model_id changed), follows it live with `mtq watch` (server-sent events), prints the final job,
 checks that mlx_lm loads the adapter and generates with it, and stops the stack.
 """
 
@@ -29,28 +29,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def progress_bar(done: int, total: int, width: int = 30) -> str:
-    filled = width * done // max(total, 1)
-    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
-
-
-def follow(client: httpx.Client, job_id: str) -> None:
-    """Print a live progress line per step from the job's event stream."""
-    with client.stream("GET", f"{JOBS}/{job_id}/stream", timeout=None) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
-            if event["type"] == "started":
-                print(f"job {job_id} started on worker {event['worker']} (pid {event['pid']})")
-            elif event["type"] == "grpo_step":
-                print(f"\r{progress_bar(event['iter'] + 1, event['total_iters'])} loss={event['loss']:+.4f} "
-                      f"reward={event['mean_reward']:.1f} step={event['step_time']:.2f}s", end="", flush=True)
-            elif event["type"] in ("done", "failed", "cancelled"):
-                print(f"\n{event['type']}")
 
 
 def main() -> int:
@@ -86,7 +64,9 @@ def main() -> int:
         created.raise_for_status()
         job_id = created.json()["job_id"]
         print(f"submitted job {job_id}: POST {base_url}{JOBS}")
-        follow(client, job_id)
+        # The live progress bar: `mtq watch`, the client command, over the same API.
+        watch_env = dict(env, MTQ_API_URL=base_url)
+        subprocess.run([*mtq, "watch", job_id], env=watch_env, cwd=ROOT)
         job = client.get(f"{JOBS}/{job_id}").json()
         print(json.dumps(job, indent=2))
         if job["status"] != "completed":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the project needs on a fresh Debian/Ubuntu (as root or with sudo) or macOS:
 # redis-server, the system OpenBLAS (Linux: 30x faster MLX CPU matmuls), python3 with venv,
-# and the project in .venv. Safe to run again: it only installs what is missing.
+# Chromium (Linux: the web page's tests run it headless), and the project in .venv. Safe to run again: it only installs what is missing.
 # Sourced by scripts/demo.sh and scripts/test.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,6 +21,8 @@ install_system_packages() {
       ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || missing+=(libopenblas0-pthread)
       command -v python3 >/dev/null || missing+=(python3)
       python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+      # The web page's tests drive a headless Chromium (tests/browser.py).
+      command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium)
       if [ ${#missing[@]} -gt 0 ]; then
         command -v apt-get >/dev/null || { echo "please install: ${missing[*]}" >&2; exit 1; }
         say "installing ${missing[*]} (apt)"

@@ -61,6 +61,7 @@ def get_spec(r: redis.Redis, job_id: str) -> JobCreate | None:
 def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
     spec = JobCreate.model_validate_json(h[b"spec"])
     checkpoint = h.get(b"checkpoint_step")
+    phase, phase_note = _phase(h)
     return Job(
         job_id=job_id,
         model_id=spec.model_id,
@@ -75,6 +76,8 @@ def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
         finished_at=_f(h.get(b"finished_at")) or 0.0,
         error=_s(h.get(b"error")) or "",
         progress=json.loads(h.get(b"progress") or b"{}"),
+        phase=phase,
+        phase_note=phase_note,
         worker=_s(h.get(b"worker")),
         checkpoint_step=None if checkpoint is None else int(checkpoint),
         attempts=int(h.get(b"attempts", 0)),
@@ -83,6 +86,17 @@ def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
         resumed_from=None if h.get(b"resumed_from") is None else int(h[b"resumed_from"]),
         owner=_s(h.get(b"owner")),
     )
+
+
+def _phase(h: dict[bytes, bytes]) -> tuple[str | None, str | None]:
+    """(phase, note): a queued job waits for a worker; a running one is in the phase its
+    training process last wrote (record fields of their own: not rewritten per step); a
+    finished one is in none."""
+    if h[b"status"] == b"queued":
+        return "waiting_for_worker", None
+    if h[b"status"] == b"running":
+        return _s(h.get(b"phase")) or "starting", _s(h.get(b"phase_note"))
+    return None, None
 
 
 def _job_or_unreadable(job_id: str, h: dict[bytes, bytes]) -> Job | UnreadableJob:

@@ -213,6 +213,10 @@ class Job(BaseModel):
     error: str = ""
     progress: dict[str, Any] = Field(default_factory=dict, description="{} until the first step, then Progress: "
                                      "{iter (completed steps), total_iters, loss, mean_reward, ...metrics}.")
+    phase: str | None = Field(None, description="What the job is doing now (null once finished): waiting_for_worker, "
+                              "starting, loading_model, compiling (first step on a fresh machine), sampling, scoring, "
+                              "updating, checkpointing, saving.")
+    phase_note: str | None = Field(None, description="A sentence about the phase, e.g. why compiling takes long.")
     worker: str | None = Field(None, description="The worker running (or that last ran) the job.")
     checkpoint_step: int | None = Field(None, description="Step of the last checkpoint (resume starts there).")
     attempts: int = Field(0, description="Runs of the job started by workers (a clean hand-back included).")

@@ -68,6 +68,16 @@ def serving(answer: Callable[[dict, int], dict]):
         server.httpd.server_close()
 
 
+def slow_rewards(delay_s: float = 0.2) -> Callable[[dict, int], dict]:
+    """An answer that takes delay_s (so that a job's steps take that long at least): request k
+    gets reward k % 5 for each completion, a curve that moves."""
+    def answer(body: dict, k: int) -> dict:
+        time.sleep(delay_s)
+        return {"rewards": [float(k % 5)] * len(body["completions"])}
+
+    return answer
+
+
 def closed_port_url() -> str:
     """A URL nobody listens on: connections are refused at once."""
     with socket.socket() as sock:

@@ -105,7 +105,7 @@ def test_create_returns_a_queued_job_with_the_seed_fields_and_defaults(stack, cl
     assert job["started_at"] == job["finished_at"] == 0.0 and job["error"] == ""  # the seed's values
     assert isinstance(job["created_at"], float)
     assert {k: job["config"][k] for k in SEED_CONFIG_DEFAULTS} == SEED_CONFIG_DEFAULTS
-    assert job["progress"] == {}  # until the first step
+    assert job["progress"] == {} and job["phase"] == "waiting_for_worker"  # the seed's {} until the first step
     # It is on rq's queue for the workers, and GET returns the same record.
     assert job["job_id"] in Queue("grpo", connection=stack.redis).job_ids
     assert client.get(f"{JOBS}/{job['job_id']}").json() == job

@@ -11,6 +11,7 @@ import time
 import mlx.core as mx
 
 from shared.adapters import adapter_dir
+from shared.metrics import recorder
 from shared.schemas import JobCreate, Progress
 from shared.settings import load_settings
 from worker import checkpoints
@@ -52,14 +53,17 @@ def run(job: JobRun, spec_json: str) -> dict:
                     raise Cancelled()
                 job.mark("sampling")
                 metrics, samples = trainer.step(state, job.should_stop, on_finite_loss=saver.flush)
-                job.marks.step_done()
+                job.step_done()
                 # As the seed server: progress.iter counts completed steps, events carry the
                 # 0-based index of the step they report.
                 progress = Progress(iter=state.step, total_iters=cfg.iters, **metrics)
                 step_index = state.step - 1
-                job.write(event={**progress.model_dump(), "type": "grpo_step", "iter": step_index,
+                job.write(event={**progress.model_dump(exclude_none=True), "type": "grpo_step", "iter": step_index,
                                  "worker": job.lease.worker}, progress=progress)
                 job.write(event={"type": "samples", "iter": step_index, **samples})
+                recorder.observe("mtq_step_seconds", metrics["step_time"])
+                recorder.observe("mtq_tokens_per_second", metrics["tokens_per_second"])
+                recorder.flush(job.lease.r)
                 saver.maybe_snapshot(model, trainer.optimizer, state)
                 job.between_steps(spec.model_id)
                 log.info("job %s step %d/%d loss %.4f reward %.4f (%.2fs)", job.job_id, state.step, cfg.iters,
@@ -80,16 +84,18 @@ def run(job: JobRun, spec_json: str) -> dict:
 
 class MarkedScorer:
     """The job's reward scorer, leaving progress marks around each call (a reward call that
-    never returns shows up as a stall in phase 'scoring')."""
+    never returns shows up as a stall in phase 'scoring'), timed for /metrics."""
 
     def __init__(self, scorer, job: JobRun):
         self.scorer, self.job = scorer, job
 
     def score(self, *args, **kwargs):
         self.job.mark("scoring")
+        t0 = time.perf_counter()
         try:
             return self.scorer.score(*args, **kwargs)
         finally:
+            recorder.observe("mtq_scoring_seconds", time.perf_counter() - t0)
             self.job.mark("updating")
 
 

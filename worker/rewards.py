@@ -52,6 +52,7 @@ import referencing
 import referencing.exceptions
 from pydantic import ValidationError
 
+from shared.metrics import recorder
 from shared.reward_specs import (
     ContainsReward,
     EndpointReward,
@@ -516,21 +517,30 @@ class EndpointCaller:
                 self._wait(min(self.source.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S), batch.should_stop)
             self.guard.deadline = time.monotonic() + self.timeout
             self.guard.should_stop = batch.should_stop
+            started = time.perf_counter()
             try:
                 with self.client.stream("POST", self.url, json=body, headers=headers, timeout=self.timeout) as response:
                     content = self._read_capped(response)
             except httpx.TransportError as e:  # refused, unreachable, timed out, connection dropped
                 cause = _describe(e)
+                recorder.count("mtq_reward_endpoint_errors_total")
                 continue
             finally:
                 self.guard.deadline = math.inf
+                recorder.observe("mtq_reward_endpoint_seconds", time.perf_counter() - started)
             text = content.decode(errors="replace")
             if response.status_code in RETRYABLE_STATUS:
                 cause = f"HTTP {response.status_code}: {_snippet(text)}"
+                recorder.count("mtq_reward_endpoint_errors_total")
                 continue
             if not response.is_success:  # other 4xx, and 3xx: redirects are not followed
+                recorder.count("mtq_reward_endpoint_errors_total")
                 raise RewardError(f"{self.who} rejected the request with HTTP {response.status_code}: {_snippet(text)}")
-            return self._rewards_field(content)
+            try:
+                return self._rewards_field(content)
+            except RewardError:
+                recorder.count("mtq_reward_endpoint_errors_total")
+                raise
         raise RewardError(f"{self.who} failed after {attempts} attempts: {cause}")
 
     def _read_capped(self, response: httpx.Response) -> bytes:

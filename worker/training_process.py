@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -28,6 +29,7 @@ from typing import Callable
 from shared import workers
 from shared.jobstore import connect
 from shared.keys import adapter_key, checkpoint_key, job_key
+from shared.metrics import recorder
 from shared.settings import load_settings
 from worker.lease import Lease, LeaseLost, retrying
 
@@ -35,7 +37,24 @@ log = logging.getLogger(__name__)
 
 KINDS = {"grpo": "worker.grpo_job"}
 IDLE_WAIT_S = 0.5  # an idle process waits this long for a scoring request before looking for a job again
-PHASES = ("idle", "loading_model", "sampling", "scoring", "updating", "checkpointing", "saving")
+PHASES = ("idle", "loading_model", "compiling", "sampling", "scoring", "updating", "checkpointing", "saving")
+# Shown instead of sampling/updating during the first step of a training process that found
+# MLX's kernel cache empty: that step compiles the kernels (minutes on a fresh machine).
+COMPILING_NOTE = ("first step on this machine: MLX is compiling its kernels (about a minute on a CPU, "
+                  "several on a fresh CUDA machine); they are cached, so this happens once")
+_first_step_compiles = False  # set at start (main): this process found the kernel cache empty
+
+
+def kernel_cache_is_fresh() -> bool:
+    """MLX's CPU backend caches the kernels it compiles in $TMPDIR/mlx/<version>; its GPU
+    backends compile in the process (Metal) or cache elsewhere (CUDA), so on a GPU every
+    training process's first step is taken to compile."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return True
+    cache = Path(tempfile.gettempdir()) / "mlx" / mx.__version__
+    return not cache.is_dir() or not any(cache.rglob("*.so"))
 
 
 class Marks:
@@ -84,9 +103,24 @@ class JobRun:
     def __init__(self, lease: Lease, marks: Marks, parent_pid: int):
         self.lease, self.marks, self.parent_pid = lease, marks, parent_pid
         self.job_id = lease.job_id
+        self.shown_phase: str | None = None  # the phase in the job record
 
     def mark(self, phase: str | None = None) -> None:
+        """A progress mark; a new phase is also written to the job record (a few writes per
+        step, never per decode chunk)."""
         self.marks.mark(phase)
+        if phase is None:
+            return
+        compiling = _first_step_compiles and phase in ("sampling", "updating")
+        shown = "compiling" if compiling else phase
+        if shown != self.shown_phase:
+            self.shown_phase = shown
+            self.write(phase=shown, phase_note=COMPILING_NOTE if compiling else None)
+
+    def step_done(self) -> None:
+        global _first_step_compiles
+        _first_step_compiles = False  # the kernels are compiled (and cached) now
+        self.marks.step_done()
 
     def should_stop(self) -> bool:
         """Checked at every decode chunk and between optimizer updates: a progress mark, and
@@ -118,7 +152,7 @@ class JobRun:
         return self.lease.load_checkpoint()
 
     def save_checkpoint(self, step: int, blobs: dict[str, bytes]) -> None:
-        self.marks.mark("checkpointing")
+        self.mark("checkpointing")
         self.lease.save_blobs(checkpoint_key(self.job_id), blobs, {"type": "checkpoint", "step": step},
                               checkpoint_step=step)
 
@@ -126,8 +160,8 @@ class JobRun:
         """Write the adapter's files with write_files(dir) into a private directory, store them
         in Redis (fenced: a worker that lost the job stops here), then rename the directory
         into place, so the files on disk are only ever the current holder's."""
-        self.marks.mark("saving")
         out_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.mark("saving")
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{self.job_id}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -173,6 +207,8 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
     except Exception as e:
         log.error("job %s failed:\n%s", job_id, traceback.format_exc())
         return _fail(lease, f"{type(e).__name__}: {e}")
+    finally:
+        recorder.flush(r)  # what the job measured since its last step (e.g. the reward errors that failed it)
 
 
 def _fail(lease: Lease, error: str) -> str:
@@ -192,11 +228,12 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
     for module in set(KINDS.values()):
         importlib.import_module(module)  # mlx and the trainers load now, on this main thread
     from worker import scoring
-
-    settings = load_settings()
-    r = connect(settings.redis_url)
     from worker.models import loaded_model_ids
 
+    global _first_step_compiles
+    _first_step_compiles = kernel_cache_is_fresh()
+    settings = load_settings()
+    r = connect(settings.redis_url)
     published: list[str] | None = None
 
     def publish_loaded() -> None:  # the worker's advertisement says which models this process holds

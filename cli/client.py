@@ -1,0 +1,171 @@
+"""The REST API as the client commands see it: httpx, MTQ_API_URL and MTQ_API_TOKEN.
+
+Never imports the worker (or mlx): `mtq submit`, `mtq watch`... run on any machine that
+reaches the API. Accepts the list route's answer as a plain JSON array or as `{data: [...]}`.
+"""
+
+import io
+import os
+import tarfile
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from httpx_sse import connect_sse
+
+JOBS = "/admin/api/fine-tune/grpo/jobs"
+TERMINAL_EVENTS = ("done", "failed", "cancelled")
+RECONNECT_DELAYS_S = (0.5, 1, 2, 4, 8)  # then every 8 s
+RECONNECT_GIVE_UP_S = 300.0  # a stream down this long (API gone) ends the command
+ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, detail: Any):
+        self.status, self.detail = status, detail
+        super().__init__(f"HTTP {status}: {detail if isinstance(detail, str) else detail!r}")
+
+
+def default_api_url() -> str:
+    return os.environ.get("MTQ_API_URL") or f"http://127.0.0.1:{os.environ.get('MTQ_API_PORT') or 8000}"
+
+
+class ApiClient:
+    def __init__(self, base_url: str, token: str, timeout: float = 30.0):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+
+    @classmethod
+    def from_env(cls) -> "ApiClient":
+        return cls(default_api_url(), os.environ.get("MTQ_API_TOKEN", ""))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        """One request; a GET is tried again after a connection error (the API restarting,
+        or a pooled connection it closed)."""
+        for delay in (*RECONNECT_DELAYS_S, None) if method == "GET" else (None,):
+            try:
+                response = self.http.request(method, path, **kwargs)
+                break
+            except httpx.TransportError:
+                if delay is None:
+                    raise
+                time.sleep(delay)
+        if response.is_error:
+            raise ApiError(response.status_code, _detail(response))
+        return response
+
+    # ------------------------------------------------------------------ jobs
+
+    def list_jobs(self, status: str | None = None, limit: int = 50) -> list[dict]:
+        params = {"limit": limit, **({"status": status} if status else {})}
+        body = self.request("GET", JOBS, params=params).json()
+        return body if isinstance(body, list) else body["data"]
+
+    def job(self, job_id: str) -> dict:
+        return self.request("GET", f"{JOBS}/{job_id}").json()
+
+    def submit(self, spec: dict) -> dict:
+        return self.request("POST", JOBS, json=spec).json()
+
+    def cancel(self, job_id: str) -> dict:
+        return self.request("POST", f"{JOBS}/{job_id}/cancel").json()
+
+    def resume(self, job_id: str, config: dict) -> dict:
+        return self.request("POST", f"{JOBS}/{job_id}/resume", json={"config": config}).json()
+
+    def events(self, job_id: str, follow: bool = True, after: str | None = None) -> Iterator[tuple[str | None, dict]]:
+        """(event id, event) of the job's stream, from the start (or after `after`).
+
+        follow: until the stream ends (the job finished), reconnecting with Last-Event-ID
+        after a dropped connection or an API restart. Otherwise only the events there are
+        now: it stops once the server has sent nothing for a moment.
+        """
+        last_id, last_type, failures, down_since = after, None, 0, None
+        while True:
+            headers = {"Last-Event-ID": last_id} if last_id else {}
+            # follow: no read timeout (the server sends a keep-alive every 15 s while waiting).
+            timeout = httpx.Timeout(10.0, read=None if follow else 2.0)
+            try:
+                with connect_sse(self.http, "GET", f"{JOBS}/{job_id}/stream", headers=headers,
+                                 timeout=timeout) as source:
+                    if source.response.is_error:
+                        source.response.read()
+                        raise ApiError(source.response.status_code, _detail(source.response))
+                    for sse in source.iter_sse():
+                        if sse.event == "error":  # the server lost Redis mid-stream: reconnect
+                            raise httpx.RemoteProtocolError(sse.data)
+                        failures, down_since = 0, None
+                        if sse.id:
+                            last_id = sse.id
+                        event = sse.json()
+                        last_type = event.get("type")
+                        yield last_id, event
+                # The server ends a stream after the finished job's terminal event; an end
+                # without one is a server going away (a restart): reconnect.
+                if last_type in TERMINAL_EVENTS or not follow:
+                    return
+            except httpx.ReadTimeout:  # only without follow: caught up
+                return
+            except (httpx.TransportError, ApiError) as e:
+                if isinstance(e, ApiError) and e.status not in (502, 503, 504):
+                    raise
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since > RECONNECT_GIVE_UP_S:
+                    raise
+            time.sleep(RECONNECT_DELAYS_S[min(failures, len(RECONNECT_DELAYS_S) - 1)])
+            failures += 1
+
+    def step_metrics(self, job_id: str) -> list[dict]:
+        """Every step's metrics so far (grpo_step events; a step run twice, after a lost
+        worker, counts once: its latest run)."""
+        steps: dict[int, dict] = {}
+        for _, event in self.events(job_id, follow=False):
+            if event.get("type") == "grpo_step":
+                steps[event["iter"]] = event
+        return [steps[i] for i in sorted(steps)]
+
+    def download_adapter(self, job_id: str, out_dir: Path) -> list[Path]:
+        """The finished job's adapter (GET .../adapter: a zip or tar archive of its files),
+        unpacked into out_dir as mlx_lm loads it."""
+        archive = self.request("GET", f"{JOBS}/{job_id}/adapter", timeout=300).content
+        files = _unpack(archive)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name, data in files.items():
+            path = out_dir / name
+            path.write_bytes(data)
+            written.append(path)
+        return written
+
+
+def _detail(response: httpx.Response) -> Any:
+    try:
+        return response.json().get("detail", response.text)
+    except ValueError:
+        return response.text[:500]
+
+
+def _unpack(archive: bytes) -> dict[str, bytes]:
+    """The regular files of a zip or tar(.gz) archive, by base name: nothing from the archive
+    decides where a file is written."""
+    files: dict[str, bytes] = {}
+    if zipfile.is_zipfile(io.BytesIO(archive)):
+        with zipfile.ZipFile(io.BytesIO(archive)) as z:
+            for info in z.infolist():
+                if not info.is_dir():
+                    files[Path(info.filename).name] = z.read(info)
+    else:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as t:
+            for member in t.getmembers():
+                if member.isfile():
+                    files[Path(member.name).name] = t.extractfile(member).read()
+    missing = [name for name in ADAPTER_FILES if name not in files]
+    if missing:
+        raise ApiError(200, f"the adapter archive lacks {', '.join(missing)}")
+    return {name: data for name, data in files.items() if name and not name.startswith(".")}

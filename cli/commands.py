@@ -1,0 +1,200 @@
+"""The client commands (`mtq submit`, `jobs`, `show`, `watch`, `logs`, `cancel`, `resume`,
+`download`, `plot`): the REST API over HTTP (cli/client.py), MTQ_API_URL and MTQ_API_TOKEN.
+They never import the worker or mlx."""
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from cli.client import ApiClient, ApiError
+
+console = Console(highlight=False)
+
+
+def parse_value(text: str) -> Any:
+    """A --set value: JSON when it parses (numbers, true/false, null, lists), else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_sets(pairs: list[str]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"--set wants key=value, got {pair!r}")
+        out[key.strip()] = parse_value(value)
+    return out
+
+
+def read_prompts(path: Path) -> list:
+    """A JSON list, or one prompt per line of text."""
+    text = path.read_text()
+    if path.suffix == ".json":
+        return json.loads(text)
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def build_spec(args: argparse.Namespace) -> dict:
+    spec: dict[str, Any] = json.loads(Path(args.file).read_text()) if args.file else {}
+    if args.model:
+        spec["model_id"] = args.model
+    if args.prompts:
+        spec["prompts"] = read_prompts(Path(args.prompts))
+    if args.adapter_name:
+        spec["adapter_name"] = args.adapter_name
+    if args.set:
+        spec["config"] = {**spec.get("config", {}), **parse_sets(args.set)}
+    missing = [k for k in ("model_id", "prompts") if k not in spec]
+    if missing:
+        raise ApiError(0, f"the job needs {' and '.join(missing)} (from FILE.json, --model, --prompts)")
+    return spec
+
+
+def cmd_submit(client: ApiClient, args: argparse.Namespace) -> int:
+    job = client.submit(build_spec(args))
+    console.print(f"submitted job [bold]{job['job_id']}[/] ({job['status']})")
+    if args.watch:
+        from cli.watch import watch
+
+        return watch(client, job["job_id"], console)
+    return 0
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else ""
+
+
+def cmd_jobs(client: ApiClient, args: argparse.Namespace) -> int:
+    jobs = client.list_jobs(status=args.status, limit=args.limit)
+    table = Table("job", "status", "phase", "step", "reward", "model", "created", box=None)
+    for job in jobs:
+        p = job.get("progress") or {}
+        reward = p.get("reward", p.get("mean_reward"))
+        step = f"{p.get('iter', 0)}/{p['total_iters']}" if p.get("total_iters") else ""
+        table.add_row(job["job_id"], job["status"], job.get("phase") or "", step,
+                      "" if reward is None else f"{reward:.3f}", job.get("model_id", ""), _when(job.get("created_at")))
+    console.print(table)
+    return 0
+
+
+def cmd_show(client: ApiClient, args: argparse.Namespace) -> int:
+    console.print_json(json.dumps(client.job(args.job_id)))
+    return 0
+
+
+def event_line(event_id: str | None, event: dict) -> str:
+    """One line per event: its time (from the stream id), its type, then its fields."""
+    when = time.strftime("%H:%M:%S", time.localtime(int(event_id.split("-")[0]) / 1000)) if event_id else "--:--:--"
+    fields = " ".join(f"{k}={_short(v)}" for k, v in event.items() if k != "type")
+    return f"{when} {event.get('type', '?'):<12} {fields}"
+
+
+def _short(value: Any) -> str:
+    text = f"{value:.4g}" if isinstance(value, float) else json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def cmd_logs(client: ApiClient, args: argparse.Namespace) -> int:
+    for event_id, event in client.events(args.job_id, follow=args.follow):
+        print(event_line(event_id, event), flush=True)
+    return 0
+
+
+def cmd_cancel(client: ApiClient, args: argparse.Namespace) -> int:
+    job = client.cancel(args.job_id)
+    console.print(f"job {args.job_id}: {job['status']}" +
+                  (" (cancel requested; it stops at its next step)" if job["status"] == "running" else ""))
+    return 0
+
+
+def cmd_resume(client: ApiClient, args: argparse.Namespace) -> int:
+    job = client.resume(args.job_id, parse_sets(args.set or []))
+    console.print(f"job {args.job_id}: {job['status']} (continues from step {job.get('checkpoint_step') or 0})")
+    return 0
+
+
+def cmd_watch(client: ApiClient, args: argparse.Namespace) -> int:
+    from cli.watch import watch
+
+    return watch(client, args.job_id, console)
+
+
+def cmd_download(client: ApiClient, args: argparse.Namespace) -> int:
+    for path in client.download_adapter(args.job_id, Path(args.dir)):
+        console.print(str(path))
+    return 0
+
+
+def cmd_plot(client: ApiClient, args: argparse.Namespace) -> int:
+    from cli.plot import plot
+
+    steps = client.step_metrics(args.job_id)
+    if not steps:
+        raise ApiError(0, f"job {args.job_id} has no steps yet")
+    job = client.job(args.job_id)
+    out = plot(steps, Path(args.out or f"{args.job_id}.png"), f"job {args.job_id} ({job['model_id']}, {job['status']})")
+    console.print(f"wrote {out} ({len(steps)} steps)")
+    return 0
+
+
+def run_client_command(func, args: argparse.Namespace) -> int:
+    client = ApiClient.from_env()
+    try:
+        return func(client, args)
+    except ApiError as e:
+        Console(stderr=True, highlight=False).print(f"[red]error:[/] {e.detail if e.status == 0 else e}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        client.close()
+
+
+def add_client_commands(commands) -> None:
+    def add(name: str, func, help_text: str) -> argparse.ArgumentParser:
+        parser = commands.add_parser(name, help=help_text)
+        parser.set_defaults(func=lambda args: run_client_command(func, args))
+        return parser
+
+    submit = add("submit", cmd_submit, "submit a GRPO job (JSON body as for POST /jobs, and/or flags)")
+    submit.add_argument("file", metavar="FILE.json", nargs="?", help="the job: {model_id, prompts, config, reward...}")
+    submit.add_argument("--model", help="model_id")
+    submit.add_argument("--prompts", metavar="FILE", help="prompts: a JSON list, or one per line of text")
+    submit.add_argument("--adapter-name")
+    submit.add_argument("--set", nargs="+", metavar="KEY=VALUE", help="config fields, e.g. iters=20 learning_rate=5e-6")
+    submit.add_argument("--watch", action="store_true", help="then follow it as `mtq watch` does")
+
+    jobs = add("jobs", cmd_jobs, "list jobs, newest first")
+    jobs.add_argument("--status", choices=["queued", "running", "completed", "failed", "cancelled"])
+    jobs.add_argument("--limit", type=int, default=50)
+
+    for name, func, help_text in [
+        ("show", cmd_show, "print a job as JSON"),
+        ("watch", cmd_watch, "a live progress bar until the job ends (exit 0 completed, 1 failed, 2 cancelled)"),
+        ("cancel", cmd_cancel, "cancel a job"),
+    ]:
+        add(name, func, help_text).add_argument("job_id", metavar="ID")
+
+    logs = add("logs", cmd_logs, "print a job's events, one per line")
+    logs.add_argument("job_id", metavar="ID")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+
+    resume = add("resume", cmd_resume, "re-queue a failed or cancelled job from its last checkpoint")
+    resume.add_argument("job_id", metavar="ID")
+    resume.add_argument("--set", nargs="+", metavar="KEY=VALUE", help="config changes, e.g. learning_rate=5e-6")
+
+    download = add("download", cmd_download, "download a completed job's adapter into DIR")
+    download.add_argument("job_id", metavar="ID")
+    download.add_argument("dir", metavar="DIR")
+
+    plot = add("plot", cmd_plot, "draw the job's curves (reward, loss, KL, entropy, ...) into a PNG")
+    plot.add_argument("job_id", metavar="ID")
+    plot.add_argument("--out", metavar="FILE.png", help="default: ID.png")

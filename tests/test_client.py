@@ -1,0 +1,262 @@
+"""The client commands (`mtq submit/jobs/show/watch/logs/cancel/resume/plot`) and /metrics,
+against a real stack: real HTTP, a real worker, `mtq` run as a process (`watch` in a
+pseudo-terminal, as a person sees it).
+
+One worker serves the module; its jobs run one after another on the tiny model.
+"""
+
+import json
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import ROOT, TOKEN, wait_for
+from reward_server import closed_port_url, serving, slow_rewards
+
+CONFIG = {"group_size": 2, "batch_size": 1, "max_completion_len": 8, "lora_layers": 2, "lora_rank": 4,
+          "lora_alpha": 8.0, "temperature": 1.0}
+PROMPTS = ["What is 2+2?", "Say hello."]
+
+
+@pytest.fixture(scope="module")
+def worker(stack):
+    proc = stack.start_worker()
+    yield proc
+    stack.stop_proc(proc)
+
+
+def mtq_env(stack) -> dict:
+    env = {k: v for k, v in stack.env.items() if k not in ("REDIS_URL", "MTQ_API_PORT")}  # a client knows only the URL
+    return dict(env, MTQ_API_URL=stack.base_url, MTQ_API_TOKEN=TOKEN, COLUMNS="120")
+
+
+def mtq(stack, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=mtq_env(stack),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+class InPty:
+    """`mtq ARGS` with its stdout and stderr on a pseudo-terminal; collects what it draws."""
+
+    def __init__(self, stack, *args: str):
+        self.master, slave = pty.openpty()
+        env = dict(mtq_env(stack), TERM="xterm-256color")
+        self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env,
+                                     stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+        os.close(slave)
+        self.raw = b""
+
+    def read(self, timeout: float = 0.1) -> str:
+        while select.select([self.master], [], [], timeout)[0]:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            self.raw += chunk
+            timeout = 0
+        return self.text
+
+    @property
+    def text(self) -> str:
+        return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", self.raw.decode(errors="replace"))
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self.read(0.2)
+        self.read(0.2)
+        code = self.proc.wait(max(0.0, deadline - time.monotonic()))
+        os.close(self.master)
+        return code
+
+
+def write_job(tmp_path: Path, stack, iters: int, **extra) -> Path:
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({"model_id": stack.tiny_model.name, "prompts": PROMPTS,
+                                "config": dict(CONFIG, iters=iters), **extra}))
+    return path
+
+
+def scrape(stack, **kwargs) -> dict:
+    """/metrics parsed by prometheus-client: {sample name + labels: value}."""
+    res = httpx.get(stack.base_url + "/metrics", **kwargs)
+    assert res.status_code == 200, res.text
+    samples = {}
+    for family in text_string_to_metric_families(res.text):
+        for s in family.samples:
+            samples[s.name + json.dumps(s.labels, sort_keys=True)] = s.value
+    return samples
+
+
+def test_submit_watch_in_a_terminal_then_jobs_show_logs_plot(stack, worker, tmp_path):
+    before = scrape(stack)
+    job_file = write_job(tmp_path, stack, iters=6)
+    term = InPty(stack, "submit", str(job_file), "--watch")
+    assert term.wait(180) == 0, term.text
+    out = term.text
+    job_id = re.search(r"submitted job ([0-9a-f]{32})", out).group(1)
+    assert "━" in out and "6/6" in out, out  # rich's bar, at the end all steps done
+    assert re.search(r"reward \d", out) and "tok/s" in out, out
+    assert "completed" in out.splitlines()[-1] or "completed: adapter" in out, out
+
+    listed = mtq(stack, "jobs", "--status", "completed")
+    assert listed.returncode == 0 and job_id in listed.stdout, listed.stderr
+    shown = json.loads(mtq(stack, "show", job_id).stdout)
+    assert shown["status"] == "completed" and shown["progress"]["iter"] == 6
+    assert shown["phase"] is None  # a finished job is in no phase
+
+    logs = mtq(stack, "logs", job_id)
+    lines = logs.stdout.splitlines()
+    assert len([line for line in lines if " grpo_step " in line]) == 6, logs.stdout
+    assert lines[0].split()[1] == "started" and lines[-1].split()[1] == "done", logs.stdout
+
+    png = tmp_path / "curves.png"
+    plotted = mtq(stack, "plot", job_id, "--out", str(png))
+    assert plotted.returncode == 0, plotted.stderr
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(png)
+    assert pixels.shape[:2] == (560, 1280)  # 16x7 inches at 80 dpi
+    rgb = (pixels[..., :3] * 255).round()
+    c0 = np.abs(rgb - [31, 119, 180]).sum(axis=-1) < 30  # matplotlib's first line colour
+    # Each panel with data draws its curve: lines of that colour in at least 6 of the 8 panels.
+    panels = [c0[r * 280:(r + 1) * 280, c * 320:(c + 1) * 320].sum() for r in range(2) for c in range(4)]
+    assert sum(n > 50 for n in panels) >= 6, panels
+
+    # The adapter, through the API (no shared disk), into a fresh directory mlx_lm loads.
+    out_dir = tmp_path / "downloaded"
+    downloaded = mtq(stack, "download", job_id, str(out_dir))
+    assert downloaded.returncode == 0, downloaded.stderr
+    assert {p.name for p in out_dir.iterdir()} == {"adapters.safetensors", "adapter_config.json"}
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(stack.tiny_model), adapter_path=str(out_dir))
+    assert mlx_lm.generate(model, tokenizer, "hi", max_tokens=2) is not None
+
+    # The workers' measurements reached /metrics through Redis: the counters moved.
+    after = scrape(stack)
+    assert after['mtq_step_seconds_count{}'] - before['mtq_step_seconds_count{}'] == 6
+    assert after['mtq_tokens_per_second_count{}'] - before['mtq_tokens_per_second_count{}'] == 6
+    assert after['mtq_scoring_seconds_count{}'] - before['mtq_scoring_seconds_count{}'] == 6
+    assert after['mtq_step_seconds_sum{}'] > before['mtq_step_seconds_sum{}']
+    assert after['mtq_jobs{"status": "completed"}'] == before['mtq_jobs{"status": "completed"}'] + 1
+    assert after['mtq_workers{}'] == 1
+    assert after['mtq_step_seconds_bucket{"le": "+Inf"}'] == after['mtq_step_seconds_count{}']
+
+
+def test_watch_exits_nonzero_when_the_job_fails(stack, worker):
+    job = httpx.post(stack.base_url + "/admin/api/fine-tune/grpo/jobs", headers={"Authorization": f"Bearer {TOKEN}"},
+                     json={"model_id": "no-such-model", "prompts": PROMPTS, "config": dict(CONFIG, iters=2)}).json()
+    term = InPty(stack, "watch", job["job_id"])
+    assert term.wait(120) == 1, term.text
+    assert "failed: model not found: 'no-such-model'" in term.text, term.text
+
+
+def test_watch_and_logs_follow_across_an_api_restart(stack, worker, tmp_path):
+    iters = 30
+    with serving(slow_rewards(0.2)) as server:  # steps of 0.2 s: the API restart falls in the middle of the job
+        job_file = write_job(tmp_path, stack, iters=iters, reward=[{"type": "endpoint", "url": server.url}])
+        job_id = re.search(r"submitted job ([0-9a-f]{32})", mtq(stack, "submit", str(job_file)).stdout).group(1)
+        term = InPty(stack, "watch", job_id)
+        follow = subprocess.Popen([sys.executable, "-m", "cli.main", "logs", job_id, "--follow"], cwd=ROOT,
+                                  env=mtq_env(stack), stdout=subprocess.PIPE, text=True)
+        wait_for(lambda: re.search(rf" [1-9]\d*/{iters}", term.read()), 120, f"watch to draw a step:\n{term.text}")
+        stack.stop_proc(stack.api)  # the streams drop; the clients reconnect with Last-Event-ID
+        assert stack.redis.hget(f"mtq:job:{job_id}", "status") == b"running"
+        stack.start_api()
+
+        assert term.wait(180) == 0, term.text
+        assert follow.wait(60) == 0
+    assert f"{iters}/{iters}" in term.text, term.text
+    out = follow.stdout.read()
+    steps = [int(re.search(r" iter=(\d+)", line).group(1)) for line in out.splitlines() if " grpo_step " in line]
+    assert steps == list(range(steps[0], steps[0] + iters)), out  # every step once: resumed after the last one seen
+    assert out.splitlines()[-1].split()[1] == "done", out
+
+
+def test_cancel_and_resume_with_a_changed_config(stack, worker, tmp_path):
+    created = mtq(stack, "submit", str(write_job(tmp_path, stack, iters=500)))
+    job_id = re.search(r"submitted job ([0-9a-f]{32})", created.stdout).group(1)
+    with stack.client() as c:
+        wait_for(lambda: c.get(f"/admin/api/fine-tune/grpo/jobs/{job_id}").json()["status"] == "running", 120, "running")
+    cancelled = mtq(stack, "cancel", job_id)
+    assert cancelled.returncode == 0 and job_id in cancelled.stdout, cancelled.stderr
+    assert stack.wait_job(job_id)["status"] == "cancelled"
+
+    resumed = mtq(stack, "resume", job_id, "--set", "learning_rate=2e-5", "iters=3")
+    assert resumed.returncode == 0, resumed.stderr
+    job = stack.wait_job(job_id, timeout=120)
+    assert job["status"] == "completed" and job["config"]["learning_rate"] == 2e-5, job
+
+    again = mtq(stack, "cancel", job_id)  # a finished job: a clear error, exit 1
+    assert again.returncode == 1 and "404" in again.stderr and "not cancellable" in again.stderr
+
+
+def test_metrics_need_the_token_unless_from_loopback_and_count_reward_calls(stack, worker):
+    # Through a local proxy (X-Forwarded-For, trusted from 127.0.0.1 by uvicorn) the client is
+    # remote: a token is needed.
+    remote = {"X-Forwarded-For": "203.0.113.7"}
+    assert httpx.get(stack.base_url + "/metrics", headers=remote).status_code == 401
+    assert httpx.get(stack.base_url + "/metrics", headers={**remote, "Authorization": "Bearer wrong"}).status_code == 401
+    before = scrape(stack, headers={**remote, "Authorization": f"Bearer {TOKEN}"})
+    assert before['mtq_queue_depth{"queue": "grpo"}'] == 0
+
+    jobs = "/admin/api/fine-tune/grpo/jobs"
+    with serving(lambda body, k: {"rewards": [1.0] * len(body["completions"])}) as server, stack.client() as c:
+        ok = c.post(jobs, json={"model_id": stack.tiny_model.name, "prompts": PROMPTS, "config": dict(CONFIG, iters=2),
+                                "reward": [{"type": "endpoint", "url": server.url}]}).json()
+        bad = c.post(jobs, json={"model_id": stack.tiny_model.name, "prompts": PROMPTS, "config": dict(CONFIG, iters=2),
+                                 "reward": [{"type": "endpoint", "url": closed_port_url(), "retries": 1,
+                                             "backoff_s": 0.01}]}).json()
+        assert stack.wait_job(ok["job_id"])["status"] == "completed"
+        assert stack.wait_job(bad["job_id"])["status"] == "failed"
+        calls = len(server.requests)
+    after = scrape(stack)
+    assert after['mtq_reward_endpoint_errors_total{}'] - before['mtq_reward_endpoint_errors_total{}'] == 2
+    # Each attempt is timed: the good job's calls and the bad job's two refused attempts.
+    assert after['mtq_reward_endpoint_seconds_count{}'] - before['mtq_reward_endpoint_seconds_count{}'] == calls + 2
+    assert after['mtq_jobs{"status": "failed"}'] == before['mtq_jobs{"status": "failed"}'] + 1
+
+
+def test_adapter_archives_unpack_by_base_name_only(tmp_path):
+    """`mtq download` unpacks the adapter route's zip or tar archive: regular files only, each
+    by its base name, so that no name in the archive decides where a file is written."""
+    import io
+    import tarfile
+    import zipfile
+
+    from cli.client import ApiError, _unpack
+
+    files = {"adapters.safetensors": b"weights", "adapter_config.json": b"{}"}
+    zipped = io.BytesIO()
+    with zipfile.ZipFile(zipped, "w") as z:
+        z.writestr("job/adapters.safetensors", files["adapters.safetensors"])
+        z.writestr("../../adapter_config.json", files["adapter_config.json"])
+    assert _unpack(zipped.getvalue()) == files
+    tarred = io.BytesIO()
+    with tarfile.open(fileobj=tarred, mode="w:gz") as t:
+        for name, data in files.items():
+            info = tarfile.TarInfo("/abs/" + name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("evil")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        t.addfile(link)
+    assert _unpack(tarred.getvalue()) == files
+    with pytest.raises(ApiError, match="lacks adapter_config.json"):
+        only = io.BytesIO()
+        with zipfile.ZipFile(only, "w") as z:
+            z.writestr("adapters.safetensors", b"w")
+        _unpack(only.getvalue())

@@ -1,0 +1,109 @@
+"""The web page at /ui in headless Chromium, against a real stack: log in with the token,
+list jobs, open a running job, read its curves from the DOM (one point per step), cancel and
+resume it with the page's buttons. Screenshots go to test-artifacts/ (TEST_ARTIFACTS_DIR)."""
+
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from browser import Browser
+from conftest import ROOT, TOKEN, wait_for
+from reward_server import serving, slow_rewards
+
+JOBS = "/admin/api/fine-tune/grpo/jobs"
+ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR") or ROOT / "test-artifacts")
+CONFIG = {"iters": 200, "group_size": 2, "batch_size": 1, "max_completion_len": 8, "lora_layers": 2, "lora_rank": 4,
+          "lora_alpha": 8.0}
+
+
+@pytest.fixture(scope="module")
+def worker(stack):
+    proc = stack.start_worker()
+    yield proc
+    stack.stop_proc(proc)
+
+
+@pytest.fixture
+def browser(tmp_path):
+    b = Browser(tmp_path / "chromium")
+    yield b
+    b.close()
+
+
+def text(browser: Browser, element_id: str) -> str:
+    return browser.eval(f"document.getElementById({json.dumps(element_id)}).textContent")
+
+
+def test_page_logs_in_lists_jobs_draws_live_curves_and_cancels(stack, worker, browser):
+    api = stack.client()
+    with serving(slow_rewards(0.2)) as server:  # a few steps a second: still running while the page is read
+        job_id = api.post(JOBS, json={"model_id": stack.tiny_model.name, "prompts": ["What is 2+2?", "Say hello."],
+                                      "config": CONFIG, "reward": [{"type": "endpoint", "url": server.url}]}).json()["job_id"]
+
+        # Login: a wrong token is refused; the right one is kept in the tab's session storage.
+        browser.goto(stack.base_url + "/ui")
+        browser.wait("!document.getElementById('login').hidden")
+        browser.eval("document.getElementById('token').value = 'wrong'; "
+                     "document.getElementById('login-form').requestSubmit()")
+        browser.wait("document.getElementById('login-error').textContent.includes('refused')")
+        browser.eval(f"document.getElementById('token').value = {json.dumps(TOKEN)}; "
+                     "document.getElementById('login-form').requestSubmit()")
+        row = f"document.querySelector('tr[data-job-id=\"{job_id}\"]')"
+        browser.wait(f"{row} && {row}.classList.contains('status-running')")
+        assert browser.eval("sessionStorage.getItem('mtq-token')") == TOKEN
+        browser.goto(stack.base_url + "/ui")  # a reload stays logged in
+        browser.wait(f"{row} !== null")
+
+        # The running job's page: its curves grow with the steps, one point per step.
+        browser.eval(f"{row}.querySelector('a').click()")
+        browser.wait(f"document.getElementById('job-id').textContent === '{job_id}'")
+        points = "Number(document.querySelector('.chart[data-metric=\"reward\"]').dataset.points)"
+
+        def caught_up():
+            before = api.get(f"{JOBS}/{job_id}").json()["progress"].get("iter", 0)
+            shown = browser.eval(points)
+            return before >= 3 and shown == before == api.get(f"{JOBS}/{job_id}").json()["progress"].get("iter", 0)
+
+        wait_for(caught_up, 60, "the page's reward curve to show every step", interval=0.05)
+        charts = browser.eval("[...document.querySelectorAll('.chart:not([hidden])')].map(c => c.dataset.metric)")
+        assert {"reward", "loss", "entropy", "completion length", "learning rate", "rewards by source"} <= set(charts)
+        assert browser.eval("document.querySelectorAll('.chart:not([hidden]) canvas').length") == len(charts)
+        browser.wait("document.querySelectorAll('#samples table.samples tr').length > 0")  # completions with rewards
+        assert json.loads(text(browser, "job-config"))["config"]["iters"] == CONFIG["iters"]
+        assert text(browser, "job-status") == "running"
+        browser.screenshot(ARTIFACTS / "ui-running-job.png")
+
+        # Cancel with the page's button: the job ends cancelled, and the curve keeps every step it ran.
+        browser.eval("document.getElementById('cancel').click()")
+        browser.wait("document.getElementById('job-status').textContent === 'cancelled'", timeout=60)
+        job = api.get(f"{JOBS}/{job_id}").json()
+        assert job["status"] == "cancelled"
+        steps = [e for e in stack_events(stack, job_id) if e["type"] == "grpo_step"]
+        browser.wait(f"{points} === {len(steps)}")
+        assert len(steps) == job["progress"]["iter"]
+        assert browser.eval("document.getElementById('resume').disabled") is False
+
+        # Resume with the page's button: queued (or running) again.
+        browser.eval("document.getElementById('resume').click()")
+        wait_for(lambda: api.get(f"{JOBS}/{job_id}").json()["status"] in ("queued", "running"), 30, "resumed")
+        browser.wait("['queued', 'running'].includes(document.getElementById('job-status').textContent)")
+        browser.screenshot(ARTIFACTS / "ui-resumed-job.png")
+        api.post(f"{JOBS}/{job_id}/cancel")
+        stack.wait_job(job_id)
+    api.close()
+
+
+def stack_events(stack, job_id: str) -> list[dict]:
+    from shared.jobstore import read_events
+
+    return [e for _, e in read_events(stack.redis, job_id)]
+
+
+def test_static_files_are_only_the_listed_ones(stack):
+    assert httpx.get(stack.base_url + "/ui").headers["content-type"].startswith("text/html")
+    assert httpx.get(stack.base_url + "/ui/uPlot.iife.min.js").status_code == 200
+    for name in ("../main.py", "..%2Fmain.py", "vendor", "routes"):
+        assert httpx.get(stack.base_url + "/ui/" + name).status_code == 404
