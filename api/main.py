@@ -11,7 +11,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.deps import get_settings, get_tokens
-from api.routes import grpo_jobs, health, logprob
+from api.routes import files, grpo_jobs, health, logprob, reward_score
+from api.routes.train_jobs import ROUTERS as TRAIN_JOB_ROUTERS
 
 get_tokens()  # a broken MTQ_TOKENS_FILE stops the API at start, not at its first request
 
@@ -26,6 +27,10 @@ app = FastAPI(
 app.include_router(health.router)
 app.include_router(grpo_jobs.router)
 app.include_router(logprob.router)
+app.include_router(files.router)
+app.include_router(reward_score.router)
+for router in TRAIN_JOB_ROUTERS:
+    app.include_router(router)
 
 
 def _printable(text: str) -> str:

@@ -26,6 +26,7 @@ from worker.training_process import JobRun
 
 USER_ERRORS = supervised.USER_ERRORS
 HEAD_FILE = "value_head.safetensors"
+SCORE_ROWS = 16  # rows scored in one padded forward pass
 
 
 # --------------------------------------------------------------------------- the math
@@ -88,10 +89,12 @@ def load_head(adapter_dir: Path) -> nn.Linear:
     return head
 
 
-def score_completions(model: nn.Module, tokenizer, head: nn.Linear, prompt: str, completions: list[str]) -> list[float]:
-    """Rewards of completions to one prompt; `model` must carry the reward model's adapter
+def score_completions(model: nn.Module, tokenizer, head: nn.Linear, prompts: list[str], completions: list[str]) -> list[float]:
+    """Rewards of (prompt, completion) rows; `model` must carry the reward model's adapter
     (worker/scoring.py adapter_swapped). Rows as in training: prompt, completion, EOS."""
-    rows = [pair_tokens(tokenizer, prompt, c) for c in completions]
-    batch = pad_rows(Rows([t for t, _ in rows], [s for _, s in rows]))
-    rewards = RewardModel(model, head)(batch.inputs, batch.lengths)
-    return [float(x) for x in rewards.tolist()]
+    rewards: list[float] = []
+    for start in range(0, len(prompts), SCORE_ROWS):
+        rows = [pair_tokens(tokenizer, p, c) for p, c in zip(prompts[start:start + SCORE_ROWS], completions[start:start + SCORE_ROWS])]
+        batch = pad_rows(Rows([t for t, _ in rows], [s for _, s in rows]))
+        rewards += RewardModel(model, head)(batch.inputs, batch.lengths).tolist()
+    return [float(x) for x in rewards]

@@ -150,7 +150,7 @@ def value_and_grad_step(module: nn.Module, loss_fn: Callable, micro_batches: lis
     total, metrics = None, {}
     n = len(micro_batches)
     for args in micro_batches:
-        (loss, stats), grads = vg(*args)
+        (loss, stats), grads = vg(module, *args)
         total = grads if total is None else tree_map_add(total, grads)
         for k, v in {"loss": loss, **stats}.items():
             metrics[k] = metrics.get(k, 0.0) + v / n
@@ -216,6 +216,9 @@ def run_job(job: JobRun, spec, make_trainer: Callable, fine_tune_type: str = "lo
                 job.write(event={"type": "resumed", "from_step": state.step}, resumed_from=state.step)
             saver = CheckpointSaver(job, cfg.steps_per_save, cfg.checkpoint_interval_s, start_step=state.step)
             step_type = f"{spec.kind}_step"
+            if valid and state.step == 0:  # before training, as mlx_lm reports it
+                job.mark("scoring")
+                job.write(event={"type": "eval", "iter": 0, **trainer.evaluate()})
             try:
                 while state.step < cfg.iters:
                     if job.should_stop():
