@@ -24,7 +24,9 @@ def create_job(r: redis.Redis, spec, owner: str | None = None) -> TrainJob:
     spec = spec.model_copy(update={"adapter_name": spec.adapter_name or f"{spec.kind}-{job_id[:8]}"})
     lifecycle.create(r, job_id, spec.kind, QUEUE_NAME, spec.model_dump_json(), progress="{}",
                      max_attempts=jobstore.max_attempts(spec.config), **({"owner": owner} if owner else {}))
-    return get_job(r, job_id)  # type: ignore[return-value]
+    # The job as created (a worker may have started it already: that is the next GET's news).
+    job = get_job(r, job_id)
+    return job.model_copy(update={"status": "queued", "started_at": 0.0, "worker": None, "attempts": 0, "progress": {}})  # type: ignore[union-attr]
 
 
 def job_from_hash(job_id: str, h: dict[bytes, bytes]) -> TrainJob:
