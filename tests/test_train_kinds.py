@@ -239,9 +239,12 @@ def test_invalid_datasets_and_files_are_clear_4xx(stack, client):
 
 
 def test_seed_shapes_list_get_delete_and_kinds_stay_apart(stack, client):
-    job = submit(client, ORPO, {"model_id": "tiny", "preference_pairs": keyword_pairs(2, 3), "config": {"iters": 1, "batch_size": 2}})
+    body = {"model_id": "tiny", "preference_pairs": keyword_pairs(2, 3), "config": {"iters": 1, "batch_size": 2}}
+    older, job = submit(client, ORPO, body), submit(client, ORPO, body)
     res = client.get(ORPO, params={"limit": 1})
-    assert isinstance(res.json(), list) and res.json()[0]["job_id"] == job["job_id"] and "X-Next-After" in res.headers
+    assert isinstance(res.json(), list) and [j["job_id"] for j in res.json()] == [job["job_id"]]
+    res = client.get(ORPO, params={"limit": 1, "after": res.headers["X-Next-After"]})
+    assert res.json()[0]["job_id"] == older["job_id"]
     assert client.get(f"{DPO}/{job['job_id']}").status_code == 404  # another kind's route
     assert job["job_id"] not in [j["job_id"] for j in client.get("/admin/api/fine-tune/grpo/jobs").json()["data"]]
     wait_done(stack, client, ORPO, job["job_id"])
