@@ -259,16 +259,15 @@ def test_seed_shapes_list_get_delete_and_kinds_stay_apart(stack, client):
 def test_cancel_stops_a_running_job_within_2s(stack, client):
     job = submit(client, SFT, {"model_id": "tiny", "dataset": SFT_ROWS, "config": {**SFT_CONFIG, "iters": 100_000}})
     wait_for(lambda: client.get(f"{SFT}/{job['job_id']}").json()["progress"].get("iter", 0) >= 2, 120, "a few steps")
-    t0 = time.monotonic()
+    nxt = submit(client, SFT, {"model_id": "tiny", "dataset": SFT_ROWS, "config": {"iters": 1, "batch_size": 2, "lora_layers": 1}})
+    cancelled_at = time.time()
     res = client.post(f"{SFT}/{job['job_id']}/cancel")
     assert res.status_code == 200 and res.json()["status"] == "cancelled"
-    # The worker is free again: it runs the next job's first step.
-    nxt = submit(client, SFT, {"model_id": "tiny", "dataset": SFT_ROWS, "config": {"iters": 1, "batch_size": 2, "lora_layers": 1}})
     wait_done(stack, client, SFT, nxt["job_id"])
-    stopped = [e for e in events(stack, job["job_id"]) if e["type"] == "sft_step"]
-    assert time.monotonic() - t0 < 30
-    last_step_time = max(e.get("step_time", 0) for e in stopped) if stopped else 0
-    assert last_step_time < 2  # a running job sees the cancel at its next step: within one step
+    # The worker left the cancelled job and started the next one (queued behind it) within 2 s.
+    started = [int(eid.split("-")[0]) / 1000 for eid, e in read_events(stack.redis, nxt["job_id"]) if e["type"] == "started"]
+    print(f"\ncancel -> next job started: {started[0] - cancelled_at:.2f} s")
+    assert started[0] - cancelled_at < 2
 
 
 def test_kill_9_of_the_worker_resumes_from_the_checkpoint_and_completes(stack, client):
