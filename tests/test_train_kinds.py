@@ -227,6 +227,8 @@ def test_invalid_datasets_and_files_are_clear_4xx(stack, client):
     assert res.status_code == 400 and "preference_pairs.0.rejected" in res.json()["detail"]
     res = client.post(SFT, json={"model_id": "tiny", "dataset": [{"text": "a"}], "config": {"beta": 1}})
     assert res.status_code == 400 and res.json()["detail"].startswith("Invalid request: config.beta")
+    res = client.post(SFT, json={"model_id": "tiny", "dataset": [{"text": "a"}], "config": {"batch_size": 1024, "max_seq_length": 131072}})
+    assert res.status_code == 400 and "MTQ_MAX_STEP_TOKENS" in res.json()["detail"]
     res = client.post(FILES, content=b'{"text": "a"}\nnot json\n')
     assert res.status_code == 400 and "line 2" in res.json()["detail"]
     res = client.post(FILES, content=b'{"text": "a"}\n' * 1000)
@@ -269,17 +271,26 @@ def test_cancel_stops_a_running_job_within_2s(stack, client):
     print(f"\ncancel -> next job started: {started[0] - cancelled_at:.2f} s")
     assert started[0] - cancelled_at < 2
 
+    # Resume with other optimisation settings; the adapter's shape cannot change.
+    res = client.post(f"{SFT}/{job['job_id']}/resume", json={"config": {"lora_rank": 4}})
+    assert res.status_code == 400 and "cannot change lora_rank" in res.json()["detail"]
+    res = client.post(f"{SFT}/{job['job_id']}/resume", json={"config": {"iters": 3, "learning_rate": 1e-3}})
+    assert res.status_code == 200 and res.json()["config"]["iters"] == 3
+    assert wait_done(stack, client, SFT, job["job_id"])["progress"]["iter"] == 3
 
-def test_kill_9_of_the_worker_resumes_from_the_checkpoint_and_completes(stack, client):
-    pairs = keyword_pairs(16, 0)
-    job = submit(client, DPO, {"model_id": "tiny", "preference_pairs": pairs,
-                               "config": {**PREF_CONFIG, "iters": 40, "steps_per_save": 4, "steps_per_report": 40}})
-    wait_for(lambda: (client.get(f"{DPO}/{job['job_id']}").json()["checkpoint_step"] or 0) >= 8, 120, "a checkpoint")
+
+@pytest.mark.parametrize("path,kind", [(DPO, "dpo"), (SFT, "sft"), (REWARD, "reward")], ids=["dpo", "sft", "reward"])
+def test_kill_9_of_the_worker_resumes_from_the_checkpoint_and_completes(stack, client, path, kind):
+    """The worker's disk holds nothing of the dataset: inline pairs, or an uploaded file (SFT)."""
+    config = {"lora_layers": -1, "learning_rate": 1e-3, "batch_size": 2, "iters": 40, "steps_per_save": 4, "steps_per_report": 40}
+    data = {"dataset": {"file_id": upload(client, SFT_ROWS)}} if kind == "sft" else {"preference_pairs": keyword_pairs(16, 0)}
+    job = submit(client, path, {"model_id": "tiny", **data, "config": config})
+    wait_for(lambda: (client.get(f"{path}/{job['job_id']}").json()["checkpoint_step"] or 0) >= 8, 120, "a checkpoint")
     os.killpg(stack.worker.pid, signal.SIGKILL)
     stack.worker.wait(10)
     stack.worker = stack.start_worker()
-    done = wait_done(stack, client, DPO, job["job_id"], timeout=180)
+    done = wait_done(stack, client, path, job["job_id"], timeout=180)
     assert done["progress"]["iter"] == 40 and done["failed_attempts"] == 1 and done["resumed_from"] >= 8
     assert events(stack, job["job_id"], "resumed")[-1]["from_step"] >= 8
-    history = client.get(f"{DPO}/{job['job_id']}/history").json()["history"]
+    history = client.get(f"{path}/{job['job_id']}/history").json()["history"]
     assert [h["step"] for h in history] == list(range(1, 41))  # every step once

@@ -107,6 +107,11 @@ def check_datasets(r, spec, settings) -> None:
                     errors.append(str(e))
         elif isinstance(ref, list) and len(ref) > settings.max_prompts:
             errors.append(f"{name}: {len(ref)} rows; the limit is {settings.max_prompts} (MTQ_MAX_PROMPTS)")
+    rows = spec.config.batch_size * (2 if spec.row_format == "preference" else 1)  # chosen + rejected
+    if rows * spec.config.max_seq_length > settings.max_step_tokens:
+        errors.append(f"a micro-batch could hold {rows * spec.config.max_seq_length} tokens (batch_size x "
+                      f"{'2 x ' if rows > spec.config.batch_size else ''}max_seq_length); the limit is "
+                      f"{settings.max_step_tokens} (MTQ_MAX_STEP_TOKENS)")
     if len(getattr(spec, "preference_pairs", None) or []) > settings.max_prompts:
         errors.append(f"preference_pairs: {len(spec.preference_pairs)} rows; the limit is {settings.max_prompts} (MTQ_MAX_PROMPTS)")
     if errors:
