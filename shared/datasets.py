@@ -100,10 +100,6 @@ def rows_errors(row_format: str, rows: list, where: str) -> list[str]:
     return errors
 
 
-def inline_row_errors(row_format: str, rows: list, where: str) -> list[str]:
-    return rows_errors(row_format, rows, where)
-
-
 # --------------------------------------------------------------------------- JSON Lines
 
 

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.datasets import DatasetRef, PreferencePair, inline_row_errors
+from shared.datasets import DatasetRef, PreferencePair, rows_errors, sft_format
 from shared.schemas import MODEL_ID_RE, SEED_MAX, check_json_values
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -102,7 +102,7 @@ class _JobSpec(BaseModel):
         for name in ("dataset", "valid_dataset"):
             value = getattr(self, name)
             if isinstance(value, list):
-                errors = inline_row_errors(self.row_format, value, name)
+                errors = rows_errors(self.row_format, value, name)
                 if errors:
                     raise ValueError("; ".join(errors[:5]))
         return self
@@ -117,6 +117,9 @@ class SFTJobCreate(_JobSpec):
     def _has_dataset(self):
         if self.dataset is None:
             raise ValueError("dataset is required")
+        rows = [r for ref in (self.dataset, self.valid_dataset) if isinstance(ref, list) for r in ref]
+        if self.config.mask_prompt and any(sft_format(r) == "text" for r in rows):
+            raise ValueError("mask_prompt needs prompt/completion or messages rows (text rows have no prompt)")
         return self
 
 

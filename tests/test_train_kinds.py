@@ -14,7 +14,6 @@ import random
 import signal
 import time
 
-import httpx
 import pytest
 
 from conftest import Stack, wait_for
@@ -229,6 +228,8 @@ def test_invalid_datasets_and_files_are_clear_4xx(stack, client):
     assert res.status_code == 400 and res.json()["detail"].startswith("Invalid request: config.beta")
     res = client.post(SFT, json={"model_id": "tiny", "dataset": [{"text": "a"}], "config": {"batch_size": 1024, "max_seq_length": 131072}})
     assert res.status_code == 400 and "MTQ_MAX_STEP_TOKENS" in res.json()["detail"]
+    res = client.post(SFT, json={"model_id": "tiny", "dataset": [{"text": "a"}], "config": {"mask_prompt": True}})
+    assert res.status_code == 400 and "mask_prompt needs" in res.json()["detail"]
     res = client.post(FILES, content=b'{"text": "a"}\nnot json\n')
     assert res.status_code == 400 and "line 2" in res.json()["detail"]
     res = client.post(FILES, content=b'{"text": "a"}\n' * 1000)

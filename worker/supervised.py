@@ -23,7 +23,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.trainer import grad_checkpoint
@@ -151,7 +151,7 @@ def value_and_grad_step(module: nn.Module, loss_fn: Callable, micro_batches: lis
     n = len(micro_batches)
     for args in micro_batches:
         (loss, stats), grads = vg(module, *args)
-        total = grads if total is None else tree_map_add(total, grads)
+        total = grads if total is None else tree_map(lambda a, b: a + b, total, grads)
         for k, v in {"loss": loss, **stats}.items():
             metrics[k] = metrics.get(k, 0.0) + v / n
         mx.eval(total, metrics)
@@ -159,12 +159,6 @@ def value_and_grad_step(module: nn.Module, loss_fn: Callable, micro_batches: lis
     grad_norm = mx.sqrt(sum((g * g).sum() for g in grads.values()))
     metrics["grad_norm"] = grad_norm
     return {k: float(v.item()) for k, v in metrics.items()}, tree_unflatten(list(grads.items()))
-
-
-def tree_map_add(a, b):
-    from mlx.utils import tree_map
-
-    return tree_map(lambda x, y: x + y, a, b)
 
 
 @contextlib.contextmanager
