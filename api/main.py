@@ -11,7 +11,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.deps import get_settings, get_tokens
-from api.routes import adapters, grpo_jobs, health, logprob, metrics, models, ui
+from api.routes import adapters, files, grpo_jobs, health, logprob, metrics, models, reward_score, ui
+from api.routes.train_jobs import ROUTERS as TRAIN_JOB_ROUTERS
 
 get_tokens()  # a broken MTQ_TOKENS_FILE stops the API at start, not at its first request
 
@@ -30,6 +31,10 @@ app.include_router(models.router)
 app.include_router(adapters.router)
 app.include_router(metrics.router)
 app.include_router(ui.router)
+app.include_router(files.router)
+app.include_router(reward_score.router)
+for router in TRAIN_JOB_ROUTERS:
+    app.include_router(router)
 
 
 def _printable(text: str) -> str:

@@ -54,8 +54,14 @@ def create_job(r: redis.Redis, spec: JobCreate, owner: str | None = None) -> Job
 
 
 def get_spec(r: redis.Redis, job_id: str) -> JobCreate | None:
-    raw = r.hget(job_key(job_id), "spec")
-    return None if raw is None else JobCreate.model_validate_json(raw)
+    """The job's spec, as its kind's model (GRPO: JobCreate; others: shared/train_specs.py)."""
+    from shared.train_specs import SPECS
+
+    kind, raw = r.hmget(job_key(job_id), "kind", "spec")
+    if raw is None:
+        return None
+    model = SPECS.get(kind.decode(), JobCreate) if kind else JobCreate
+    return model.model_validate_json(raw)  # type: ignore[return-value]
 
 
 def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
@@ -126,10 +132,11 @@ def get_status(r: redis.Redis, job_id: str) -> JobStatus | None:
 
 def list_jobs(
     r: redis.Redis, status: JobStatus | None = None, limit: int = 20, after: str | None = None,
-    owner: str | None = None,
+    owner: str | None = None, kind: str = "grpo", load=None,
 ) -> tuple[list[Job | UnreadableJob], bool]:
     """Newest first. `after` is the last job_id of the previous page; `owner`: only the jobs
-    of that token name."""
+    of that token name; `kind`: only jobs of that kind, each made by load(job_id, hash)."""
+    load = load or _job_or_unreadable
     start = 0
     if after is not None:
         rank = r.zrevrank(JOBS_INDEX, after)
@@ -155,9 +162,11 @@ def list_jobs(
                 continue
             if owner is not None and h.get(b"owner") != owner.encode():
                 continue
+            if h.get(b"kind", b"grpo") != kind.encode():
+                continue
             if len(jobs) == limit:
                 return jobs, True
-            jobs.append(_job_or_unreadable(job_id, h))
+            jobs.append(load(job_id, h))
         start += chunk
 
 

@@ -156,10 +156,19 @@ class EndpointReward(_Source):
         return url
 
 
+class RewardModelReward(_Source):
+    """A reward model trained by a reward job (its adapter + value head), scored on the
+    worker itself: no HTTP. Prompts are read as raw text (chat prompts: their contents)."""
+
+    type: Literal["reward_model"] = "reward_model"
+    model_id: str = Field(..., min_length=1, max_length=512)
+    adapter_name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
 RewardSource = Annotated[
     Union[
         LengthReward, RegexReward, ExactMatchReward, ContainsReward, MathAnswerReward,
-        JsonValidReward, PythonReward, EndpointReward,
+        JsonValidReward, PythonReward, EndpointReward, RewardModelReward,
     ],
     Field(discriminator="type"),
 ]

@@ -31,6 +31,7 @@ class Settings:
     # Operator allow-lists: python reward modules (prefixes) and directories models may be loaded from.
     reward_modules: tuple[str, ...] = ()
     model_roots: tuple[Path, ...] = ()
+    data_roots: tuple[Path, ...] = ()  # directories whose datasets jobs may name by path (MTQ_DATA_ROOTS)
     # Limits, enforced at submission (API) or while calling a reward server (worker).
     max_body_bytes: int = 16 * 2**20
     max_prompts: int = 10_000
@@ -39,6 +40,7 @@ class Settings:
     max_regex_chars: int = 2_000
     max_reward_response_bytes: int = 4 * 2**20
     max_streams_per_token: int = 32
+    max_file_bytes: int = 8 * 2**20  # an uploaded dataset file (POST /admin/api/fine-tune/files)
 
     @property
     def adapters_dir(self) -> Path:
@@ -79,6 +81,7 @@ def load_settings() -> Settings:
         tokens_file=Path(tokens_file).expanduser() if tokens_file else None,
         reward_modules=_list("MTQ_REWARD_MODULES"),
         model_roots=tuple(Path(p).expanduser().resolve() for p in _list("MTQ_MODEL_ROOTS", sep=os.pathsep)),
+        data_roots=tuple(Path(p).expanduser().resolve() for p in _list("MTQ_DATA_ROOTS", sep=os.pathsep)),
         max_body_bytes=_int("MTQ_MAX_BODY_BYTES", Settings.max_body_bytes),
         max_prompts=_int("MTQ_MAX_PROMPTS", Settings.max_prompts),
         max_prompt_chars=_int("MTQ_MAX_PROMPT_CHARS", Settings.max_prompt_chars),
@@ -86,4 +89,5 @@ def load_settings() -> Settings:
         max_regex_chars=_int("MTQ_MAX_REGEX_CHARS", Settings.max_regex_chars),
         max_reward_response_bytes=_int("MTQ_MAX_REWARD_RESPONSE_BYTES", Settings.max_reward_response_bytes),
         max_streams_per_token=_int("MTQ_MAX_STREAMS_PER_TOKEN", Settings.max_streams_per_token),
+        max_file_bytes=_int("MTQ_MAX_FILE_BYTES", Settings.max_file_bytes),
     )

@@ -666,7 +666,8 @@ def test_generated_requests_never_get_a_5xx_or_an_undocumented_code(stack, clien
 
     @settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(st.sampled_from(operations), ids, bodies, st.dictionaries(st.sampled_from(["status", "limit", "after"]), any_text, max_size=3),
-           st.one_of(st.none(), st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=30)))  # what HTTP can carry
+           st.one_of(st.none(), st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=30)
+                     .filter(lambda s: s == s.strip())))  # what HTTP can carry (no edge spaces: h11 refuses them)
     def one_request(operation, some_id, payload, query, last_event_id):
         path, method, op = operation
         url = path.replace("{job_id}", quote(some_id.encode("utf-8", "surrogatepass"), safe=""))

@@ -46,7 +46,7 @@ def run(job: JobRun, spec_json: str) -> dict:
             job.write(event={"type": "resumed", "from_step": state.step}, resumed_from=state.step)
             log.info("job %s: resumed from the checkpoint of step %d", job.job_id, state.step)
 
-        saver = CheckpointSaver(job, cfg.checkpoint_every, cfg.checkpoint_interval_s, start_step=state.step)
+        saver = checkpoints.CheckpointSaver(job, cfg.checkpoint_every, cfg.checkpoint_interval_s, start_step=state.step)
         try:
             while state.step < cfg.iters:
                 if job.should_stop():
@@ -97,42 +97,3 @@ class MarkedScorer:
         finally:
             recorder.observe("mtq_scoring_seconds", time.perf_counter() - t0)
             self.job.mark("updating")
-
-
-class CheckpointSaver:
-    """Writes a checkpoint only once its weights are known to be good.
-
-    A snapshot is taken after a step (every `every` steps, or `interval_s` seconds) but
-    written to Redis only when the next step has computed a finite loss and gradient with
-    those weights (the trainer's on_finite_loss). So after a non-finite loss the last
-    checkpoint is always one that trains, and `resume` continues from it.
-    """
-
-    def __init__(self, job: JobRun, every: int, interval_s: float, start_step: int):
-        self.job, self.every, self.interval_s = job, every, interval_s
-        self.pending: dict | None = None
-        self.last_step = start_step  # of the last snapshot
-        self.last_written = start_step  # of the last checkpoint in Redis
-        self.last_time = time.monotonic()
-
-    def maybe_snapshot(self, model, optimizer, state: TrainState) -> None:
-        due = state.step - self.last_step >= self.every or time.monotonic() - self.last_time >= self.interval_s
-        if due:
-            self.pending = checkpoints.snapshot(model, optimizer, state)
-            self.last_step, self.last_time = state.step, time.monotonic()
-
-    def save_now(self, model, optimizer, state: TrainState) -> None:
-        """Checkpoint the weights as they are (the worker is shutting down), unless they are
-        not finite: then the last good checkpoint stays."""
-        snap = checkpoints.snapshot(model, optimizer, state)
-        if state.step > self.last_written and checkpoints.all_finite(snap):
-            self.pending = snap
-            self.flush()
-
-    def flush(self) -> None:
-        if self.pending is not None:
-            step = self.pending["state"].step
-            self.job.save_checkpoint(step, checkpoints.to_blobs(self.pending))
-            self.last_written = step
-            self.pending = None
-

@@ -62,6 +62,7 @@ from shared.reward_specs import (
     MathAnswerReward,
     PythonReward,
     RegexReward,
+    RewardModelReward,
     address_allowed,
     compile_regex,
     parse_reward_url,
@@ -648,6 +649,14 @@ def _bind(source, scorer: "RewardScorer") -> RewardFn:
     if isinstance(source, EndpointReward):
         timeout = source.timeout or scorer.default_timeout
         return EndpointCaller(source, scorer.client(), scorer.guard, timeout, scorer.settings.max_reward_response_bytes).rewards
+    if isinstance(source, RewardModelReward):
+        from worker.scoring import reward_model_rewards  # MLX: only in the training process
+
+        def reward_model(b: ScoringBatch) -> list[Reward]:
+            prompts = [p if isinstance(p, str) else "\n".join(m["content"] for m in p) for p in b.flat_prompts()]
+            return reward_model_rewards(scorer.settings, source.model_id, source.adapter_name, prompts, b.flat_completions())
+
+        return reward_model
     raise TypeError(f"unknown reward source {type(source).__name__}")
 
 

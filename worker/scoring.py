@@ -17,6 +17,7 @@ random numbers and runs in eval mode).
 """
 
 import contextlib
+import functools
 import logging
 import shutil
 import time
@@ -26,8 +27,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
+from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
-from mlx_lm.tuner.utils import load_adapters, remove_lora_layers
+from mlx_lm.tuner.utils import load_adapters
 
 from shared import scoring
 from shared.keys import ADAPTERS_INDEX, adapter_key
@@ -37,6 +39,7 @@ from shared.settings import Settings
 from worker.grpo import completion_logprobs, prompt_token_ids
 from worker.memory import logits_chunk_tokens, model_shape
 from worker.models import ModelNotFound, get_model
+from worker.supervised import remove_adapter_layers
 from worker.sampling import left_pad
 
 log = logging.getLogger(__name__)
@@ -70,16 +73,16 @@ def adapter_files(r, settings: Settings, model_id: str, adapter_name: str) -> Pa
 @contextlib.contextmanager
 def adapter_swapped(model: nn.Module, adapter_dir: Path | None):
     """The model with the given adapter (None: no adapter) in place of its own LoRA layers, in eval mode."""
-    own = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    own = [(name, m) for name, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))]
     training = model.training
-    remove_lora_layers(model)
+    remove_adapter_layers(model)
     try:
         if adapter_dir is not None:
             load_adapters(model, str(adapter_dir))
         model.eval()
         yield model
     finally:
-        remove_lora_layers(model)
+        remove_adapter_layers(model)
         if own:
             model.update_modules(tree_unflatten(own))
         model.train(training)
@@ -112,10 +115,45 @@ def tokenize(tokenizer, prompt, completion: str, use_chat_template: bool) -> tup
     return prompt_token_ids(tokenizer, item, use_chat_template), list(tokenizer.encode(completion, add_special_tokens=False))
 
 
+def reward_model_rewards(settings: Settings, model_id: str, adapter_name: str, prompts: list[str],
+                         completions: list[str], r=None) -> list[float]:
+    """Rewards from a reward job's adapter and value head (worker/reward_model_job.py), on the
+    model this process keeps loaded. Raises RewardError when the reward model is unusable."""
+    from worker.reward_model_job import HEAD_FILE, load_head, score_completions
+    from worker.rewards import RewardError
+
+    r = r or _redis(settings)
+    try:
+        model, tokenizer, _ = get_model(model_id, settings)
+        adapter = adapter_files(r, settings, model_id, adapter_name)
+    except (ModelNotFound, AdapterNotFound) as e:
+        raise RewardError(f"reward model: {e}") from None
+    if not (adapter / HEAD_FILE).is_file():
+        raise RewardError(f"reward model: adapter {model_id}/{adapter_name} has no value head (not a reward job's)")
+    with adapter_swapped(model, adapter):
+        return score_completions(model, tokenizer, load_head(adapter), prompts, completions)
+
+
+@functools.lru_cache
+def _redis(settings: Settings):
+    from shared.jobstore import connect
+
+    return connect(settings.redis_url)
+
+
 def serve_one(r, settings: Settings, request_id: str, request: dict) -> None:
-    """Score one request and record the answer (errors included: the API reports them)."""
+    """Answer one request, log-probs or (type "reward") rewards, and record the answer
+    (errors included: the API reports them)."""
+    from worker.rewards import RewardError
+
     t0 = time.perf_counter()
     try:
+        if request.get("type") == "reward":
+            rewards = reward_model_rewards(settings, request["model_id"], request["adapter_name"],
+                                           [request["prompt"]] * len(request["completions"]), request["completions"], r)
+            scoring.answer(r, request_id, {"rewards": rewards, "model_id": request["model_id"],
+                                           "adapter_name": request["adapter_name"]})
+            return
         model, tokenizer, _ = get_model(request["model_id"], settings)
         adapter = None
         if request.get("adapter_name"):
@@ -124,6 +162,8 @@ def serve_one(r, settings: Settings, request_id: str, request: dict) -> None:
                 for it in request["items"]]
         with adapter_swapped(model, adapter):
             results = score_rows(model, tokenizer, rows, request.get("temperature") or 1.0)
+    except RewardError as e:  # the reward model: its model or adapter is missing or not one
+        scoring.answer(r, request_id, error=str(e).removeprefix("reward model: "), error_status=404)
     except ModelNotFound:
         scoring.answer(r, request_id, error=f"Model not found: {request['model_id']}", error_status=404)
     except AdapterNotFound as e:

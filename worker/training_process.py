@@ -35,7 +35,8 @@ from worker.lease import Lease, LeaseLost, retrying
 
 log = logging.getLogger(__name__)
 
-KINDS = {"grpo": "worker.grpo_job"}
+KINDS = {"grpo": "worker.grpo_job", "sft": "worker.sft_job", "dpo": "worker.dpo_job", "orpo": "worker.orpo_job",
+         "reward": "worker.reward_model_job"}
 IDLE_WAIT_S = 0.5  # an idle process waits this long for a scoring request before looking for a job again
 PHASES = ("idle", "loading_model", "compiling", "sampling", "scoring", "updating", "checkpointing", "saving")
 # Shown instead of sampling/updating during the first step of a training process that found

@@ -104,13 +104,37 @@ def parse_request(body: Any) -> tuple[ScoreRequest, bool]:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"Invalid request: {where}: {first['msg']}") from None
 
 
-def _answer(record: dict, request_id: str, single: bool) -> Any:
+async def check_adapter(ar, who, model_id: str, adapter_name: str) -> None:
+    """404 unless a completed job made this adapter and the token may see that job."""
+    job_id = await ar.hget(ADAPTERS_INDEX, adapter_ref(model_id, adapter_name))
+    owner = None if job_id is None else await ar.hget(job_key(job_id.decode()), "owner")
+    if job_id is None or not who.sees(None if owner is None else owner.decode()):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"Adapter not found: {model_id}/{adapter_name}")
+
+
+async def submit_and_wait(r, ar, settings, model_id: str, request: dict) -> tuple[str, dict]:
+    """Queue a scoring request for the workers and wait up to MTQ_SCORE_WAIT_S for its answer:
+    (request id, record as scoring.decode_record gives it)."""
+    request_id = scoring.submit(r, model_id, request)
+    await ar.blpop([scoring.done_key(request_id)], timeout=settings.score_wait_s)
+    return request_id, scoring.decode_record(await ar.hgetall(scoring.score_key(request_id)))
+
+
+def unfinished(record: dict, location: str) -> JSONResponse | None:
+    """The error (raised) of a failed request, a 202 pointing at `location` for one still
+    queued or running, None for one answered."""
     if record["status"] == "failed":
         raise HTTPException(record["error_status"], record["error"])
     if record["status"] != "done":
-        return JSONResponse(status_code=202, headers={"Location": f"{router.prefix}/{request_id}"}, content=Pending(
-            id=request_id, status=record["status"],
-            detail=f"still scoring: GET {router.prefix}/{request_id} for the answer").model_dump())
+        return JSONResponse(status_code=202, headers={"Location": location}, content=Pending(
+            id=location.rsplit("/", 1)[1], status=record["status"],
+            detail=f"still scoring: GET {location} for the answer").model_dump())
+    return None
+
+
+def _answer(record: dict, request_id: str, single: bool) -> Any:
+    if (waiting := unfinished(record, f"{router.prefix}/{request_id}")) is not None:
+        return waiting
     result = record["result"]
     return {**result["results"][0], "model_id": result["model_id"], "adapter_name": result["adapter_name"]} \
         if single else BatchScores.model_validate(result)
@@ -127,13 +151,9 @@ async def score(request: Request, r: RedisDep, ar: AsyncRedisDep, settings: Sett
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"the items hold {chars} characters; the limit is "
                             f"{settings.max_step_tokens} (MTQ_MAX_STEP_TOKENS)")
     if req.adapter_name:
-        job_id = await ar.hget(ADAPTERS_INDEX, adapter_ref(req.model_id, req.adapter_name))
-        owner = None if job_id is None else await ar.hget(job_key(job_id.decode()), "owner")
-        if job_id is None or not who.sees(None if owner is None else owner.decode()):
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"Adapter not found: {req.model_id}/{req.adapter_name}")
-    request_id = scoring.submit(r, req.model_id, {**req.model_dump(mode="json"), "single": single})
-    await ar.blpop([scoring.done_key(request_id)], timeout=settings.score_wait_s)
-    return _answer(scoring.decode_record(await ar.hgetall(scoring.score_key(request_id))), request_id, single)
+        await check_adapter(ar, who, req.model_id, req.adapter_name)
+    request_id, record = await submit_and_wait(r, ar, settings, req.model_id, {**req.model_dump(mode="json"), "single": single})
+    return _answer(record, request_id, single)
 
 
 @router.get("/{request_id}", summary="The answer to a scoring request that was still running",

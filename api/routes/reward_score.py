@@ -1,0 +1,79 @@
+"""Reward scoring: POST /admin/api/fine-tune/reward/score (the seed server's route).
+
+    {model_id, adapter_name, prompt, completions: [str]}  ->  {rewards: [float], model_id, adapter_name}
+
+`adapter_name` names a completed reward job's adapter (its LoRA + value head). Like log-prob
+scoring (api/routes/logprob.py, whose queue and waiting it shares), the workers' training
+processes answer, between training steps if they are busy; past MTQ_SCORE_WAIT_S the answer
+is a 202 with an id that GET .../reward/score/{id} resolves.
+"""
+
+import re
+
+from fastapi import APIRouter, Depends, HTTPException, status
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from api.deps import AsyncRedisDep, RedisDep, SettingsDep, WriterDep, require_token
+from api.routes.job_routes import SeedErrorsRoute
+from api.routes.logprob import Pending, check_adapter, submit_and_wait, unfinished
+from shared import scoring
+from shared.model_ids import model_id_error
+from shared.schemas import ErrorBody, check_json_values
+from shared.train_specs import ADAPTER_NAME
+
+router = APIRouter(
+    prefix="/admin/api/fine-tune/reward/score",
+    tags=["Reward scoring"],
+    dependencies=[Depends(require_token)],
+    route_class=SeedErrorsRoute,
+    responses={
+        400: {"model": ErrorBody, "description": "Invalid request: a readable reason."},
+        401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
+        403: {"model": ErrorBody, "description": "A viewer token cannot score."},
+        404: {"model": ErrorBody, "description": "Model not found / Adapter not found: <model_id>/<adapter_name>."},
+        413: {"model": ErrorBody, "description": "Body larger than MTQ_MAX_BODY_BYTES."},
+        503: {"model": ErrorBody, "description": "Redis is unavailable."},
+    },
+)
+REQUEST_ID = re.compile(r"^[0-9a-f]{32}$")
+MAX_COMPLETIONS = 256
+
+
+class RewardScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_id: str = Field(..., min_length=1, max_length=512)
+    adapter_name: str = Field(..., pattern=ADAPTER_NAME)
+    prompt: str
+    completions: list[str] = Field(..., min_length=1, max_length=MAX_COMPLETIONS)
+
+    _json_values = model_validator(mode="before")(check_json_values)
+
+
+class RewardScores(BaseModel):
+    rewards: list[float]
+    model_id: str
+    adapter_name: str
+
+
+@router.post("", response_model=RewardScores, responses={202: {"model": Pending}},
+             summary="Rewards of completions from a reward job's model, on the workers")
+async def score(req: RewardScoreRequest, r: RedisDep, ar: AsyncRedisDep, settings: SettingsDep, who: WriterDep):
+    if error := model_id_error(req.model_id, settings):
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, error)
+    chars = len(req.prompt) * len(req.completions) + sum(len(c) for c in req.completions)
+    if chars > settings.max_step_tokens:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"the rows hold {chars} characters; the limit is "
+                            f"{settings.max_step_tokens} (MTQ_MAX_STEP_TOKENS)")
+    await check_adapter(ar, who, req.model_id, req.adapter_name)
+    request_id, record = await submit_and_wait(r, ar, settings, req.model_id, {**req.model_dump(), "type": "reward"})
+    return unfinished(record, f"{router.prefix}/{request_id}") or record["result"]
+
+
+@router.get("/{request_id}", response_model=RewardScores, responses={202: {"model": Pending}},
+            summary="The answer to a reward scoring request that was still running")
+async def scoring_result(request_id: str, ar: AsyncRedisDep, who: WriterDep):
+    raw = await ar.hgetall(scoring.score_key(request_id)) if REQUEST_ID.match(request_id) else {}
+    if not raw:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"scoring request not found: {request_id[:64]}")
+    record = scoring.decode_record(raw)
+    return unfinished(record, f"{router.prefix}/{request_id}") or record["result"]

@@ -1,0 +1,109 @@
+"""Seconds per optimizer step of the supervised kinds against a lower bound measured in the same run.
+
+    python bench/train_step.py MODEL_DIR [--kinds sft dpo orpo reward] [--batch-size 4] [--length 128] [--steps 8]
+
+Each kind's trainer (worker/sft_job.py, worker/dpo_job.py, worker/reward_model_job.py) runs
+on rows of --length tokens (SFT: batch_size rows; the preference kinds: batch_size pairs =
+2 x batch_size rows, chosen and rejected in one padded batch). Prints one JSON line per kind:
+  step_s          median seconds of a whole trainer step (batch, loss, gradient, update, metrics)
+  lower_bound_s   median seconds of mlx_lm's default_loss forward+backward of the same padded
+                  batch (the same token rows, LoRA attached, no update)
+  ratio           step_s / lower_bound_s (DPO also runs a reference forward with the LoRA off)
+  peak_memory_gb, tokens_per_s
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from worker.openblas import reexec_with_openblas  # noqa: E402
+
+reexec_with_openblas()
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx_lm  # noqa: E402
+from mlx_lm.tuner.trainer import default_loss  # noqa: E402
+
+from shared.train_specs import SPECS  # noqa: E402
+from worker.dpo_job import DPOTrainer  # noqa: E402
+from worker.grpo import TrainState  # noqa: E402
+from worker.reward_model_job import RewardTrainer  # noqa: E402
+from worker.sft_job import SFTTrainer  # noqa: E402
+from worker.supervised import attach_adapter, remove_adapter_layers  # noqa: E402
+
+TRAINERS = {"sft": SFTTrainer, "dpo": DPOTrainer, "orpo": DPOTrainer, "reward": RewardTrainer}
+
+
+def rows_for(kind: str, n: int, length: int) -> list[dict]:
+    words = " ".join(["word"] * length)
+    if kind == "sft":
+        return [{"text": f"{i} {words}"} for i in range(n)]
+    half = " ".join(["word"] * (length // 2))
+    return [{"prompt": f"{i} {half}", "chosen": f"yes {half}", "rejected": f"no {half}"} for i in range(n)]
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench(model, tokenizer, kind: str, args) -> dict:
+    rows = rows_for(kind, args.batch_size * 2, args.length)
+    spec = SPECS[kind].model_validate({
+        "model_id": "bench", "dataset": rows,
+        "config": {"batch_size": args.batch_size, "iters": args.warmup + args.steps, "lora_layers": -1}})
+    mx.random.seed(0)
+    attach_adapter(model, spec.config)
+    trainer = TRAINERS[kind](model, tokenizer, spec, rows, None)
+    state = TrainState()
+    for _ in range(args.warmup):
+        trainer.step(state)
+    mx.reset_peak_memory()
+    metrics = []
+    step_s = median_time(lambda: metrics.append(trainer.step(state)), args.steps)
+    peak = mx.get_peak_memory() / 1e9
+
+    # The lower bound: mlx_lm's loss, forward+backward, on the same padded rows as step 0's batch.
+    (arrays, n_tokens) = trainer.arrays(list(range(args.batch_size)), trainer.train_rows)
+    inputs = arrays[0]
+    tokens = mx.concatenate([inputs, inputs[:, -1:]], axis=1)
+    lengths = mx.array([[1, inputs.shape[1]]] * inputs.shape[0])
+    vg = nn.value_and_grad(model, lambda b, l: default_loss(model, b, l)[0])
+
+    def fwd_bwd():
+        loss, grads = vg(tokens, lengths)
+        mx.eval(loss, grads)
+
+    fwd_bwd()
+    bound = median_time(fwd_bwd, args.steps)
+    remove_adapter_layers(model)
+    return {"kind": kind, "rows": int(inputs.shape[0]), "width": int(inputs.shape[1]), "step_s": round(step_s, 4),
+            "lower_bound_s": round(bound, 4), "ratio": round(step_s / bound, 2), "peak_memory_gb": round(peak, 3),
+            "tokens_per_s": round(statistics.median(m["tokens_per_second"] for m in metrics))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--kinds", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--length", type=int, default=128, help="tokens per row (about)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args()
+    model, tokenizer = mlx_lm.load(args.model)
+    for kind in args.kinds:
+        print(json.dumps(bench(model, tokenizer, kind, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

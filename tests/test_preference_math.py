@@ -1,0 +1,185 @@
+"""The supervised kinds' losses (worker/sft_job.py, worker/dpo_job.py, worker/reward_model_job.py)
+against independent NumPy implementations written from the papers' formulas, on fixed
+inputs with padding: the loss, TRL's metrics, and the gradients (NumPy: central finite
+differences in float64 of the NumPy loss).
+
+    SFT:  mean over unmasked tokens of -log softmax(logits)[target]
+    DPO (Rafailov et al. 2023, eq. 7; label smoothing = conservative DPO):
+          -(1-e) log s(b z) - e log s(-b z),  z = (pi_w - ref_w) - (pi_l - ref_l), sequence sums
+    IPO (Azar et al. 2023, eq. 17, TRL's per-token means): (z - 1/(2 b))^2
+    hinge (SLiC, as TRL): max(0, 1 - b z)
+    ORPO (Hong et al. 2024, eqs. 6-7): NLL_w - lambda log s(log(odds_w / odds_l)), odds = P/(1-P),
+          P = exp(mean token log-prob)
+    Bradley-Terry: -log s(r_w - r_l)
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from worker.dpo_job import dpo_loss, orpo_loss, sequence_logps
+from worker.reward_model_job import bradley_terry_loss
+from worker.sft_job import sft_loss
+from worker.supervised import Rows, pad_rows, token_logps
+
+RTOL, ATOL = 1e-4, 1e-5
+rng = np.random.default_rng(0)
+# 2 pairs: rows 0-1 chosen, 2-3 rejected; T = 6 completion positions, right padding.
+MASK = np.array([[1, 1, 1, 1, 0, 0],
+                 [1, 1, 0, 0, 0, 0],
+                 [1, 1, 1, 1, 1, 1],
+                 [1, 1, 1, 0, 0, 0]], dtype=np.float64)
+TOKEN_LOGPS = -rng.uniform(0.05, 3.0, size=MASK.shape)  # policy, per token
+REF_LOGPS = -rng.uniform(0.05, 3.0, size=MASK.shape)
+
+
+def log_sigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+def numeric_grad(f, x, eps=1e-6):
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        up, down = x.copy(), x.copy()
+        up[i] += eps
+        down[i] -= eps
+        g[i] = (f(up) - f(down)) / (2 * eps)
+    return g
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a, dtype=np.float64), b, rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------- NumPy references
+
+
+def np_sft(logits, targets, mask):
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    return -(picked * mask).sum() / mask.sum()
+
+
+def np_dpo(token_logps, ref_token_logps, mask, beta, loss_type, eps=0.0):
+    if loss_type == "ipo":
+        pi, ref = (token_logps * mask).sum(1) / mask.sum(1), (ref_token_logps * mask).sum(1) / mask.sum(1)
+    else:
+        pi, ref = (token_logps * mask).sum(1), (ref_token_logps * mask).sum(1)
+    n = len(pi) // 2
+    z = (pi[:n] - ref[:n]) - (pi[n:] - ref[n:])
+    if loss_type == "sigmoid":
+        losses = -(1 - eps) * log_sigmoid(beta * z) - eps * log_sigmoid(-beta * z)
+    elif loss_type == "hinge":
+        losses = np.maximum(0.0, 1 - beta * z)
+    else:
+        losses = (z - 1 / (2 * beta)) ** 2
+    rc, rr = beta * (pi[:n] - ref[:n]), beta * (pi[n:] - ref[n:])
+    metrics = {"rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(), "rewards/accuracies": (rc > rr).mean(),
+               "rewards/margins": (rc - rr).mean(), "logps/chosen": pi[:n].mean(), "logps/rejected": pi[n:].mean()}
+    return losses.mean(), metrics
+
+
+def np_orpo(token_logps, mask, lam):
+    n = len(token_logps) // 2
+    mean = (token_logps * mask).sum(1) / mask.sum(1)
+    p = np.exp(mean)
+    odds = p / (1 - p)
+    ratio = log_sigmoid(np.log(odds[:n] / odds[n:]))
+    nll = -(token_logps[:n] * mask[:n]).sum() / mask[:n].sum()
+    return nll - lam * ratio.mean(), {"nll_loss": nll, "log_odds_ratio": ratio.mean(),
+                                      "log_odds_chosen": np.log(odds[:n] / odds[n:]).mean()}
+
+
+def np_bradley_terry(chosen, rejected):
+    return -log_sigmoid(chosen - rejected).mean()
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_sft_masked_cross_entropy_and_gradient():
+    logits = rng.normal(size=(2, 5, 7))
+    targets = rng.integers(0, 7, size=(2, 5))
+    mask = np.array([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0]], dtype=np.float64)  # prompt masked, padding masked
+    t, m = mx.array(targets), mx.array(mask, dtype=mx.float32)
+    loss, grad = mx.value_and_grad(lambda x: sft_loss(x, t, m))(mx.array(logits, dtype=mx.float32))
+    close(loss.item(), np_sft(logits, targets, mask))
+    close(np.array(grad), numeric_grad(lambda x: np_sft(x, targets, mask), logits))
+    assert np.all(np.array(grad)[mask == 0] == 0)  # padding and prompt get no gradient
+
+
+def test_pad_rows_masks_the_trained_tokens_only():
+    batch = pad_rows(Rows([[5, 6, 7, 8], [1, 2]], starts=[2, 1]))
+    targets, mask = np.array(batch.targets), np.array(batch.mask)
+    # row 0: targets are tokens 1..3 (6, 7, 8); trained from token index 2 (7, 8)
+    assert targets[0, :3].tolist() == [6, 7, 8] and mask[0, :4].tolist() == [0, 1, 1, 0]
+    assert targets[1, :1].tolist() == [2] and mask[1].sum() == 1
+    assert np.array(batch.lengths).tolist() == [4, 2] and batch.inputs.shape[1] % 32 == 0
+
+
+def test_token_logps_is_log_softmax_at_the_target():
+    logits = rng.normal(size=(2, 3, 11))
+    targets = rng.integers(0, 11, size=(2, 3))
+    ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    close(np.array(token_logps(mx.array(logits, dtype=mx.float32), mx.array(targets))),
+          np.take_along_axis(ref, targets[..., None], -1)[..., 0])
+
+
+@pytest.mark.parametrize("loss_type,beta,eps", [("sigmoid", 0.1, 0.0), ("sigmoid", 0.5, 0.2), ("hinge", 0.3, 0.0),
+                                                 ("ipo", 0.1, 0.0), ("ipo", 2.0, 0.0)])
+def test_dpo_losses_metrics_and_gradients(loss_type, beta, eps):
+    mask, ref = mx.array(MASK, dtype=mx.float32), mx.array(REF_LOGPS, dtype=mx.float32)
+    avg = loss_type == "ipo"
+    ref_seq = sequence_logps(ref, mask, average=avg)
+
+    def f(token_logps):
+        seq = sequence_logps(token_logps, mask, average=avg)
+        return dpo_loss(seq[:2], seq[2:], ref_seq[:2], ref_seq[2:], beta=beta, loss_type=loss_type, label_smoothing=eps)
+
+    loss, metrics = f(mx.array(TOKEN_LOGPS, dtype=mx.float32))
+    grad = mx.grad(lambda x: f(x)[0])(mx.array(TOKEN_LOGPS, dtype=mx.float32))
+    want, want_metrics = np_dpo(TOKEN_LOGPS, REF_LOGPS, MASK, beta, loss_type, eps)
+    close(loss.item(), want)
+    for name, value in want_metrics.items():
+        close(metrics[name].item(), value)
+    close(np.array(grad), numeric_grad(lambda x: np_dpo(x, REF_LOGPS, MASK, beta, loss_type, eps)[0], TOKEN_LOGPS))
+    assert np.all(np.array(grad)[MASK == 0] == 0)
+
+
+def test_dpo_at_the_reference_is_log_2_with_zero_rewards():
+    """Policy == reference (a fresh LoRA): z = 0, loss = log 2, every reward 0."""
+    seq = mx.array([-3.0, -5.0])
+    loss, metrics = dpo_loss(seq, seq, seq, seq, beta=0.1, loss_type="sigmoid")
+    close(loss.item(), np.log(2))
+    assert metrics["rewards/margins"].item() == 0 and metrics["rewards/accuracies"].item() == 0
+
+
+@pytest.mark.parametrize("lam", [0.1, 1.0])
+def test_orpo_loss_metrics_and_gradients(lam):
+    mask = mx.array(MASK, dtype=mx.float32)
+
+    def f(token_logps):
+        mean = sequence_logps(token_logps, mask, average=True)
+        nll = -(token_logps[:2] * mask[:2]).sum() / mask[:2].sum()
+        return orpo_loss(mean[:2], mean[2:], nll, beta=lam)
+
+    x = mx.array(TOKEN_LOGPS, dtype=mx.float32)
+    loss, metrics = f(x)
+    grad = mx.grad(lambda v: f(v)[0])(x)
+    want, want_metrics = np_orpo(TOKEN_LOGPS, MASK, lam)
+    close(loss.item(), want)
+    for name, value in want_metrics.items():
+        close(metrics[name].item(), value)
+    close(np.array(grad), numeric_grad(lambda v: np_orpo(v, MASK, lam)[0], TOKEN_LOGPS))
+
+
+def test_bradley_terry_loss_metrics_and_gradients():
+    chosen, rejected = rng.normal(size=5), rng.normal(size=5)
+    (loss, metrics) = bradley_terry_loss(mx.array(chosen, dtype=mx.float32), mx.array(rejected, dtype=mx.float32))
+    g_c, g_r = mx.grad(lambda c, r: bradley_terry_loss(c, r)[0], argnums=(0, 1))(
+        mx.array(chosen, dtype=mx.float32), mx.array(rejected, dtype=mx.float32))
+    close(loss.item(), np_bradley_terry(chosen, rejected))
+    close(metrics["accuracy"].item(), (chosen > rejected).mean())
+    close(metrics["margin"].item(), (chosen - rejected).mean())
+    close(np.array(g_c), numeric_grad(lambda c: np_bradley_terry(c, rejected), chosen))
+    close(np.array(g_r), numeric_grad(lambda r: np_bradley_terry(chosen, r), rejected))

@@ -1,0 +1,100 @@
+"""The supervised kinds' trainer (worker/supervised.py) on the tiny model in this process:
+what the job tests do not see from outside (gradient accumulation, gradient checkpointing,
+DoRA, the reference policy, the shared model left clean for the next job)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.tuner.dora import DoRALinear
+from mlx_lm.tuner.lora import LoRALinear
+
+from shared.train_specs import DPOJobCreate, SFTJobCreate
+from worker.dpo_job import DPOTrainer, sequence_logps
+from worker.grpo import TrainState
+from worker.sft_job import SFTTrainer
+from worker.supervised import attach_adapter, gradient_checkpointing, remove_adapter_layers, token_logps
+
+ROWS = [{"prompt": "Q0?", "completion": "red apple"}, {"prompt": "Q1?", "completion": "blue stone"}]
+BASE = dict(lora_layers=-1, lora_rank=4, lora_alpha=4, learning_rate=1e-2, batch_size=2, iters=3, mask_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model):
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(tiny_model))
+    yield model, tokenizer
+    remove_adapter_layers(model)
+
+
+def sft(lm, rows=ROWS, fine_tune_type="lora", **config) -> SFTTrainer:
+    model, tokenizer = lm
+    spec = SFTJobCreate(model_id="tiny", dataset=rows, config={**BASE, "fine_tune_type": fine_tune_type, **config})
+    mx.random.seed(0)
+    attach_adapter(model, spec.config, fine_tune_type)
+    return SFTTrainer(model, tokenizer, spec, rows, rows)
+
+
+def weights(model) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+
+
+def test_gradient_checkpointing_changes_nothing_but_memory_and_is_undone(lm):
+    plain = sft(lm)
+    plain_metrics = plain.step(TrainState())
+    plain_weights = weights(plain.module)
+    layer_class = type(lm[0].layers[0])
+    call = layer_class.__call__
+    checkpointed = sft(lm)
+    with gradient_checkpointing(lm[0], True):
+        assert layer_class.__call__ is not call
+        metrics = checkpointed.step(TrainState())
+    assert layer_class.__call__ is call  # other jobs get the class as it was
+    assert metrics["loss"] == pytest.approx(plain_metrics["loss"], rel=1e-5)
+    for name, w in weights(checkpointed.module).items():
+        np.testing.assert_allclose(w, plain_weights[name], rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_accumulation_averages_micro_batches(lm):
+    """Two micro-batches of one row each, with the same number of trained tokens, make the
+    same update as one batch of both (the optimizer sees the mean gradient)."""
+    rows = [{"prompt": "Q0?", "completion": "red"}, {"prompt": "Q1?", "completion": "sun"}]
+    one = sft(lm, rows, batch_size=2)
+    trained = [len(t) - s for t, s in zip(one.train_tok.tokens, one.train_tok.starts)]
+    assert trained[0] == trained[1]
+    m1 = one.step(TrainState())
+    w1 = weights(one.module)
+    two = sft(lm, rows, batch_size=1, grad_accumulation_steps=2)
+    m2 = two.step(TrainState())
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5) and m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
+    for name, w in weights(two.module).items():
+        np.testing.assert_allclose(w, w1[name], rtol=1e-4, atol=1e-6)
+
+
+def test_dora_trains_and_the_shared_model_is_left_without_adapters(lm):
+    trainer = sft(lm, fine_tune_type="dora")
+    model = lm[0]
+    assert any(isinstance(m, DoRALinear) for _, m in model.named_modules())
+    before = weights(model)
+    trainer.step(TrainState())
+    assert any(not np.allclose(before[k], v) for k, v in weights(model).items())
+    remove_adapter_layers(model)  # what the job does at its end
+    assert not any(isinstance(m, (LoRALinear, DoRALinear)) for _, m in model.named_modules())
+
+
+def test_dpo_reference_is_the_model_with_lora_off(lm):
+    """After some training the reference log-probs still equal the base model's."""
+    model, tokenizer = lm
+    pairs = [{"prompt": "Q?", "chosen": "yes good", "rejected": "no bad"}] * 2
+    spec = DPOJobCreate(model_id="tiny", preference_pairs=pairs, config={k: v for k, v in BASE.items() if k != "mask_prompt"})
+    mx.random.seed(0)
+    attach_adapter(model, spec.config)
+    trainer = DPOTrainer(model, tokenizer, spec, pairs, None)
+    (inputs, targets, mask, ref_before), _ = trainer.arrays([0, 1], pairs)
+    for _ in range(3):
+        trainer.step(TrainState())
+    (_, _, _, ref_after), _ = trainer.arrays([0, 1], pairs)
+    np.testing.assert_allclose(np.array(ref_after), np.array(ref_before), rtol=1e-5)
+    policy = sequence_logps(token_logps(model(inputs), targets), mask)
+    assert not np.allclose(np.array(policy), np.array(ref_after))  # the policy moved, the reference did not

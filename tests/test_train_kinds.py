@@ -1,0 +1,297 @@
+"""SFT, DPO, ORPO and reward-model jobs through the real stack: HTTP, Redis, a worker process
+(its training process), the tiny model. Datasets reach the worker only through Redis
+(uploaded files, inline rows) or through a path under MTQ_DATA_ROOTS.
+
+Learning is seeded; each learning test runs a zero-learning-rate control of the same job.
+The tiny model's logits are bounded (tied embedding of norm ~0.16 after the final norm: see
+tests/test_trainer.py), so SFT uses LoRA scale 4 and lr 1e-2; its validation loss can fall
+from ln(1024) = 6.93 to about 5.6 at best.
+"""
+
+import json
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from conftest import Stack, wait_for
+from shared.jobstore import read_events
+
+SFT, DPO, ORPO, REWARD = ("/admin/api/fine-tune/jobs", "/admin/api/fine-tune/dpo/jobs", "/admin/api/fine-tune/orpo/jobs",
+                          "/admin/api/fine-tune/reward/jobs")
+FILES, SCORE = "/admin/api/fine-tune/files", "/admin/api/fine-tune/reward/score"
+SFT_ROWS = [{"prompt": "Q0?", "completion": "red apple"}, {"prompt": "Q1?", "completion": "blue river"}]
+SFT_CONFIG = dict(lora_layers=-1, lora_rank=16, lora_alpha=4, learning_rate=1e-2, batch_size=2, iters=200,
+                  val_batches=-1, steps_per_eval=1000, steps_per_report=20, mask_prompt=True)
+WORDS = "red blue green stone river cloud apple tree house car road sun moon star bird fish".split()
+PREF_CONFIG = dict(lora_layers=-1, lora_rank=8, lora_alpha=4, learning_rate=1e-2, batch_size=8, iters=30,
+                   steps_per_report=1, val_batches=-1)
+RM_CONFIG = {**PREF_CONFIG, "learning_rate": 1e-3, "iters": 40}  # 1e-2 oscillates
+
+
+def keyword_pairs(n: int, seed: int) -> list[dict]:
+    """A toy preference: the chosen completion says '<thing> is good', the rejected one names another word."""
+    rnd = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rnd.sample(WORDS, 2)
+        out.append({"prompt": f"Say something about {a}.", "chosen": f"{b} is good", "rejected": f"{b} is {rnd.choice(WORDS)}"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    """The stack with a data root, a small upload limit and a short lease (for kill -9)."""
+    s = Stack(tmp_path_factory.mktemp("stack"), tiny_model)
+    s.data_root = tmp_path_factory.mktemp("data")
+    s.env.update(MTQ_DATA_ROOTS=str(s.data_root), MTQ_MAX_FILE_BYTES="4000", MTQ_LEASE_TTL="3")
+    s.redis_server.start()
+    s.start_api()
+    s.worker = s.start_worker()
+    yield s
+    s.stop_all()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with stack.client() as c:
+        yield c
+
+
+def submit(client, path: str, body: dict) -> dict:
+    res = client.post(path, json=body)
+    assert res.status_code == 200, res.text
+    assert res.json()["status"] == "queued" and res.json()["started_at"] == 0.0 and res.json()["progress"] == {}
+    return res.json()
+
+
+def wait_done(stack, client, path: str, job_id: str, timeout: float = 240) -> dict:
+    def done():
+        job = client.get(f"{path}/{job_id}").json()
+        return job if job["status"] in ("completed", "failed", "cancelled") else None
+    try:
+        job = wait_for(done, timeout, f"job {job_id}", interval=0.2)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}\n{stack.logs('worker')}") from None
+    assert job["status"] == "completed", job["error"]
+    return job
+
+
+def events(stack, job_id: str, kind: str | None = None) -> list[dict]:
+    evs = [e for _, e in read_events(stack.redis, job_id, count=100_000)]
+    return evs if kind is None else [e for e in evs if e["type"] == kind]
+
+
+def upload(client, rows: list[dict]) -> str:
+    res = client.post(FILES, content="\n".join(json.dumps(r) for r in rows).encode(), params={"filename": "train.jsonl"})
+    assert res.status_code == 200, res.text
+    assert res.json()["rows"] == len(rows)
+    return res.json()["id"]
+
+
+# --------------------------------------------------------------------------- learning
+
+
+def test_sft_from_an_uploaded_file_lowers_validation_loss_and_reproduces_an_answer(stack, client, tiny_model):
+    file_id = upload(client, SFT_ROWS)
+    body = {"model_id": "tiny", "dataset": {"file_id": file_id}, "valid_dataset": SFT_ROWS, "adapter_name": "sft-learned"}
+    learned = submit(client, SFT, {**body, "config": SFT_CONFIG})
+    frozen = submit(client, SFT, {**body, "adapter_name": "sft-frozen", "config": {**SFT_CONFIG, "iters": 5, "learning_rate": 0.0}})
+    job = wait_done(stack, client, SFT, learned["job_id"])
+    wait_done(stack, client, SFT, frozen["job_id"])
+
+    curve = [(e["iter"], e["val_loss"]) for e in events(stack, learned["job_id"], "eval")]
+    control = [(e["iter"], e["val_loss"]) for e in events(stack, frozen["job_id"], "eval")]
+    print(f"\nSFT val_loss {curve}; lr 0: {control}; val_mean_token_accuracy {events(stack, learned['job_id'], 'eval')[-1]['val_mean_token_accuracy']}")
+    assert curve[0][0] == 0 and curve[-1][0] == 200
+    assert curve[-1][1] < curve[0][1] - 0.8  # measured: 6.93 -> 5.76
+    assert control[0][1] == pytest.approx(control[-1][1], abs=1e-6)
+    steps = events(stack, learned["job_id"], "sft_step")
+    assert [e["iter"] for e in steps] == list(range(20, 201, 20))
+    assert {"loss", "learning_rate", "tokens_per_second", "peak_memory_gb", "mean_token_accuracy", "grad_norm"} <= set(steps[-1])
+    assert job["progress"]["iter"] == 200 and job["adapter_path"].endswith("/sft-learned")
+
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(tiny_model), adapter_path=job["adapter_path"])
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Q0?"}], add_generation_prompt=True)
+    assert mlx_lm.generate(model, tokenizer, prompt, max_tokens=4).startswith("red apple")
+
+
+def test_dpo_raises_accuracies_and_margins_and_a_zero_lr_control_does_not(stack, client):
+    pairs = keyword_pairs(16, 0)
+    learned = submit(client, DPO, {"model_id": "tiny", "preference_pairs": pairs, "config": PREF_CONFIG})
+    frozen = submit(client, DPO, {"model_id": "tiny", "preference_pairs": pairs,
+                                  "config": {**PREF_CONFIG, "iters": 5, "learning_rate": 0.0}})
+    wait_done(stack, client, DPO, learned["job_id"])
+    wait_done(stack, client, DPO, frozen["job_id"])
+    steps = events(stack, learned["job_id"], "dpo_step")
+    control = events(stack, frozen["job_id"], "dpo_step")
+    print("\nDPO rewards/accuracies, rewards/margins by step:",
+          [(e["iter"], round(e["rewards/accuracies"], 2), round(e["rewards/margins"], 3)) for e in steps])
+    # The first step's policy is the reference (LoRA B = 0): every reward is 0, the loss log 2.
+    assert steps[0]["rewards/margins"] == 0 and steps[0]["loss"] == pytest.approx(0.6931, abs=1e-4)
+    assert steps[-1]["rewards/accuracies"] >= 0.9 and steps[-1]["rewards/margins"] > 0.1
+    assert all(e["rewards/margins"] == 0 and e["rewards/accuracies"] == 0 for e in control)
+    assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"} <= set(steps[-1])
+
+
+def test_orpo_lowers_its_loss_with_trl_metrics(stack, client):
+    job = submit(client, ORPO, {"model_id": "tiny", "preference_pairs": keyword_pairs(16, 0), "config": {**PREF_CONFIG, "iters": 15}})
+    wait_done(stack, client, ORPO, job["job_id"])
+    steps = events(stack, job["job_id"], "orpo_step")
+    assert {"nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/accuracies", "rewards/margins"} <= set(steps[-1])
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.3
+
+
+def test_reward_model_scores_held_out_pairs_and_grpo_raises_its_reward(stack, client):
+    train, held_out = keyword_pairs(16, 0), keyword_pairs(20, 1)
+    learned = submit(client, REWARD, {"model_id": "tiny", "preference_pairs": train, "adapter_name": "rm",
+                                      "valid_dataset": held_out, "config": RM_CONFIG})
+    frozen = submit(client, REWARD, {"model_id": "tiny", "preference_pairs": train, "adapter_name": "rm-frozen",
+                                     "config": {**RM_CONFIG, "iters": 3, "learning_rate": 0.0}})
+    wait_done(stack, client, REWARD, learned["job_id"])
+    wait_done(stack, client, REWARD, frozen["job_id"])
+
+    def accuracy(adapter_name):
+        right = 0
+        for p in held_out:
+            res = client.post(SCORE, json={"model_id": "tiny", "adapter_name": adapter_name, "prompt": p["prompt"],
+                                           "completions": [p["chosen"], p["rejected"]]})
+            assert res.status_code == 200, res.text
+            assert res.json()["model_id"] == "tiny" and res.json()["adapter_name"] == adapter_name
+            chosen, rejected = res.json()["rewards"]
+            right += chosen > rejected
+        return right / len(held_out)
+
+    evals = events(stack, learned["job_id"], "eval")
+    print("\nreward steps", [(e["iter"], round(e["loss"], 3), e["accuracy"], round(e["margin"], 3)) for e in events(stack, learned["job_id"], "reward_step")])
+    print("\nreward model evals", [(e["iter"], e["val_accuracy"], e["val_margin"]) for e in evals], "scored accuracy", accuracy("rm"))
+    assert accuracy("rm") >= 0.9
+    assert accuracy("rm-frozen") == 0  # an untrained head scores everything 0: no pair ranked
+    evals = events(stack, learned["job_id"], "eval")
+    assert evals[-1]["val_accuracy"] >= 0.9 and evals[-1]["val_margin"] > evals[0]["val_margin"]
+    res = client.post(SCORE, json={"model_id": "tiny", "adapter_name": "nope", "prompt": "x", "completions": ["y"]})
+    assert res.status_code == 404 and res.json()["detail"] == "Adapter not found: tiny/nope"
+
+    # GRPO against the reward model, scored on the worker itself (no HTTP).
+    grpo = {"model_id": "tiny", "prompts": ["Say something about red.", "Say something about tree."],
+            "reward": [{"type": "reward_model", "model_id": "tiny", "adapter_name": "rm"}],
+            "config": dict(iters=40, learning_rate=5e-2, temperature=0.1, group_size=8, batch_size=2,
+                           max_completion_len=8, lora_layers=-1, use_chat_template=False)}
+    curves = {}
+    for lr in (5e-2, 0.0):
+        res = client.post("/admin/api/fine-tune/grpo/jobs", json={**grpo, "config": {**grpo["config"], "learning_rate": lr}})
+        assert res.status_code == 200, res.text
+        job_id = res.json()["job_id"]
+        wait_for(lambda: client.get(f"/admin/api/fine-tune/grpo/jobs/{job_id}").json()["status"] in ("completed", "failed"),
+                 240, "the GRPO job", interval=0.2)
+        assert client.get(f"/admin/api/fine-tune/grpo/jobs/{job_id}").json()["status"] == "completed", stack.logs("worker")
+        curves[lr] = [e["reward"] for e in events(stack, job_id, "grpo_step")]
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    learned_curve, frozen_curve = curves[5e-2], curves[0.0]
+    print(f"\nGRPO reward-model reward, first 5 -> last 10 steps: lr 5e-2 {mean(learned_curve[:5]):.3f} -> "
+          f"{mean(learned_curve[-10:]):.3f}; lr 0 {mean(frozen_curve[:5]):.3f} -> {mean(frozen_curve[-10:]):.3f}")
+    # Measured (seed 0): lr 5e-2 -1.35 -> -0.93, lr 0 -1.31 -> -1.48 (sampling noise only).
+    assert mean(learned_curve[-10:]) > mean(learned_curve[:5]) + 0.25
+    assert mean(learned_curve[-10:]) > mean(frozen_curve[-10:]) + 0.3
+
+
+# --------------------------------------------------------------------------- datasets and errors
+
+
+def test_dataset_paths_under_the_data_root_work_and_others_are_refused(stack, client):
+    data_dir = stack.data_root / "sft"
+    data_dir.mkdir()
+    (data_dir / "train.jsonl").write_text("\n".join(json.dumps(r) for r in SFT_ROWS))
+    (data_dir / "valid.jsonl").write_text(json.dumps(SFT_ROWS[0]))
+    seed_body = {"model_id": "tiny", "dataset": str(data_dir), "adapter_name": "from-path",
+                 "config": {"iters": 2, "batch_size": 2, "lora_layers": 1}}
+    job = wait_done(stack, client, SFT, submit(client, SFT, seed_body)["job_id"])
+    assert events(stack, job["job_id"], "model_ready")[0]["valid_rows"] == 1
+
+    for path in ("/etc", str(stack.data_root / ".." / "x"), "relative/dir"):
+        res = client.post(SFT, json={**seed_body, "dataset": path})
+        assert res.status_code == 400 and "MTQ_DATA_ROOTS" in res.json()["detail"], res.text
+
+
+def test_invalid_datasets_and_files_are_clear_4xx(stack, client):
+    res = client.post(SFT, json={"model_id": "tiny", "dataset": [{"text": "a"}, {"prompt": "p"}]})
+    assert res.status_code == 400 and "dataset[1]: 'completion' must be a string" in res.json()["detail"]
+    res = client.post(DPO, json={"model_id": "tiny", "preference_pairs": [{"prompt": "p", "chosen": "c"}]})
+    assert res.status_code == 400 and "preference_pairs.0.rejected" in res.json()["detail"]
+    res = client.post(SFT, json={"model_id": "tiny", "dataset": [{"text": "a"}], "config": {"beta": 1}})
+    assert res.status_code == 400 and res.json()["detail"].startswith("Invalid request: config.beta")
+    res = client.post(SFT, json={"model_id": "tiny", "dataset": [{"text": "a"}], "config": {"batch_size": 1024, "max_seq_length": 131072}})
+    assert res.status_code == 400 and "MTQ_MAX_STEP_TOKENS" in res.json()["detail"]
+    res = client.post(SFT, json={"model_id": "tiny", "dataset": [{"text": "a"}], "config": {"mask_prompt": True}})
+    assert res.status_code == 400 and "mask_prompt needs" in res.json()["detail"]
+    res = client.post(FILES, content=b'{"text": "a"}\nnot json\n')
+    assert res.status_code == 400 and "line 2" in res.json()["detail"]
+    res = client.post(FILES, content=b'{"text": "a"}\n' * 1000)
+    assert res.status_code == 413 and "MTQ_MAX_FILE_BYTES" in res.json()["detail"]
+    file_id = upload(client, [{"text": "a"}])
+    res = client.post(DPO, json={"model_id": "tiny", "dataset": {"file_id": file_id}})
+    assert res.status_code == 400 and "missing field 'prompt'" in res.json()["detail"]
+    res = client.post(SFT, json={"model_id": "tiny", "dataset": {"file_id": "file-" + "0" * 32}})
+    assert res.status_code == 400 and "not found" in res.json()["detail"]
+
+
+def test_seed_shapes_list_get_delete_and_kinds_stay_apart(stack, client):
+    body = {"model_id": "tiny", "preference_pairs": keyword_pairs(2, 3), "config": {"iters": 1, "batch_size": 2}}
+    older, job = submit(client, ORPO, body), submit(client, ORPO, body)
+    res = client.get(ORPO, params={"limit": 1})
+    assert isinstance(res.json(), list) and [j["job_id"] for j in res.json()] == [job["job_id"]]
+    res = client.get(ORPO, params={"limit": 1, "after": res.headers["X-Next-After"]})
+    assert res.json()[0]["job_id"] == older["job_id"]
+    assert client.get(f"{DPO}/{job['job_id']}").status_code == 404  # another kind's route
+    assert job["job_id"] not in [j["job_id"] for j in client.get("/admin/api/fine-tune/grpo/jobs").json()]
+    wait_done(stack, client, ORPO, job["job_id"])
+    assert client.post(f"{ORPO}/{job['job_id']}/cancel").json()["detail"] == f"Job not found or not cancellable: {job['job_id']}"
+    assert client.delete(f"{ORPO}/{job['job_id']}").json() == {"status": "deleted"}
+    assert client.get(f"{ORPO}/{job['job_id']}").json()["detail"] == f"Job not found: {job['job_id']}"
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_cancel_stops_a_running_job_within_2s(stack, client):
+    job = submit(client, SFT, {"model_id": "tiny", "dataset": SFT_ROWS, "config": {**SFT_CONFIG, "iters": 100_000}})
+    wait_for(lambda: client.get(f"{SFT}/{job['job_id']}").json()["progress"].get("iter", 0) >= 2, 120, "a few steps")
+    nxt = submit(client, SFT, {"model_id": "tiny", "dataset": SFT_ROWS, "config": {"iters": 1, "batch_size": 2, "lora_layers": 1}})
+    cancelled_at = time.time()
+    res = client.post(f"{SFT}/{job['job_id']}/cancel")
+    assert res.status_code == 200 and res.json()["status"] == "cancelled"
+    wait_done(stack, client, SFT, nxt["job_id"])
+    # The worker left the cancelled job and started the next one (queued behind it) within 2 s.
+    started = [int(eid.split("-")[0]) / 1000 for eid, e in read_events(stack.redis, nxt["job_id"]) if e["type"] == "started"]
+    print(f"\ncancel -> next job started: {started[0] - cancelled_at:.2f} s")
+    assert started[0] - cancelled_at < 2
+
+    # Resume with other optimisation settings; the adapter's shape cannot change.
+    res = client.post(f"{SFT}/{job['job_id']}/resume", json={"config": {"lora_rank": 4}})
+    assert res.status_code == 400 and "cannot change lora_rank" in res.json()["detail"]
+    res = client.post(f"{SFT}/{job['job_id']}/resume", json={"config": {"iters": 3, "learning_rate": 1e-3}})
+    assert res.status_code == 200 and res.json()["config"]["iters"] == 3
+    assert wait_done(stack, client, SFT, job["job_id"])["progress"]["iter"] == 3
+
+
+@pytest.mark.parametrize("path,kind", [(DPO, "dpo"), (SFT, "sft"), (REWARD, "reward")], ids=["dpo", "sft", "reward"])
+def test_kill_9_of_the_worker_resumes_from_the_checkpoint_and_completes(stack, client, path, kind):
+    """The worker's disk holds nothing of the dataset: inline pairs, or an uploaded file (SFT)."""
+    config = {"lora_layers": -1, "learning_rate": 1e-3, "batch_size": 2, "iters": 40, "steps_per_save": 4, "steps_per_report": 40}
+    data = {"dataset": {"file_id": upload(client, SFT_ROWS)}} if kind == "sft" else {"preference_pairs": keyword_pairs(16, 0)}
+    job = submit(client, path, {"model_id": "tiny", **data, "config": config})
+    wait_for(lambda: (client.get(f"{path}/{job['job_id']}").json()["checkpoint_step"] or 0) >= 8, 120, "a checkpoint")
+    os.killpg(stack.worker.pid, signal.SIGKILL)
+    stack.worker.wait(10)
+    stack.worker = stack.start_worker()
+    done = wait_done(stack, client, path, job["job_id"], timeout=180)
+    assert done["progress"]["iter"] == 40 and done["failed_attempts"] == 1 and done["resumed_from"] >= 8
+    assert events(stack, job["job_id"], "resumed")[-1]["from_step"] >= 8
+    history = client.get(f"{path}/{job['job_id']}/history").json()["history"]
+    assert [h["step"] for h in history] == list(range(1, 41))  # every step once

@@ -1,0 +1,144 @@
+"""The DPO and ORPO job kinds (one module, `method` "dpo" or "orpo"), on preference pairs.
+
+For a pair (x, y_w chosen, y_l rejected), with log pi(y | x) = sum_t log pi(y_t | x, y_<t)
+over the completion tokens (EOS included), pi_theta the policy (base + LoRA) and pi_ref the
+same weights with the LoRA off (worker/grpo.py lora_disabled: no second copy):
+
+DPO (Rafailov et al. 2023), z = [log pi_theta(y_w) - log pi_ref(y_w)] - [log pi_theta(y_l) - log pi_ref(y_l)]:
+    sigmoid: loss = -(1 - eps) log sigma(beta z) - eps log sigma(-beta z)     (eps = label_smoothing)
+    hinge:   loss = max(0, 1 - beta z)                                          (SLiC)
+    ipo:     loss = (z - 1 / (2 beta))^2   with per-token mean log-probs        (Azar et al. 2023, as TRL)
+  rewards/chosen = beta (log pi_theta(y_w) - log pi_ref(y_w)), rewards/rejected likewise,
+  rewards/accuracies = mean[rewards/chosen > rewards/rejected], rewards/margins = mean[chosen - rejected].
+
+ORPO (Hong et al. 2024), with per-token mean log-probs P_w = mean_t log pi_theta(y_w,t), P_l likewise:
+    log odds(y) = P - log(1 - exp(P))
+    loss = NLL(y_w) - lambda * mean log sigma(log odds(y_w) - log odds(y_l))
+  NLL: mean cross-entropy over the chosen completions' tokens; lambda = config.beta (TRL's name);
+  nll_loss, log_odds_ratio (= mean log sigma(...)), log_odds_chosen, rewards/* = beta * P.
+
+Chosen and rejected rows of a batch go through the model in one right-padded batch: rows
+0..N-1 chosen, N..2N-1 rejected.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from shared.train_specs import DPOJobCreate, ORPOJobCreate
+from worker import supervised
+from worker.grpo import Cancelled, lora_disabled  # noqa: F401  (Cancelled: the kind's, training_process catches it)
+from worker.supervised import Rows, Trainer, cut, pad_rows, pair_tokens, token_logps
+from worker.training_process import JobRun
+
+USER_ERRORS = supervised.USER_ERRORS
+
+
+# --------------------------------------------------------------------------- the math
+
+
+def sequence_logps(logps: mx.array, mask: mx.array, average: bool = False) -> mx.array:
+    """Sum (or mean) over each row's masked tokens: (N, T) -> (N,)."""
+    total = (logps * mask).sum(axis=-1)
+    return total / mx.maximum(mask.sum(axis=-1), 1.0) if average else total
+
+
+def dpo_loss(chosen: mx.array, rejected: mx.array, ref_chosen: mx.array, ref_rejected: mx.array, *,
+             beta: float, loss_type: str, label_smoothing: float = 0.0) -> tuple[mx.array, dict[str, mx.array]]:
+    """Sequence log-probs (N,) of policy and reference -> the mean loss and TRL's metrics."""
+    chosen_reward = beta * (chosen - ref_chosen)
+    rejected_reward = beta * (rejected - ref_rejected)
+    z = (chosen - ref_chosen) - (rejected - ref_rejected)
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * nn.log_sigmoid(beta * z) - label_smoothing * nn.log_sigmoid(-beta * z)
+    elif loss_type == "hinge":
+        losses = nn.relu(1 - beta * z)
+    elif loss_type == "ipo":
+        losses = (z - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    return losses.mean(), {
+        "rewards/chosen": chosen_reward.mean(),
+        "rewards/rejected": rejected_reward.mean(),
+        "rewards/accuracies": (chosen_reward > rejected_reward).astype(mx.float32).mean(),
+        "rewards/margins": (chosen_reward - rejected_reward).mean(),
+        "logps/chosen": chosen.mean(),
+        "logps/rejected": rejected.mean(),
+    }
+
+
+def orpo_loss(chosen_mean: mx.array, rejected_mean: mx.array, nll: mx.array, *,
+              beta: float) -> tuple[mx.array, dict[str, mx.array]]:
+    """Per-token mean log-probs (N,) of chosen and rejected, the chosen NLL -> loss and metrics."""
+    log_odds = (chosen_mean - rejected_mean) - (mx.log1p(-mx.exp(chosen_mean)) - mx.log1p(-mx.exp(rejected_mean)))
+    ratio = nn.log_sigmoid(log_odds)
+    chosen_reward, rejected_reward = beta * chosen_mean, beta * rejected_mean
+    return nll - beta * ratio.mean(), {
+        "nll_loss": nll,
+        "log_odds_ratio": ratio.mean(),
+        "log_odds_chosen": log_odds.mean(),
+        "rewards/chosen": chosen_reward.mean(),
+        "rewards/rejected": rejected_reward.mean(),
+        "rewards/accuracies": (chosen_reward > rejected_reward).astype(mx.float32).mean(),
+        "rewards/margins": (chosen_reward - rejected_reward).mean(),
+        "logps/chosen": chosen_mean.mean(),
+        "logps/rejected": rejected_mean.mean(),
+    }
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+def pair_rows(tokenizer, pairs: list[dict], max_len: int) -> tuple[Rows, Rows, int]:
+    """Chosen rows and rejected rows (cut to max_len), and how many rows were cut."""
+    chosen = [pair_tokens(tokenizer, p["prompt"], p["chosen"]) for p in pairs]
+    rejected = [pair_tokens(tokenizer, p["prompt"], p["rejected"]) for p in pairs]
+    c, n1 = cut(Rows([t for t, _ in chosen], [s for _, s in chosen]), max_len)
+    r, n2 = cut(Rows([t for t, _ in rejected], [s for _, s in rejected]), max_len)
+    return c, r, n1 + n2
+
+
+class PreferenceTrainer(Trainer):
+    """Rows of pairs: a batch is its pairs' chosen rows, then their rejected rows."""
+
+    def __init__(self, module, tokenizer, cfg, train: list[dict], valid: list[dict] | None):
+        self.train_tok = pair_rows(tokenizer, train, cfg.max_seq_length)
+        self.valid_tok = pair_rows(tokenizer, valid, cfg.max_seq_length) if valid else None
+        self.truncated = self.train_tok[2] + (self.valid_tok[2] if self.valid_tok else 0)
+        super().__init__(module, cfg, train, valid)
+
+    def padded(self, ids: list[int], rows: list[dict]):
+        chosen, rejected, _ = self.train_tok if rows is self.train_rows else self.valid_tok
+        return pad_rows(Rows([chosen.tokens[i] for i in ids] + [rejected.tokens[i] for i in ids],
+                             [chosen.starts[i] for i in ids] + [rejected.starts[i] for i in ids]))
+
+
+class DPOTrainer(PreferenceTrainer):
+    def __init__(self, model, tokenizer, spec, train, valid):
+        self.method = spec.kind
+        super().__init__(model, tokenizer, spec.config, train, valid)
+
+    def arrays(self, ids, rows):
+        batch = self.padded(ids, rows)
+        ref = mx.zeros((batch.inputs.shape[0],))  # ORPO has no reference
+        if self.method == "dpo":
+            with lora_disabled(self.module):  # the reference policy: the same weights, LoRA off
+                ref = sequence_logps(token_logps(self.module(batch.inputs), batch.targets), batch.mask,
+                                     average=self.cfg.loss_type == "ipo")
+            mx.eval(ref)
+        return (batch.inputs, batch.targets, batch.mask, ref), int(batch.mask.sum().item())
+
+    def loss(self, model, inputs, targets, mask, ref):
+        cfg, n = self.cfg, inputs.shape[0] // 2
+        logps = token_logps(model(inputs), targets)
+        if self.method == "orpo":
+            mean = sequence_logps(logps, mask, average=True)
+            nll = -(logps[:n] * mask[:n]).sum() / mx.maximum(mask[:n].sum(), 1.0)
+            return orpo_loss(mean[:n], mean[n:], nll, beta=cfg.beta)
+        seq = sequence_logps(logps, mask, average=cfg.loss_type == "ipo")
+        return dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], beta=cfg.beta, loss_type=cfg.loss_type,
+                        label_smoothing=cfg.label_smoothing)
+
+
+def run(job: JobRun, spec_json: str, method: str = "dpo") -> dict:
+    spec = (ORPOJobCreate if method == "orpo" else DPOJobCreate).model_validate_json(spec_json)
+    return supervised.run_job(job, spec, DPOTrainer)
