@@ -22,6 +22,8 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
                               (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000)),
     "mtq_scoring_seconds": ("Time to score one step's completions (every reward source).",
                             (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)),
+    "mtq_score_request_seconds": ("Time a worker takes to answer one log-prob or reward-score request.",
+                                  (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)),
     "mtq_reward_endpoint_seconds": ("Time of one request to a reward endpoint (each attempt).",
                                     (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)),
 }

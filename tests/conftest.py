@@ -4,6 +4,7 @@ Each test module gets its own redis-server and API (module-scoped `stack`); work
 started per test with `stack.start_worker()` and stopped when the test ends.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -161,6 +162,15 @@ class Stack:
         from shared.jobstore import read_events
 
         return [(int(eid.split("-")[0]) / 1000, e) for eid, e in read_events(self.redis, job_id, count=100_000)]
+
+    def metrics(self, **kwargs) -> dict:
+        """/metrics parsed by prometheus-client: {sample name + labels (JSON): value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        res = httpx.get(self.base_url + "/metrics", **kwargs)
+        assert res.status_code == 200, res.text
+        return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+                for family in text_string_to_metric_families(res.text) for s in family.samples}
 
     def wait_job(self, job_id: str, statuses=("completed", "failed", "cancelled"), timeout: float = 240) -> dict:
         with self.client() as c:

@@ -18,7 +18,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT, TOKEN, wait_for
 from reward_server import closed_port_url, serving, slow_rewards
@@ -89,19 +88,8 @@ def write_job(tmp_path: Path, stack, iters: int, **extra) -> Path:
     return path
 
 
-def scrape(stack, **kwargs) -> dict:
-    """/metrics parsed by prometheus-client: {sample name + labels: value}."""
-    res = httpx.get(stack.base_url + "/metrics", **kwargs)
-    assert res.status_code == 200, res.text
-    samples = {}
-    for family in text_string_to_metric_families(res.text):
-        for s in family.samples:
-            samples[s.name + json.dumps(s.labels, sort_keys=True)] = s.value
-    return samples
-
-
 def test_submit_watch_in_a_terminal_then_jobs_show_logs_plot(stack, worker, tmp_path):
-    before = scrape(stack)
+    before = stack.metrics()
     job_file = write_job(tmp_path, stack, iters=6)
     term = InPty(stack, "submit", str(job_file), "--watch")
     assert term.wait(180) == 0, term.text
@@ -146,7 +134,7 @@ def test_submit_watch_in_a_terminal_then_jobs_show_logs_plot(stack, worker, tmp_
     assert mlx_lm.generate(model, tokenizer, "hi", max_tokens=2) is not None
 
     # The workers' measurements reached /metrics through Redis: the counters moved.
-    after = scrape(stack)
+    after = stack.metrics()
     assert after['mtq_step_seconds_count{}'] - before['mtq_step_seconds_count{}'] == 6
     assert after['mtq_tokens_per_second_count{}'] - before['mtq_tokens_per_second_count{}'] == 6
     assert after['mtq_scoring_seconds_count{}'] - before['mtq_scoring_seconds_count{}'] == 6
@@ -210,7 +198,7 @@ def test_metrics_need_the_token_unless_from_loopback_and_count_reward_calls(stac
     remote = {"X-Forwarded-For": "203.0.113.7"}
     assert httpx.get(stack.base_url + "/metrics", headers=remote).status_code == 401
     assert httpx.get(stack.base_url + "/metrics", headers={**remote, "Authorization": "Bearer wrong"}).status_code == 401
-    before = scrape(stack, headers={**remote, "Authorization": f"Bearer {TOKEN}"})
+    before = stack.metrics(headers={**remote, "Authorization": f"Bearer {TOKEN}"})
     assert before['mtq_queue_depth{"queue": "grpo"}'] == 0
 
     jobs = "/admin/api/fine-tune/grpo/jobs"
@@ -223,7 +211,7 @@ def test_metrics_need_the_token_unless_from_loopback_and_count_reward_calls(stac
         assert stack.wait_job(ok["job_id"])["status"] == "completed"
         assert stack.wait_job(bad["job_id"])["status"] == "failed"
         calls = len(server.requests)
-    after = scrape(stack)
+    after = stack.metrics()
     assert after['mtq_reward_endpoint_errors_total{}'] - before['mtq_reward_endpoint_errors_total{}'] == 2
     # Each attempt is timed: the good job's calls and the bad job's two refused attempts.
     assert after['mtq_reward_endpoint_seconds_count{}'] - before['mtq_reward_endpoint_seconds_count{}'] == calls + 2

@@ -78,6 +78,7 @@ def assert_close(answer, expected):
 
 def test_single_and_batch_equal_a_direct_computation(stack, worker, tiny):
     model, tokenizer = tiny
+    before = stack.metrics().get('mtq_score_request_seconds_count{}', 0)
     one = post(stack, {"model_id": stack.tiny_model.name, "prompt": PROMPTS[1], "completion": COMPLETIONS[1]})
     assert one.status_code == 200, one.text
     assert set(one.json()) >= {"logprob", "token_count", "per_token"}
@@ -93,6 +94,7 @@ def test_single_and_batch_equal_a_direct_computation(stack, worker, tiny):
         assert len(results) == 3
         for p, c, answer in zip(PROMPTS, COMPLETIONS, results):  # padded together, each equal to its own
             assert_close(answer, direct(model, tokenizer, list(tokenizer.encode(p)), c, temperature or 1.0))
+    assert stack.metrics()['mtq_score_request_seconds_count{}'] - before == 3  # /metrics counts the requests
 
 
 def test_chat_prompts_are_tokenised_with_the_template_on_request(stack, worker, tiny):
@@ -135,9 +137,21 @@ def run_grpo(stack, **config) -> dict:
     return job
 
 
-def test_with_an_adapter_equals_mlx_lm_with_that_adapter(stack, worker):
+def test_with_an_adapter_equals_mlx_lm_with_that_adapter(stack, worker, tmp_path):
+    """The downstream trainer's loop: a GRPO job, its adapter downloaded through the API into a
+    directory of its own (no access to the worker's disk), loaded with mlx_lm; the endpoint's
+    log-probs with adapter_name equal the local computation."""
+    import io
+    import tarfile
+
     job = run_grpo(stack, adapter_name="lp-adapter")
-    model, tokenizer = mlx_lm.load(str(stack.tiny_model), adapter_path=job["adapter_path"])
+    with stack.client() as c:
+        archive = c.get(f"{JOBS}/{job['job_id']}/adapter")
+    assert archive.status_code == 200
+    local = tmp_path / "lp-adapter"
+    with tarfile.open(fileobj=io.BytesIO(archive.content)) as tar:
+        tar.extractall(local, filter="data")
+    model, tokenizer = mlx_lm.load(str(stack.tiny_model), adapter_path=str(local))
     base, _ = mlx_lm.load(str(stack.tiny_model))
     body = {"model_id": stack.tiny_model.name, "adapter_name": "lp-adapter",
             "items": [{"prompt": p, "completion": c} for p, c in zip(PROMPTS, COMPLETIONS)]}

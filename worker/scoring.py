@@ -32,6 +32,7 @@ from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import load_adapters
 
 from shared import scoring
+from shared.metrics import recorder
 from shared.keys import ADAPTERS_INDEX, adapter_key
 from shared.lifecycle import adapter_ref
 from shared.schemas import PromptItem
@@ -143,7 +144,17 @@ def _redis(settings: Settings):
 
 def serve_one(r, settings: Settings, request_id: str, request: dict) -> None:
     """Answer one request, log-probs or (type "reward") rewards, and record the answer
-    (errors included: the API reports them)."""
+    (errors included: the API reports them). Its time reaches /metrics before the answer
+    does, so a client that got the answer finds it counted."""
+    t0 = time.perf_counter()
+    answer = _compute(r, settings, request_id, request)
+    recorder.observe("mtq_score_request_seconds", time.perf_counter() - t0)
+    recorder.flush(r)
+    scoring.answer(r, request_id, **answer)
+
+
+def _compute(r, settings: Settings, request_id: str, request: dict) -> dict:
+    """scoring.answer's keyword arguments: the result, or the error and its HTTP status."""
     from worker.rewards import RewardError
 
     t0 = time.perf_counter()
@@ -151,9 +162,8 @@ def serve_one(r, settings: Settings, request_id: str, request: dict) -> None:
         if request.get("type") == "reward":
             rewards = reward_model_rewards(settings, request["model_id"], request["adapter_name"],
                                            [request["prompt"]] * len(request["completions"]), request["completions"], r)
-            scoring.answer(r, request_id, {"rewards": rewards, "model_id": request["model_id"],
-                                           "adapter_name": request["adapter_name"]})
-            return
+            return {"result": {"rewards": rewards, "model_id": request["model_id"],
+                               "adapter_name": request["adapter_name"]}}
         model, tokenizer, _ = get_model(request["model_id"], settings)
         adapter = None
         if request.get("adapter_name"):
@@ -163,18 +173,16 @@ def serve_one(r, settings: Settings, request_id: str, request: dict) -> None:
         with adapter_swapped(model, adapter):
             results = score_rows(model, tokenizer, rows, request.get("temperature") or 1.0)
     except RewardError as e:  # the reward model: its model or adapter is missing or not one
-        scoring.answer(r, request_id, error=str(e).removeprefix("reward model: "), error_status=404)
+        return {"error": str(e).removeprefix("reward model: "), "error_status": 404}
     except ModelNotFound:
-        scoring.answer(r, request_id, error=f"Model not found: {request['model_id']}", error_status=404)
+        return {"error": f"Model not found: {request['model_id']}", "error_status": 404}
     except AdapterNotFound as e:
-        scoring.answer(r, request_id, error=str(e), error_status=404)
+        return {"error": str(e), "error_status": 404}
     except Exception as e:
         log.exception("scoring request %s failed", request_id)
-        scoring.answer(r, request_id, error=f"Scoring failed: {type(e).__name__}: {e}", error_status=500)
-    else:
-        scoring.answer(r, request_id, {"results": results, "model_id": request["model_id"],
-                                       "adapter_name": request.get("adapter_name"),
-                                       "seconds": time.perf_counter() - t0})
+        return {"error": f"Scoring failed: {type(e).__name__}: {e}", "error_status": 500}
+    return {"result": {"results": results, "model_id": request["model_id"],
+                       "adapter_name": request.get("adapter_name"), "seconds": time.perf_counter() - t0}}
 
 
 def serve_waiting(r, settings: Settings, model_id: str | None = None, wait_s: float = 0.0) -> int:
