@@ -207,13 +207,17 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model):
-    s = Stack(tmp_path_factory.mktemp("stack"), tiny_model)
+def running(s: Stack):
+    """A module's stack fixture body: its redis-server and API up, everything stopped after."""
     s.redis_server.start()
     s.start_api()
     yield s
     s.stop_all()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    yield from running(Stack(tmp_path_factory.mktemp("stack"), tiny_model))
 
 
 @pytest.fixture

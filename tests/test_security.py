@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ROOT, TOKEN, Stack, wait_for
+from conftest import ROOT, TOKEN, Stack, wait_for, running
 from reward_server import serving
 from shared import jobstore, lifecycle
 from shared.keys import JOBS_INDEX, job_key
@@ -41,10 +41,7 @@ def stack(tmp_path_factory, tiny_model):
         {"name": "victor", "token": VIEWER, "role": "viewer"},
     ])
     s.env.update(MTQ_MAX_STREAMS_PER_TOKEN=str(MAX_STREAMS))
-    s.redis_server.start()
-    s.start_api()
-    yield s
-    s.stop_all()
+    yield from running(s)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from rq import Queue
 
-from conftest import ROOT, TOKEN, Stack, wait_for
+from conftest import ROOT, TOKEN, Stack, wait_for, running
 from shared.keys import JOBS_INDEX
 from shared.workers import local_models
 
@@ -40,11 +40,8 @@ def stack(tmp_path_factory, tiny_model):
         {"name": "bob", "token": BOB, "role": "trainer"},
         {"name": "victor", "token": VIEWER, "role": "viewer"},
     ])
-    s.env.update(MTQ_MODELS_DIR=str(models), MTQ_API_HOST="0.0.0.0")
-    s.redis_server.start()
-    s.start_api()
-    yield s
-    s.stop_all()
+    s.env.update(MTQ_MODELS_DIR=str(models))
+    yield from running(s)
 
 
 @pytest.fixture(scope="module")

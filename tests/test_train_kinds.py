@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import Stack, wait_for
+from conftest import Stack, wait_for, running
 from shared.jobstore import read_events
 
 SFT, DPO, ORPO, REWARD = ("/admin/api/fine-tune/jobs", "/admin/api/fine-tune/dpo/jobs", "/admin/api/fine-tune/orpo/jobs",
@@ -47,11 +47,9 @@ def stack(tmp_path_factory, tiny_model):
     s = Stack(tmp_path_factory.mktemp("stack"), tiny_model)
     s.data_root = tmp_path_factory.mktemp("data")
     s.env.update(MTQ_DATA_ROOTS=str(s.data_root), MTQ_MAX_FILE_BYTES="4000", MTQ_LEASE_TTL="3")
-    s.redis_server.start()
-    s.start_api()
-    s.worker = s.start_worker()
-    yield s
-    s.stop_all()
+    for started in running(s):
+        s.worker = s.start_worker()
+        yield started
 
 
 @pytest.fixture(scope="module")
