@@ -32,7 +32,9 @@ install_system_packages() {
     Darwin)
       command -v brew >/dev/null || { echo "please install Homebrew (https://brew.sh) first" >&2; exit 1; }
       command -v redis-server >/dev/null || { say "installing redis (brew)"; brew install redis; }
-      command -v python3 >/dev/null || { say "installing python (brew)"; brew install python; } ;;
+      command -v python3 >/dev/null || { say "installing python (brew)"; brew install python; }
+      [ -d /Applications/Chromium.app ] || command -v chromium >/dev/null ||
+        { say "installing chromium (brew, for the web page's tests)"; brew install --cask chromium; } ;;
     *) echo "unsupported OS: $(uname -s)" >&2; exit 1 ;;
   esac
 }

@@ -4,6 +4,7 @@ tests: navigate, evaluate JavaScript, read the DOM, take screenshots."""
 import base64
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -15,7 +16,8 @@ import websocket
 
 class Browser:
     def __init__(self, profile_dir: Path, width: int = 1400, height: int = 1100):
-        exe = shutil.which("chromium") or shutil.which("chromium-browser")
+        mac = "/Applications/Chromium.app/Contents/MacOS/Chromium"
+        exe = shutil.which("chromium") or shutil.which("chromium-browser") or (mac if os.path.exists(mac) else None)
         assert exe, "chromium is not installed (scripts/setup.sh installs it: apt install chromium)"
         profile_dir.mkdir(parents=True, exist_ok=True)
         # --no-sandbox: the tests may run as root (CI does), where Chromium's sandbox refuses to start.
