@@ -21,6 +21,7 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"
 JOBS = "/admin/api/fine-tune/grpo/jobs"
+ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR") or ROOT / "test-artifacts")  # screenshots
 # The tests' own reward functions are on the operator allow-list (the API's and the workers',
 # which inherit this environment); tests/test_security.py checks that nothing else is.
 os.environ.setdefault("MTQ_REWARD_MODULES", "reward_fns,tests.reward_fns")

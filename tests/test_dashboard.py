@@ -7,10 +7,10 @@ import sys
 
 import httpx
 
-from conftest import ROOT, free_port, wait_for
+from conftest import ARTIFACTS, ROOT, free_port, wait_for
 
 
-def test_dashboard_shows_queue_workers_and_a_running_jobs_progress(stack, workers):
+def test_dashboard_shows_queue_workers_and_a_running_jobs_progress(stack, workers, tmp_path):
     port = free_port()
     dash = stack.spawn("dashboard", "dashboard", "--port", str(port))
     base = f"http://127.0.0.1:{port}/0/data"
@@ -35,6 +35,20 @@ def test_dashboard_shows_queue_workers_and_a_running_jobs_progress(stack, worker
     assert "grpo" in queues
     names = [w["name"] for w in _get(f"{base}/workers.json")["workers"]]
     assert len(names) >= 1
+
+    # As a person sees it: rq-dashboard's job page in headless Chromium shows the progress.
+    from browser import Browser
+
+    browser = Browser(tmp_path / "chromium")
+    try:
+        browser.goto(f"http://127.0.0.1:{port}/0/view/job/{info['id']}")
+        browser.wait("document.getElementById('job-data').textContent.includes('mtq_job_id')")
+        shown = browser.eval("document.getElementById('job-data').textContent")
+        assert job_id in shown and '"step"' in shown and '"reward"' in shown, shown
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        browser.screenshot(ARTIFACTS / "rq-dashboard-running-job.png")
+    finally:
+        browser.close()
     with stack.client() as c:
         c.post(f"/admin/api/fine-tune/grpo/jobs/{job_id}/cancel")
     stack.stop_proc(dash)

@@ -3,18 +3,15 @@ list jobs, open a running job, read its curves from the DOM (one point per step)
 resume it with the page's buttons. Screenshots go to test-artifacts/ (TEST_ARTIFACTS_DIR)."""
 
 import json
-import os
-from pathlib import Path
 
 import httpx
 import pytest
 
 from browser import Browser
-from conftest import ROOT, TOKEN, wait_for
+from conftest import ARTIFACTS, TOKEN, wait_for
 from reward_server import serving, slow_rewards
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
-ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR") or ROOT / "test-artifacts")
 CONFIG = {"iters": 200, "group_size": 2, "batch_size": 1, "max_completion_len": 8, "lora_layers": 2, "lora_rank": 4,
           "lora_alpha": 8.0}
 
