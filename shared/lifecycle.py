@@ -18,11 +18,12 @@
 
 "Fenced": only the worker holding the job's current `lease_epoch` may do it; a worker that
 lost the job (paused past its lease, then resumed) changes nothing. Progress, checkpoints
-and the adapter copy are fenced writes that change no status (`write`, `save_blobs`).
+and the adapter copy are fenced writes that change no status (`write`, with `blobs` for the
+checkpoint and adapter hashes).
 
 Every transition reads the record under WATCH and commits in one MULTI/EXEC together with
 its rq enqueue (rq's `enqueue_call(..., pipeline=...)`), so there is no moment where a job
-is `queued` without an rq job, whoever dies when. The reconciler (`reconcile`, run by every
+is `queued` without an rq job, whoever dies when. The reconciler (`Reconciler`, run by every
 worker's heartbeat) repairs what a lost worker leaves: a `running` job whose lease expired,
 and a `queued` job whose rq job is gone (its worker died between dequeuing it and starting).
 Nothing else in the project writes a job's status.
