@@ -10,7 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from pydantic import BaseModel
 
-from api.deps import RedisDep, SettingsDep, WriterDep, require_token
+from api.deps import ADMIN_ERRORS, RedisDep, SettingsDep, WriterDep, require_token
 from shared.datasets import DatasetError, store_file
 from shared.schemas import ErrorBody
 
@@ -20,10 +20,9 @@ router = APIRouter(
     dependencies=[Depends(require_token)],
     responses={
         400: {"model": ErrorBody, "description": "Not JSON Lines of objects (the message names the line)."},
-        401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
         403: {"model": ErrorBody, "description": "A viewer token cannot upload."},
         413: {"model": ErrorBody, "description": "Larger than MTQ_MAX_FILE_BYTES."},
-        503: {"model": ErrorBody, "description": "Redis is unavailable."},
+        **ADMIN_ERRORS,
     },
 )
 

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from api import sse
-from api.deps import PrincipalDep, RedisDep, SettingsDep, WriterDep, get_async_redis, get_settings, require_token
+from api.deps import ADMIN_ERRORS, PrincipalDep, RedisDep, SettingsDep, WriterDep, get_async_redis, get_settings, require_token
 from api.json_body import JSONBodyRoute
 from shared import jobstore, lifecycle, train_jobs
 from shared.datasets import FileRef, file_meta, load_rows, path_error
@@ -35,13 +35,12 @@ from shared.train_specs import TrainJob
 JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 ERRORS = {
     400: {"model": ErrorBody, "description": "Invalid request: a readable reason."},
-    401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
     403: {"model": ErrorBody, "description": "A viewer token cannot change anything."},
     404: {"model": ErrorBody, "description": "Job not found (or not one of this trainer token's)."},
     409: {"model": ErrorBody, "description": "Not possible in the job's current status."},
     413: {"model": ErrorBody, "description": "Body larger than MTQ_MAX_BODY_BYTES."},
     429: {"model": ErrorBody, "description": "Too many open event streams for this token."},
-    503: {"model": ErrorBody, "description": "Redis is unavailable."},
+    **ADMIN_ERRORS,
 }
 
 

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from api.deps import AsyncRedisDep, RedisDep, SettingsDep, WriterDep, require_token
+from api.deps import ADMIN_ERRORS, AsyncRedisDep, RedisDep, SettingsDep, WriterDep, require_token
 from api.json_body import JSONBodyRoute
 from shared import scoring
 from shared.keys import ADAPTERS_INDEX, job_key
@@ -33,11 +33,10 @@ router = APIRouter(
     route_class=JSONBodyRoute,
     responses={
         400: {"model": ErrorBody, "description": "Invalid request (e.g. \"model_id is required\")."},
-        401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
         403: {"model": ErrorBody, "description": "A viewer token cannot score."},
         404: {"model": ErrorBody, "description": "Model not found: <id> / Adapter not found: <model_id>/<adapter_name>."},
         500: {"model": ErrorBody, "description": "Scoring failed: <why>."},
-        503: {"model": ErrorBody, "description": "Redis is unavailable."},
+        **ADMIN_ERRORS,
     },
 )
 
@@ -104,6 +103,21 @@ def parse_request(body: Any) -> tuple[ScoreRequest, bool]:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"Invalid request: {where}: {first['msg']}") from None
 
 
+def check_chars(chars: int, settings) -> None:
+    """A scoring request's text is bounded like a training step's (characters stand in for tokens)."""
+    if chars > settings.max_step_tokens:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"the request holds {chars} characters; the limit is "
+                            f"{settings.max_step_tokens} (MTQ_MAX_STEP_TOKENS)")
+
+
+async def stored_request(ar, request_id: str) -> dict[bytes, bytes]:
+    """The record of a scoring request, or 404."""
+    raw = await ar.hgetall(scoring.score_key(request_id)) if REQUEST_ID.match(request_id) else {}
+    if not raw:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"scoring request not found: {request_id[:64]}")
+    return raw
+
+
 async def check_adapter(ar, who, model_id: str, adapter_name: str) -> None:
     """404 unless a completed job made this adapter and the token may see that job."""
     job_id = await ar.hget(ADAPTERS_INDEX, adapter_ref(model_id, adapter_name))
@@ -146,10 +160,7 @@ async def score(request: Request, r: RedisDep, ar: AsyncRedisDep, settings: Sett
     req, single = parse_request(await request.json())
     if error := model_id_error(req.model_id, settings):
         raise HTTPException(status.HTTP_400_BAD_REQUEST, error)
-    chars = sum(len(str(it.prompt)) + len(it.completion) for it in req.items)
-    if chars > settings.max_step_tokens:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"the items hold {chars} characters; the limit is "
-                            f"{settings.max_step_tokens} (MTQ_MAX_STEP_TOKENS)")
+    check_chars(sum(len(str(it.prompt)) + len(it.completion) for it in req.items), settings)
     if req.adapter_name:
         await check_adapter(ar, who, req.model_id, req.adapter_name)
     request_id, record = await submit_and_wait(r, ar, settings, req.model_id, {**req.model_dump(mode="json"), "single": single})
@@ -159,7 +170,5 @@ async def score(request: Request, r: RedisDep, ar: AsyncRedisDep, settings: Sett
 @router.get("/{request_id}", summary="The answer to a scoring request that was still running",
             responses={200: {"model": TokenScores | BatchScores}, 202: {"model": Pending}})
 async def scoring_result(request_id: str, ar: AsyncRedisDep, who: WriterDep):
-    raw = await ar.hgetall(scoring.score_key(request_id)) if REQUEST_ID.match(request_id) else {}
-    if not raw:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"scoring request not found: {request_id[:64]}")
+    raw = await stored_request(ar, request_id)
     return _answer(scoring.decode_record(raw), request_id, json.loads(raw[b"request"]).get("single", False))

@@ -8,14 +8,13 @@ processes answer, between training steps if they are busy; past MTQ_SCORE_WAIT_S
 is a 202 with an id that GET .../reward/score/{id} resolves.
 """
 
-import re
 
 from fastapi import APIRouter, Depends, HTTPException, status
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from api.deps import AsyncRedisDep, RedisDep, SettingsDep, WriterDep, require_token
+from api.deps import ADMIN_ERRORS, AsyncRedisDep, RedisDep, SettingsDep, WriterDep, require_token
 from api.routes.job_routes import SeedErrorsRoute
-from api.routes.logprob import Pending, check_adapter, submit_and_wait, unfinished
+from api.routes.logprob import Pending, check_adapter, check_chars, stored_request, submit_and_wait, unfinished
 from shared import scoring
 from shared.model_ids import model_id_error
 from shared.schemas import ErrorBody, check_json_values
@@ -28,14 +27,12 @@ router = APIRouter(
     route_class=SeedErrorsRoute,
     responses={
         400: {"model": ErrorBody, "description": "Invalid request: a readable reason."},
-        401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
         403: {"model": ErrorBody, "description": "A viewer token cannot score."},
         404: {"model": ErrorBody, "description": "Model not found / Adapter not found: <model_id>/<adapter_name>."},
         413: {"model": ErrorBody, "description": "Body larger than MTQ_MAX_BODY_BYTES."},
-        503: {"model": ErrorBody, "description": "Redis is unavailable."},
+        **ADMIN_ERRORS,
     },
 )
-REQUEST_ID = re.compile(r"^[0-9a-f]{32}$")
 MAX_COMPLETIONS = 256
 
 
@@ -60,10 +57,7 @@ class RewardScores(BaseModel):
 async def score(req: RewardScoreRequest, r: RedisDep, ar: AsyncRedisDep, settings: SettingsDep, who: WriterDep):
     if error := model_id_error(req.model_id, settings):
         raise HTTPException(status.HTTP_400_BAD_REQUEST, error)
-    chars = len(req.prompt) * len(req.completions) + sum(len(c) for c in req.completions)
-    if chars > settings.max_step_tokens:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"the rows hold {chars} characters; the limit is "
-                            f"{settings.max_step_tokens} (MTQ_MAX_STEP_TOKENS)")
+    check_chars(len(req.prompt) * len(req.completions) + sum(len(c) for c in req.completions), settings)
     await check_adapter(ar, who, req.model_id, req.adapter_name)
     request_id, record = await submit_and_wait(r, ar, settings, req.model_id, {**req.model_dump(), "type": "reward"})
     return unfinished(record, f"{router.prefix}/{request_id}") or record["result"]
@@ -72,8 +66,5 @@ async def score(req: RewardScoreRequest, r: RedisDep, ar: AsyncRedisDep, setting
 @router.get("/{request_id}", response_model=RewardScores, responses={202: {"model": Pending}},
             summary="The answer to a reward scoring request that was still running")
 async def scoring_result(request_id: str, ar: AsyncRedisDep, who: WriterDep):
-    raw = await ar.hgetall(scoring.score_key(request_id)) if REQUEST_ID.match(request_id) else {}
-    if not raw:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"scoring request not found: {request_id[:64]}")
-    record = scoring.decode_record(raw)
+    record = scoring.decode_record(await stored_request(ar, request_id))
     return unfinished(record, f"{router.prefix}/{request_id}") or record["result"]
