@@ -20,6 +20,7 @@ from shared.settings import Settings
 
 WEIGHTS_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
+MODEL_WEIGHTS_FILE = "model.safetensors"  # a full fine-tune's artefact is a whole model directory
 
 
 def adapter_dir(settings: Settings, model_id: str, adapter_name: str) -> Path:
@@ -47,12 +48,14 @@ def list_adapters(r: redis.Redis, model_id: str | None = None, owner: str | None
         for _, job_id in items:
             p.hmget(job_key(job_id), "adapter_path", "finished_at", "owner")
             p.hstrlen(adapter_key(job_id), WEIGHTS_FILE)
+            p.hstrlen(adapter_key(job_id), MODEL_WEIGHTS_FILE)
             p.hget(adapter_key(job_id), CONFIG_FILE)
             p.exists(adapter_key(job_id))
         answers = p.execute()
     out, gone = [], []
     for i, (ref, job_id) in enumerate(items):
-        (path, finished_at, job_owner), weights_len, config_raw, stored = answers[4 * i : 4 * i + 4]
+        (path, finished_at, job_owner), weights_len, model_len, config_raw, stored = answers[5 * i : 5 * i + 5]
+        weights_len += model_len
         if not stored or path is None:
             gone.append(ref)
             continue

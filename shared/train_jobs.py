@@ -16,7 +16,7 @@ from shared.settings import QUEUE_NAME
 from shared.train_specs import SPECS, TrainJob
 
 # Changing these on resume would not fit the checkpoint's adapter (shape, placement or scale).
-ADAPTER_SHAPE_FIELDS = ("lora_rank", "lora_layers", "lora_alpha", "fine_tune_type")
+ADAPTER_SHAPE_FIELDS = ("lora_rank", "lora_layers", "lora_alpha", "fine_tune_type", "quantize_base", "quant_bits")
 
 
 def create_job(r: redis.Redis, spec, owner: str | None = None) -> TrainJob:

@@ -98,3 +98,25 @@ def test_dpo_reference_is_the_model_with_lora_off(lm):
     np.testing.assert_allclose(np.array(ref_after), np.array(ref_before), rtol=1e-5)
     policy = sequence_logps(token_logps(model(inputs), targets), mask)
     assert not np.allclose(np.array(policy), np.array(ref_after))  # the policy moved, the reference did not
+
+
+def test_full_fine_tuning_is_bounded_and_quantized_bases_are_refused(tiny_model, tmp_path, monkeypatch):
+    """private_base (a full / qlora job's own copy of the model) refuses, before reading any weight,
+    a model above MTQ_FULL_FINETUNE_MAX_GB for full, and a base quantized already."""
+    from shared.settings import load_settings
+    from worker.make_model import make_model
+    from worker.supervised import UnsupportedBase, private_base
+
+    quantized = make_model(tmp_path / "tiny-q8", size="tiny", quantize=8)
+    monkeypatch.setenv("MTQ_MODELS_DIR", str(tiny_model.parent))
+    monkeypatch.setenv("MTQ_MODEL_ROOTS", str(tmp_path))
+    monkeypatch.setenv("MTQ_FULL_FINETUNE_MAX_GB", "0.0005")  # the tiny model's weights: 0.56 MB
+    with pytest.raises(UnsupportedBase, match=r"its weights are 0.000559 GB, above MTQ_FULL_FINETUNE_MAX_GB \(0.0005 GB"):
+        private_base("tiny", load_settings(), "full", None)
+    model, _, _, quantization = private_base("tiny", load_settings(), "lora", 4)  # the bound is full's only
+    assert quantization == {"group_size": 64, "bits": 4, "mode": "affine"}
+    assert type(model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
+    monkeypatch.setenv("MTQ_FULL_FINETUNE_MAX_GB", "0.001")
+    assert private_base("tiny", load_settings(), "full", None)[3] is None
+    with pytest.raises(UnsupportedBase, match="is already quantized"):
+        private_base(str(quantized), load_settings(), "lora", 4)

@@ -1,4 +1,5 @@
-"""The SFT job kind: supervised fine-tuning with LoRA or DoRA (mlx_lm's trainer, as a job).
+"""The SFT job kind: supervised fine-tuning with LoRA, DoRA, QLoRA or of the weights themselves
+(full), as mlx_lm's trainer does, as a job.
 
 The loss, masked cross-entropy over the trained tokens (mask m: completion tokens, or every
 token of a text row; padding never):
@@ -73,4 +74,6 @@ class SFTTrainer(Trainer):
 
 def run(job: JobRun, spec_json: str) -> dict:
     spec = SFTJobCreate.model_validate_json(spec_json)
-    return supervised.run_job(job, spec, SFTTrainer, fine_tune_type=spec.config.fine_tune_type)
+    cfg = spec.config
+    return supervised.run_job(job, spec, SFTTrainer, fine_tune_type=cfg.fine_tune_type,
+                              quant_bits=cfg.quant_bits if cfg.quantized else None)
