@@ -6,17 +6,20 @@ newest completed job of that name; shared/lifecycle.py `finish`). The API lists,
 serves adapters from there, so a client never needs the worker's disk.
 """
 
+from __future__ import annotations
+
 import io
 import json
 import tarfile
 import time
 from pathlib import Path
-from typing import Any
-
-import redis
+from typing import TYPE_CHECKING, Any
 
 from shared.keys import ADAPTERS_INDEX, adapter_key, job_key
 from shared.settings import Settings
+
+if TYPE_CHECKING:  # the trainers import adapter_dir and need no Redis client
+    import redis
 
 WEIGHTS_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -103,6 +106,8 @@ def find(r: redis.Redis, model_id: str, adapter_name: str) -> str | None:
 
 def delete(r: redis.Redis, model_id: str, adapter_name: str) -> bool:
     """Remove the index entry and the adapter's copy in Redis. False if there is none."""
+    from redis import WatchError
+
     ref = f"{model_id}/{adapter_name}"
     with r.pipeline() as p:
         while True:
@@ -116,7 +121,7 @@ def delete(r: redis.Redis, model_id: str, adapter_name: str) -> bool:
                 p.delete(adapter_key(job_id.decode()))
                 p.execute()
                 return True
-            except redis.WatchError:
+            except WatchError:
                 continue
 
 

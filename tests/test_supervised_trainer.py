@@ -2,6 +2,8 @@
 what the job tests do not see from outside (gradient accumulation, gradient checkpointing,
 DoRA, the reference policy, the shared model left clean for the next job)."""
 
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -120,3 +122,32 @@ def test_full_fine_tuning_is_bounded_and_quantized_bases_are_refused(tiny_model,
     assert private_base("tiny", load_settings(), "full", None)[3] is None
     with pytest.raises(UnsupportedBase, match="is already quantized"):
         private_base(str(quantized), load_settings(), "lora", 4)
+
+
+def test_the_step_benchmark_imports_only_mlx_and_its_dependencies():
+    """bench/train_step.py (and so the trainers) must run where only MLX's wheels are installed
+    (the H200): no package beyond what mlx, mlx_lm, numpy, pydantic, transformers and tokenizers
+    import themselves (no redis, rq, httpx, re2, jsonschema)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = """
+import runpy, sys
+def tops():
+    return {m.split('.')[0] for m in sys.modules if m.split('.')[0] not in sys.stdlib_module_names and not m.startswith('_')}
+import mlx.core, mlx.nn, mlx.optimizers, mlx_lm, mlx_lm.tuner.trainer, mlx_lm.tuner.datasets, mlx_lm.utils
+import numpy, pydantic, annotated_types, transformers, tokenizers
+allowed = tops() | {"shared", "worker"}
+sys.argv = ["bench/train_step.py", "--help"]
+try:
+    runpy.run_path("bench/train_step.py", run_name="__main__")
+except SystemExit:
+    pass
+print(sorted(tops() - allowed))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "MTQ_OPENBLAS": "0"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

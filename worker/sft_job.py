@@ -11,7 +11,10 @@ completion; `mask_prompt` trains only on the completion / last assistant message
 around the steps (checkpoints, resume, cancel, events) is worker/supervised.py's.
 """
 
+from __future__ import annotations
+
 import types
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.tuner.datasets import create_dataset
@@ -21,7 +24,9 @@ from shared.train_specs import SFTJobCreate
 from worker import supervised
 from worker.grpo import Cancelled  # noqa: F401  (the kind's Cancelled: training_process catches it)
 from worker.supervised import Rows, Trainer, cut, pad_rows, token_logps
-from worker.training_process import JobRun
+
+if TYPE_CHECKING:  # the job's handle; the trainers run without the worker (bench/train_step.py)
+    from worker.training_process import JobRun
 
 USER_ERRORS = supervised.USER_ERRORS
 

@@ -11,6 +11,8 @@ Rows are right-padded: attention is causal, so padding after a row's last token 
 nothing before it, and the loss masks it out.
 """
 
+from __future__ import annotations
+
 import contextlib
 import json
 import logging
@@ -18,7 +20,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,7 +39,9 @@ from shared.train_specs import TrainConfig
 from worker import checkpoints
 from worker.grpo import Cancelled, NonFiniteLoss, TrainState, batch_indices
 from worker.models import ModelNotFound, get_model, load_private
-from worker.training_process import JobRun
+
+if TYPE_CHECKING:  # the job's handle; the trainers run without the worker (bench/train_step.py)
+    from worker.training_process import JobRun
 
 log = logging.getLogger(__name__)
 
@@ -155,24 +159,32 @@ def attach_adapter(model: nn.Module, cfg: TrainConfig, fine_tune_type: str = "lo
 
 def private_base(model_id: str, settings, fine_tune_type: str, quant_bits: int | None):
     """(model, tokenizer, config, quantization) for a job that changes the base weights: its own
-    copy (worker/models.py load_private). `full` is bounded by MTQ_FULL_FINETUNE_MAX_GB; with
-    quant_bits the copy is quantized as mlx_lm.convert does (affine, group size 64)."""
+    copy (worker/models.py load_private), made ready by prepare_private."""
     model, tokenizer, config = load_private(model_id, settings)
+    return (model, tokenizer, *prepare_private(model, config, model_id, fine_tune_type, quant_bits,
+                                                settings.full_finetune_max_gb))
+
+
+def prepare_private(model: nn.Module, config: dict, name: str, fine_tune_type: str, quant_bits: int | None,
+                    max_gb: float) -> tuple[dict, dict | None]:
+    """Check a lazily loaded private copy and quantize it for qlora, as mlx_lm.convert does
+    (affine, group size 64); (its config, the quantization or None). `full` is bounded by
+    max_gb (MTQ_FULL_FINETUNE_MAX_GB), checked before any weight is read."""
     if "quantization" in config or "quantization_config" in config:
-        raise UnsupportedBase(f"model {model_id!r} is already quantized: fine_tune_type lora or dora on it is QLoRA "
+        raise UnsupportedBase(f"model {name!r} is already quantized: fine_tune_type lora or dora on it is QLoRA "
                               "as it is; full, qlora and quantize_base need an unquantized model")
     size = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # lazy: nothing read yet
-    if fine_tune_type == "full" and size > settings.full_finetune_max_gb * 1e9:
+    if fine_tune_type == "full" and size > max_gb * 1e9:
         raise UnsupportedBase(
-            f"full fine-tuning of {model_id!r}: its weights are {size / 1e9:.3g} GB, above MTQ_FULL_FINETUNE_MAX_GB "
-            f"({settings.full_finetune_max_gb} GB; checkpoints hold the weights and twice that of optimizer state "
-            "in Redis); use lora, dora or qlora")
+            f"full fine-tuning of {name!r}: its weights are {size / 1e9:.3g} GB, above MTQ_FULL_FINETUNE_MAX_GB "
+            f"({max_gb} GB; checkpoints hold the weights and twice that of optimizer state in Redis); "
+            "use lora, dora or qlora")
     quantization = None
     if quant_bits:
-        model, config = quantize_model(model, config, group_size=None, bits=quant_bits, mode="affine")
+        _, config = quantize_model(model, config, group_size=None, bits=quant_bits, mode="affine")
         quantization = {k: config["quantization"][k] for k in ("group_size", "bits", "mode")}
     mx.eval(model.parameters())
-    return model, tokenizer, config, quantization
+    return config, quantization
 
 
 def save_full_model(model: nn.Module, tokenizer, config: dict, out_dir: Path, train_config: dict) -> None:
