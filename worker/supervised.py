@@ -197,6 +197,8 @@ def save_full_model(model: nn.Module, tokenizer, config: dict, out_dir: Path, tr
 
 
 def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
+    """mlx_lm's trainer's optimizers, as the seed server's SFT uses them: MLX's Adam / AdamW
+    without bias correction (GRPO's is TRL's, bias-corrected: worker/grpo.py)."""
     lr = build_schedule(cfg.lr_schedule.model_dump()) if cfg.lr_schedule else cfg.learning_rate
     if cfg.optimizer == "adam":
         return optim.Adam(learning_rate=lr)
