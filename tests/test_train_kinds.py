@@ -177,8 +177,14 @@ def test_full_fine_tune_trains_a_private_copy_and_yields_a_model_directory(stack
     listed = {a["adapter_name"]: a for a in client.get("/admin/api/fine-tune/adapters", params={"model_id": "tiny"}).json()}
     assert listed["sft-full"]["fine_tune_type"] == "full" and listed["sft-full"]["has_weights"]
 
-    # The private copy never reached the worker's shared models: the base scores as before.
+    # The worker dropped its shared copy for the private one (and says so); the private copy never
+    # reached its shared models: the base, loaded again, scores as before.
+    def loaded() -> bool:
+        return {m["model_id"]: m["loaded"] for m in client.get("/admin/api/fine-tune/models").json()}["tiny"]
+
+    assert loaded() is False
     assert base_logprob() == pytest.approx(before, abs=1e-5)
+    wait_for(loaded, 10, "the worker to say it holds the model again")  # published right after it answered
     res = client.post("/admin/api/fine-tune/logprob", json={"model_id": "tiny", "adapter_name": "sft-full", "prompt": "Q0?", "completion": "x"})
     assert res.status_code == 404 and "a full fine-tune's model directory" in res.json()["detail"]
 

@@ -38,7 +38,7 @@ from shared.settings import load_settings
 from shared.train_specs import TrainConfig
 from worker import checkpoints
 from worker.grpo import Cancelled, NonFiniteLoss, TrainState, batch_indices
-from worker.models import ModelNotFound, get_model, load_private
+from worker.models import ModelNotFound, get_model, load_private, loaded_model_ids
 
 if TYPE_CHECKING:  # the job's handle; the trainers run without the worker (bench/train_step.py)
     from worker.training_process import JobRun
@@ -256,6 +256,8 @@ def run_job(job: JobRun, spec, make_trainer: Callable, fine_tune_type: str = "lo
     else:
         model, tokenizer, cached = get_model(spec.model_id, settings)
         base_config = quantization = None
+    if not cached:  # a model loaded, or (private copy) the shared one dropped: the advertisement says so
+        job.publish_loaded(loaded_model_ids())
 
     def write_files(trainer: Trainer, out_dir: Path) -> None:
         if fine_tune_type == "full":
