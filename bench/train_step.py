@@ -1,15 +1,23 @@
 """Seconds per optimizer step of the supervised kinds against a lower bound measured in the same run.
 
-    python bench/train_step.py MODEL_DIR [--kinds sft dpo orpo reward] [--batch-size 4] [--length 128] [--steps 8]
+    python bench/train_step.py MODEL_DIR [--kinds sft sft-full sft-qlora dpo orpo reward] [--batch-size 4]
+                               [--length 128] [--steps 8] [--warmup 2] [--quant-bits 4] [--json OUT.json]
 
 Each kind's trainer (worker/sft_job.py, worker/dpo_job.py, worker/reward_model_job.py) runs
 on rows of --length tokens (SFT: batch_size rows; the preference kinds: batch_size pairs =
-2 x batch_size rows, chosen and rejected in one padded batch). Prints one JSON line per kind:
+2 x batch_size rows, chosen and rejected in one padded batch). `sft` is LoRA on the model as
+loaded; `sft-full` trains every transformer block's weights and `sft-qlora` LoRA on a copy
+quantized to --quant-bits, each on a fresh copy made as a job makes it (worker/supervised.py
+prepare_private). Prints one JSON line per kind (and writes them all to --json):
   step_s          median seconds of a whole trainer step (batch, loss, gradient, update, metrics)
   lower_bound_s   median seconds of mlx_lm's default_loss forward+backward of the same padded
-                  batch (the same token rows, LoRA attached, no update)
+                  batch (the same token rows, the same trainable weights, no update)
   ratio           step_s / lower_bound_s (DPO also runs a reference forward with the LoRA off)
   peak_memory_gb, tokens_per_s
+
+It imports MLX, mlx_lm (with transformers/tokenizers), numpy, pydantic and the project's
+trainer modules only: no Redis, rq or HTTP libraries (tests/test_supervised_trainer.py checks),
+so it runs on a machine that has just MLX's wheels (e.g. the H200: ../shared/gpu/README.md).
 """
 
 import argparse
@@ -34,9 +42,12 @@ from worker.dpo_job import DPOTrainer  # noqa: E402
 from worker.grpo import TrainState  # noqa: E402
 from worker.reward_model_job import RewardTrainer  # noqa: E402
 from worker.sft_job import SFTTrainer  # noqa: E402
-from worker.supervised import attach_adapter, remove_adapter_layers  # noqa: E402
+from worker.supervised import attach_adapter, prepare_private, remove_adapter_layers  # noqa: E402
 
-TRAINERS = {"sft": SFTTrainer, "dpo": DPOTrainer, "orpo": DPOTrainer, "reward": RewardTrainer}
+# name -> (job kind, its trainer, SFT fine_tune_type)
+VARIANTS = {"sft": ("sft", SFTTrainer, "lora"), "sft-full": ("sft", SFTTrainer, "full"),
+            "sft-qlora": ("sft", SFTTrainer, "qlora"), "dpo": ("dpo", DPOTrainer, None),
+            "orpo": ("orpo", DPOTrainer, None), "reward": ("reward", RewardTrainer, None)}
 
 
 def rows_for(kind: str, n: int, length: int) -> list[dict]:
@@ -56,14 +67,27 @@ def median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def bench(model, tokenizer, kind: str, args) -> dict:
+def model_for(fine_tune_type: str | None, shared, args):
+    """The shared model for LoRA kinds; for full / qlora a private copy, as a job makes it."""
+    if fine_tune_type not in ("full", "qlora"):
+        return shared
+    model, tokenizer, config = mlx_lm.load(args.model, lazy=True, return_config=True)
+    quant_bits = args.quant_bits if fine_tune_type == "qlora" else None
+    prepare_private(model, config, args.model, fine_tune_type, quant_bits, max_gb=float("inf"))
+    return model, tokenizer
+
+
+def bench(name: str, shared, args) -> dict:
+    kind, trainer_class, fine_tune_type = VARIANTS[name]
+    model, tokenizer = model_for(fine_tune_type, shared, args)
     rows = rows_for(kind, args.batch_size * 2, args.length)
-    spec = SPECS[kind].model_validate({
-        "model_id": "bench", "dataset": rows,
-        "config": {"batch_size": args.batch_size, "iters": args.warmup + args.steps, "lora_layers": -1}})
+    config = {"batch_size": args.batch_size, "iters": args.warmup + args.steps, "lora_layers": -1}
+    if fine_tune_type:
+        config.update(fine_tune_type=fine_tune_type, quant_bits=args.quant_bits)
+    spec = SPECS[kind].model_validate({"model_id": "bench", "dataset": rows, "config": config})
     mx.random.seed(0)
-    attach_adapter(model, spec.config)
-    trainer = TRAINERS[kind](model, tokenizer, spec, rows, None)
+    attach_adapter(model, spec.config, fine_tune_type or "lora")
+    trainer = trainer_class(model, tokenizer, spec, rows, None)
     state = TrainState()
     for _ in range(args.warmup):
         trainer.step(state)
@@ -86,23 +110,32 @@ def bench(model, tokenizer, kind: str, args) -> dict:
     fwd_bwd()
     bound = median_time(fwd_bwd, args.steps)
     remove_adapter_layers(model)
-    return {"kind": kind, "rows": int(inputs.shape[0]), "width": int(inputs.shape[1]), "step_s": round(step_s, 4),
+    return {"kind": name, "rows": int(inputs.shape[0]), "width": int(inputs.shape[1]), "step_s": round(step_s, 4),
             "lower_bound_s": round(bound, 4), "ratio": round(step_s / bound, 2), "peak_memory_gb": round(peak, 3),
             "tokens_per_s": round(statistics.median(m["tokens_per_second"] for m in metrics))}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model")
-    p.add_argument("--kinds", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
+    p.add_argument("model", help="an mlx_lm model directory")
+    p.add_argument("--kinds", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--length", type=int, default=128, help="tokens per row (about)")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="steps not timed (MLX CUDA compiles kernels on first use)")
+    p.add_argument("--quant-bits", type=int, choices=[4, 8], default=4, help="sft-qlora's base quantization")
+    p.add_argument("--json", metavar="OUT", help="also write the results, with the device, to this JSON file")
     args = p.parse_args()
-    model, tokenizer = mlx_lm.load(args.model)
-    for kind in args.kinds:
-        print(json.dumps(bench(model, tokenizer, kind, args)), flush=True)
+    shared = mlx_lm.load(args.model)
+    results = []
+    for name in args.kinds:
+        results.append(bench(name, shared, args))
+        print(json.dumps(results[-1]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "model": args.model, "device": str(mx.default_device()), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+            "batch_size": args.batch_size, "length": args.length, "steps": args.steps, "warmup": args.warmup,
+            "quant_bits": args.quant_bits, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -6,20 +6,24 @@ newest completed job of that name; shared/lifecycle.py `finish`). The API lists,
 serves adapters from there, so a client never needs the worker's disk.
 """
 
+from __future__ import annotations
+
 import io
 import json
 import tarfile
 import time
 from pathlib import Path
-from typing import Any
-
-import redis
+from typing import TYPE_CHECKING, Any
 
 from shared.keys import ADAPTERS_INDEX, adapter_key, job_key
 from shared.settings import Settings
 
+if TYPE_CHECKING:  # the trainers import adapter_dir and need no Redis client
+    import redis
+
 WEIGHTS_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
+MODEL_WEIGHTS_FILE = "model.safetensors"  # a full fine-tune's artefact is a whole model directory
 
 
 def adapter_dir(settings: Settings, model_id: str, adapter_name: str) -> Path:
@@ -47,12 +51,14 @@ def list_adapters(r: redis.Redis, model_id: str | None = None, owner: str | None
         for _, job_id in items:
             p.hmget(job_key(job_id), "adapter_path", "finished_at", "owner")
             p.hstrlen(adapter_key(job_id), WEIGHTS_FILE)
+            p.hstrlen(adapter_key(job_id), MODEL_WEIGHTS_FILE)
             p.hget(adapter_key(job_id), CONFIG_FILE)
             p.exists(adapter_key(job_id))
         answers = p.execute()
     out, gone = [], []
     for i, (ref, job_id) in enumerate(items):
-        (path, finished_at, job_owner), weights_len, config_raw, stored = answers[4 * i : 4 * i + 4]
+        (path, finished_at, job_owner), weights_len, model_len, config_raw, stored = answers[5 * i : 5 * i + 5]
+        weights_len += model_len
         if not stored or path is None:
             gone.append(ref)
             continue
@@ -100,6 +106,8 @@ def find(r: redis.Redis, model_id: str, adapter_name: str) -> str | None:
 
 def delete(r: redis.Redis, model_id: str, adapter_name: str) -> bool:
     """Remove the index entry and the adapter's copy in Redis. False if there is none."""
+    from redis import WatchError
+
     ref = f"{model_id}/{adapter_name}"
     with r.pipeline() as p:
         while True:
@@ -113,7 +121,7 @@ def delete(r: redis.Redis, model_id: str, adapter_name: str) -> bool:
                 p.delete(adapter_key(job_id.decode()))
                 p.execute()
                 return True
-            except redis.WatchError:
+            except WatchError:
                 continue
 
 

@@ -12,17 +12,21 @@ or `{"prompt", "completion"}`; preference rows (DPO, ORPO, reward models) are
 `{"prompt", "chosen", "rejected"}`. Errors name the row and the field.
 """
 
+from __future__ import annotations
+
 import json
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import redis
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.model_ids import under_roots
 from shared.settings import Settings
+
+if TYPE_CHECKING:  # the trainers import the row checks here and need no Redis client
+    import redis
 
 FILE_ID = r"^file-[0-9a-f]{32}$"
 ROLES = ("system", "user", "assistant", "tool")

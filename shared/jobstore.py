@@ -105,20 +105,15 @@ def _phase(h: dict[bytes, bytes]) -> tuple[str | None, str | None]:
     return None, None
 
 
-def _job_or_unreadable(job_id: str, h: dict[bytes, bytes]) -> Job | UnreadableJob:
-    """The job, or an entry saying its stored record cannot be loaded (written by another
-    version, say): one bad record must not break listing the others."""
+def job_or_unreadable(job_id: str, h: dict[bytes, bytes], load=None) -> Job | UnreadableJob:
+    """The job (made by load(job_id, h); default: a GRPO job), or an entry saying its stored
+    record cannot be loaded (written by another version, say): one bad record must not break
+    listing the others."""
     try:
-        return _job_from_hash(job_id, h)
+        return (load or _job_from_hash)(job_id, h)
     except (ValueError, KeyError) as e:  # pydantic's ValidationError is a ValueError
         return UnreadableJob(job_id=job_id, error=f"stored record cannot be loaded: {type(e).__name__}: {e}"[:500],
                              owner=_s(h.get(b"owner")))
-
-
-def get_job_entry(r: redis.Redis, job_id: str) -> Job | UnreadableJob | None:
-    """Like get_job, for the API: an unreadable record is reported, not raised."""
-    h = r.hgetall(job_key(job_id))
-    return _job_or_unreadable(job_id, h) if h else None
 
 
 def get_job(r: redis.Redis, job_id: str) -> Job | None:
@@ -136,7 +131,7 @@ def list_jobs(
 ) -> tuple[list[Job | UnreadableJob], bool]:
     """Newest first. `after` is the last job_id of the previous page; `owner`: only the jobs
     of that token name; `kind`: only jobs of that kind, each made by load(job_id, hash)."""
-    load = load or _job_or_unreadable
+    load = load or job_or_unreadable
     start = 0
     if after is not None:
         rank = r.zrevrank(JOBS_INDEX, after)

@@ -14,9 +14,6 @@ import re
 from importlib.metadata import entry_points
 from typing import Annotated, Any, Literal, Union
 
-import httpx
-import jsonschema
-import re2
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 REWARD_ENTRY_POINT_GROUP = "mtq.rewards"
@@ -62,8 +59,15 @@ class RegexReward(_Source):
         return pattern
 
 
+# httpx, jsonschema and re2 are imported where they are used: the trainers import the job
+# specs (shared/schemas.py) and must run where only MLX and its own dependencies are installed
+# (bench/train_step.py on a GPU machine).
+
+
 def compile_regex(pattern: str) -> "re2._Regexp":
     """The pattern compiled by RE2 (matching time linear in the text); ValueError if RE2 rejects it."""
+    import re2
+
     for m in _REPEAT_RE.finditer(pattern):
         if any(n and int(n) > RE2_MAX_REPEAT for n in m.groups()):
             raise ValueError(f"invalid regular expression: repetition count above {RE2_MAX_REPEAT}: {m.group()[:40]}")
@@ -106,6 +110,8 @@ class JsonValidReward(_Source):
     @classmethod
     def _schema_is_valid(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
         if schema is not None:
+            import jsonschema
+
             try:
                 jsonschema.validators.validator_for(schema).check_schema(schema)
             except jsonschema.SchemaError as e:
@@ -174,10 +180,12 @@ RewardSource = Annotated[
 ]
 
 
-def parse_reward_url(text: str) -> httpx.URL:
+def parse_reward_url(text: str) -> "httpx.URL":
     """The one parser of reward URLs: the API checks, and the worker calls, this same
     httpx.URL. Refused: other schemes, no host, user:password@ (a classic way to make two
     parsers disagree on the host), and backslashes (which some parsers read as '/')."""
+    import httpx
+
     if "\\" in text:
         raise ValueError(f"reward URL {text[:200]!r} contains a backslash")
     try:

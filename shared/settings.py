@@ -41,6 +41,9 @@ class Settings:
     max_reward_response_bytes: int = 4 * 2**20
     max_streams_per_token: int = 32
     max_file_bytes: int = 8 * 2**20  # an uploaded dataset file (POST /admin/api/fine-tune/files)
+    # Full fine-tuning stores every trained weight and twice that of optimizer state in one Redis
+    # value each, and Redis refuses values over 512 MB (proto-max-bulk-len): weights up to this many GB.
+    full_finetune_max_gb: float = 0.25
 
     @property
     def adapters_dir(self) -> Path:
@@ -90,4 +93,5 @@ def load_settings() -> Settings:
         max_reward_response_bytes=_int("MTQ_MAX_REWARD_RESPONSE_BYTES", Settings.max_reward_response_bytes),
         max_streams_per_token=_int("MTQ_MAX_STREAMS_PER_TOKEN", Settings.max_streams_per_token),
         max_file_bytes=_int("MTQ_MAX_FILE_BYTES", Settings.max_file_bytes),
+        full_finetune_max_gb=_float("MTQ_FULL_FINETUNE_MAX_GB", Settings.full_finetune_max_gb),
     )

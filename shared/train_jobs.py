@@ -16,7 +16,7 @@ from shared.settings import QUEUE_NAME
 from shared.train_specs import SPECS, TrainJob
 
 # Changing these on resume would not fit the checkpoint's adapter (shape, placement or scale).
-ADAPTER_SHAPE_FIELDS = ("lora_rank", "lora_layers", "lora_alpha", "fine_tune_type")
+ADAPTER_SHAPE_FIELDS = ("lora_rank", "lora_layers", "lora_alpha", "fine_tune_type", "quantize_base", "quant_bits")
 
 
 def create_job(r: redis.Redis, spec, owner: str | None = None) -> TrainJob:
@@ -60,18 +60,8 @@ def get_job(r: redis.Redis, job_id: str, kind: str | None = None) -> TrainJob | 
         return None
 
 
-def list_jobs(r: redis.Redis, kind: str, status: str | None, limit: int, after: str | None,
-              owner: str | None) -> tuple[list, bool]:
-    return jobstore.list_jobs(r, status=status, limit=limit, after=after, owner=owner, kind=kind,
-                              load=lambda job_id, h: _or_unreadable(job_id, h))
-
-
-def _or_unreadable(job_id: str, h: dict[bytes, bytes]):
-    try:
-        return job_from_hash(job_id, h)
-    except (KeyError, ValueError) as e:
-        return jobstore.UnreadableJob(job_id=job_id, error=f"stored record cannot be loaded: {type(e).__name__}: {e}"[:500],
-                                      owner=None if h.get(b"owner") is None else h[b"owner"].decode())
+def job_or_unreadable(job_id: str, h: dict[bytes, bytes]):
+    return jobstore.job_or_unreadable(job_id, h, load=job_from_hash)
 
 
 def with_config_overrides(spec, overrides: dict[str, Any]):

@@ -58,19 +58,23 @@ class TrainConfig(BaseModel):
 
 
 class SFTConfig(TrainConfig):
-    fine_tune_type: Literal["lora", "dora", "full", "qlora"] = "lora"
-    quantize_base: bool = False
+    fine_tune_type: Literal["lora", "dora", "full", "qlora"] = Field("lora", description=(
+        "lora / dora: an adapter on the shared base; full: the last lora_layers blocks' own weights "
+        "(mlx_lm's full fine-tuning), the result a complete model directory; qlora: LoRA on a copy of the base "
+        "quantized to quant_bits. full and qlora train on a private copy of the model."))
+    quantize_base: bool = Field(False, description="Quantize a private copy of the base before attaching LoRA / DoRA (qlora implies it).")
     quant_bits: Literal[4, 8] = 4
     mask_prompt: bool = Field(False, description="Train only on completions / the last assistant message.")
 
     @model_validator(mode="after")
-    def _supported(self):
-        # full fine-tuning changes the base weights every other job shares (the worker keeps
-        # models loaded), and qlora needs a quantized copy of them: not offered yet.
-        if self.fine_tune_type in ("full", "qlora") or self.quantize_base:
-            raise ValueError(f"fine_tune_type {self.fine_tune_type!r} / quantize_base are not supported by this "
-                             "server yet; use lora or dora")
+    def _full_is_not_quantized(self):
+        if self.fine_tune_type == "full" and self.quantize_base:
+            raise ValueError("fine_tune_type 'full' trains the base weights themselves: quantize_base does not apply")
         return self
+
+    @property
+    def quantized(self) -> bool:
+        return self.fine_tune_type == "qlora" or self.quantize_base
 
 
 class DPOConfig(TrainConfig):

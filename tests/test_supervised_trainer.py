@@ -2,6 +2,8 @@
 what the job tests do not see from outside (gradient accumulation, gradient checkpointing,
 DoRA, the reference policy, the shared model left clean for the next job)."""
 
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -98,3 +100,54 @@ def test_dpo_reference_is_the_model_with_lora_off(lm):
     np.testing.assert_allclose(np.array(ref_after), np.array(ref_before), rtol=1e-5)
     policy = sequence_logps(token_logps(model(inputs), targets), mask)
     assert not np.allclose(np.array(policy), np.array(ref_after))  # the policy moved, the reference did not
+
+
+def test_full_fine_tuning_is_bounded_and_quantized_bases_are_refused(tiny_model, tmp_path, monkeypatch):
+    """private_base (a full / qlora job's own copy of the model) refuses, before reading any weight,
+    a model above MTQ_FULL_FINETUNE_MAX_GB for full, and a base quantized already."""
+    from shared.settings import load_settings
+    from worker.make_model import make_model
+    from worker.supervised import UnsupportedBase, private_base
+
+    quantized = make_model(tmp_path / "tiny-q8", size="tiny", quantize=8)
+    monkeypatch.setenv("MTQ_MODELS_DIR", str(tiny_model.parent))
+    monkeypatch.setenv("MTQ_MODEL_ROOTS", str(tmp_path))
+    monkeypatch.setenv("MTQ_FULL_FINETUNE_MAX_GB", "0.0005")  # the tiny model's weights: 0.56 MB
+    with pytest.raises(UnsupportedBase, match=r"its weights are 0.000559 GB, above MTQ_FULL_FINETUNE_MAX_GB \(0.0005 GB"):
+        private_base("tiny", load_settings(), "full", None)
+    model, _, _, quantization = private_base("tiny", load_settings(), "lora", 4)  # the bound is full's only
+    assert quantization == {"group_size": 64, "bits": 4, "mode": "affine"}
+    assert type(model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
+    monkeypatch.setenv("MTQ_FULL_FINETUNE_MAX_GB", "0.001")
+    assert private_base("tiny", load_settings(), "full", None)[3] is None
+    with pytest.raises(UnsupportedBase, match="is already quantized"):
+        private_base(str(quantized), load_settings(), "lora", 4)
+
+
+def test_the_step_benchmark_imports_only_mlx_and_its_dependencies():
+    """bench/train_step.py (and so the trainers) must run where only MLX's wheels are installed
+    (the H200): no package beyond what mlx, mlx_lm, numpy, pydantic, transformers and tokenizers
+    import themselves (no redis, rq, httpx, re2, jsonschema)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = """
+import runpy, sys
+def tops():
+    return {m.split('.')[0] for m in sys.modules if m.split('.')[0] not in sys.stdlib_module_names and not m.startswith('_')}
+import mlx.core, mlx.nn, mlx.optimizers, mlx_lm, mlx_lm.tuner.trainer, mlx_lm.tuner.datasets, mlx_lm.utils
+import numpy, pydantic, annotated_types, transformers, tokenizers
+allowed = tops() | {"shared", "worker"}
+sys.argv = ["bench/train_step.py", "--help"]
+try:
+    runpy.run_path("bench/train_step.py", run_name="__main__")
+except SystemExit:
+    pass
+print(sorted(tops() - allowed))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "MTQ_OPENBLAS": "0"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -21,6 +21,10 @@ Chosen and rejected rows of a batch go through the model in one right-padded bat
 0..N-1 chosen, N..2N-1 rejected.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -28,7 +32,9 @@ from shared.train_specs import DPOJobCreate, ORPOJobCreate
 from worker import supervised
 from worker.grpo import Cancelled, lora_disabled  # noqa: F401  (Cancelled: the kind's, training_process catches it)
 from worker.supervised import Rows, Trainer, cut, pad_rows, pair_tokens, token_logps
-from worker.training_process import JobRun
+
+if TYPE_CHECKING:  # the job's handle; the trainers run without the worker (bench/train_step.py)
+    from worker.training_process import JobRun
 
 USER_ERRORS = supervised.USER_ERRORS
 

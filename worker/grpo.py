@@ -56,7 +56,6 @@ from mlx.utils import tree_flatten, tree_map
 
 from shared.schemas import GRPOConfig, JobCreate, PromptItem
 from worker.memory import GB, logits_chunk_tokens, model_shape, plan_memory
-from worker.rewards import RewardStopped
 from worker.sampling import (
     PaddingMaskCache, Samples, SamplingParams, left_pad, lm_head, make_decode_step, sample, token_logprobs,
 )
@@ -474,6 +473,8 @@ class GRPOTrainer:
             texts = [completion_text(tok, body) for body in bodies]
         G = cfg.group_size
         completions = [texts[b * G : (b + 1) * G] for b in range(len(items))]
+        from worker.rewards import RewardStopped  # here: the supervised trainers import this module without HTTP/JSON-schema libraries
+
         try:
             rewards, reward_metrics = self.scorer.score(
                 state.step, items, completions, token_counts=[lengths[b * G : (b + 1) * G] for b in range(len(items))],

@@ -96,17 +96,32 @@ def get_model(model_id: str, settings: Settings) -> tuple[nn.Module, object, boo
         _loaded.move_to_end(where)
         model, tokenizer, _ = _loaded[where]
         return model, tokenizer, True
-    log.info("loading model %s from %s", model_id, where)
-    try:
-        model, tokenizer = mlx_lm_load(where)
-    except Exception as e:  # mlx_lm raises a variety (hub errors, missing files, bad config)
-        # The message may hold the worker's paths: it goes to the worker's log, not to the client.
-        log.warning("could not load model %s from %s: %s: %s", model_id, where, type(e).__name__, e)
-        raise ModelNotFound(f"model {model_id!r} could not be loaded ({type(e).__name__}; see the worker's log)") from e
+    model, tokenizer = _load(model_id, where)
     _loaded[where] = (model, tokenizer, model_id)
     while len(_loaded) > MAX_LOADED_MODELS:
         _loaded.popitem(last=False)
     return model, tokenizer, False
+
+
+def load_private(model_id: str, settings: Settings) -> tuple[nn.Module, object, dict]:
+    """(model, tokenizer, config) for one job alone (full and quantized fine-tuning change the
+    base weights): never taken from nor put into the cache of shared models, and freed with the
+    job. Loaded lazily (the caller checks its size first). The cache's copy of the same model
+    is dropped first, so the process does not hold the model twice."""
+    where = resolve_model(model_id, settings)
+    if _loaded.pop(where, None) is not None:
+        mx.clear_cache()
+    return _load(model_id, where, lazy=True, return_config=True)
+
+
+def _load(model_id: str, where: str, **kwargs):
+    log.info("loading model %s from %s", model_id, where)
+    try:
+        return mlx_lm_load(where, **kwargs)
+    except Exception as e:  # mlx_lm raises a variety (hub errors, missing files, bad config)
+        # The message may hold the worker's paths: it goes to the worker's log, not to the client.
+        log.warning("could not load model %s from %s: %s: %s", model_id, where, type(e).__name__, e)
+        raise ModelNotFound(f"model {model_id!r} could not be loaded ({type(e).__name__}; see the worker's log)") from e
 
 
 def loaded_model_ids() -> list[str]:

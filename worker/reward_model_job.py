@@ -12,7 +12,10 @@ scoring (POST /admin/api/fine-tune/reward/score, worker/scoring.py) and GRPO's
 with `score_completions`.
 """
 
+from __future__ import annotations
+
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,7 +25,9 @@ from worker import supervised
 from worker.dpo_job import PreferenceTrainer
 from worker.grpo import Cancelled  # noqa: F401  (the kind's Cancelled: training_process catches it)
 from worker.supervised import Rows, pad_rows, pair_tokens
-from worker.training_process import JobRun
+
+if TYPE_CHECKING:  # the job's handle; the trainers run without the worker (bench/train_step.py)
+    from worker.training_process import JobRun
 
 USER_ERRORS = supervised.USER_ERRORS
 HEAD_FILE = "value_head.safetensors"

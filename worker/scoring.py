@@ -59,6 +59,8 @@ def adapter_files(r, settings: Settings, model_id: str, adapter_name: str) -> Pa
     blobs = {} if job_id is None else r.hgetall(adapter_key(job_id.decode()))
     if not blobs:
         raise AdapterNotFound(f"Adapter not found: {model_id}/{adapter_name}")
+    if b"adapters.safetensors" not in blobs:
+        raise AdapterNotFound(f"Adapter not found: {model_id}/{adapter_name} (a full fine-tune's model directory, not an adapter)")
     out = settings.home / "cache" / "adapters" / job_id.decode()
     if not (out / "adapters.safetensors").is_file():
         tmp = out.with_name(out.name + ".tmp")

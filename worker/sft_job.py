@@ -1,4 +1,5 @@
-"""The SFT job kind: supervised fine-tuning with LoRA or DoRA (mlx_lm's trainer, as a job).
+"""The SFT job kind: supervised fine-tuning with LoRA, DoRA, QLoRA or of the weights themselves
+(full), as mlx_lm's trainer does, as a job.
 
 The loss, masked cross-entropy over the trained tokens (mask m: completion tokens, or every
 token of a text row; padding never):
@@ -10,7 +11,10 @@ completion; `mask_prompt` trains only on the completion / last assistant message
 around the steps (checkpoints, resume, cancel, events) is worker/supervised.py's.
 """
 
+from __future__ import annotations
+
 import types
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.tuner.datasets import create_dataset
@@ -20,7 +24,9 @@ from shared.train_specs import SFTJobCreate
 from worker import supervised
 from worker.grpo import Cancelled  # noqa: F401  (the kind's Cancelled: training_process catches it)
 from worker.supervised import Rows, Trainer, cut, pad_rows, token_logps
-from worker.training_process import JobRun
+
+if TYPE_CHECKING:  # the job's handle; the trainers run without the worker (bench/train_step.py)
+    from worker.training_process import JobRun
 
 USER_ERRORS = supervised.USER_ERRORS
 
@@ -73,4 +79,6 @@ class SFTTrainer(Trainer):
 
 def run(job: JobRun, spec_json: str) -> dict:
     spec = SFTJobCreate.model_validate_json(spec_json)
-    return supervised.run_job(job, spec, SFTTrainer, fine_tune_type=spec.config.fine_tune_type)
+    cfg = spec.config
+    return supervised.run_job(job, spec, SFTTrainer, fine_tune_type=cfg.fine_tune_type,
+                              quant_bits=cfg.quant_bits if cfg.quantized else None)

@@ -11,6 +11,8 @@ Rows are right-padded: attention is causal, so padding after a row's last token 
 nothing before it, and the loss masks it out.
 """
 
+from __future__ import annotations
+
 import contextlib
 import json
 import logging
@@ -18,7 +20,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,6 +30,7 @@ from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.trainer import grad_checkpoint
 from mlx_lm.tuner.utils import build_schedule, linear_to_lora_layers
+from mlx_lm.utils import quantize_model, save_config, save_model
 
 from shared.adapters import adapter_dir
 from shared.datasets import DatasetError, load_rows
@@ -35,11 +38,19 @@ from shared.settings import load_settings
 from shared.train_specs import TrainConfig
 from worker import checkpoints
 from worker.grpo import Cancelled, NonFiniteLoss, TrainState, batch_indices
-from worker.models import ModelNotFound, get_model
-from worker.training_process import JobRun
+from worker.models import ModelNotFound, get_model, load_private, loaded_model_ids
+
+if TYPE_CHECKING:  # the job's handle; the trainers run without the worker (bench/train_step.py)
+    from worker.training_process import JobRun
 
 log = logging.getLogger(__name__)
-USER_ERRORS = (ModelNotFound, DatasetError, NonFiniteLoss, checkpoints.CheckpointMismatch)
+
+
+class UnsupportedBase(Exception):
+    """The model cannot be fine-tuned the way the job asks (already quantized, too large)."""
+
+
+USER_ERRORS = (ModelNotFound, DatasetError, NonFiniteLoss, checkpoints.CheckpointMismatch, UnsupportedBase)
 PAD_TO = 32  # widths are padded to a multiple of this: few distinct shapes
 
 
@@ -114,10 +125,13 @@ def eval_batches(n_rows: int, batch_size: int, val_batches: int) -> list[list[in
 # --------------------------------------------------------------------------- adapter and optimizer
 
 
-def adapter_config(cfg: TrainConfig, fine_tune_type: str = "lora") -> dict:
-    """mlx_lm's adapter_config.json: the seed passes lora_alpha as mlx_lm's scale."""
+def adapter_config(cfg: TrainConfig, fine_tune_type: str = "lora", quantization: dict | None = None) -> dict:
+    """mlx_lm's adapter_config.json: the seed passes lora_alpha as mlx_lm's scale. A quantized
+    base (qlora) adds `quantization`, the arguments of mlx_lm's quantize_model that rebuild it
+    (the key mlx_lm's config.json uses for a quantized model); mlx_lm itself keeps none there."""
     return {"fine_tune_type": fine_tune_type, "num_layers": cfg.lora_layers,
-            "lora_parameters": {"rank": cfg.lora_rank, "scale": cfg.lora_alpha, "dropout": cfg.lora_dropout}}
+            "lora_parameters": {"rank": cfg.lora_rank, "scale": cfg.lora_alpha, "dropout": cfg.lora_dropout},
+            **({"quantization": quantization} if quantization else {})}
 
 
 def remove_adapter_layers(model: nn.Module) -> None:
@@ -128,15 +142,63 @@ def remove_adapter_layers(model: nn.Module) -> None:
 
 
 def attach_adapter(model: nn.Module, cfg: TrainConfig, fine_tune_type: str = "lora") -> None:
+    """Make the job's weights the only trainable ones: fresh LoRA / DoRA layers (qlora: LoRA),
+    or for `full` the last lora_layers blocks' own weights (-1: all), as mlx_lm's trainer does
+    (embeddings and the final norm stay frozen)."""
     remove_adapter_layers(model)
     model.freeze()
-    conf = adapter_config(cfg, fine_tune_type)
-    linear_to_lora_layers(model, conf["num_layers"], conf["lora_parameters"], use_dora=fine_tune_type == "dora")
+    if fine_tune_type == "full":
+        for layer in model.layers[-max(cfg.lora_layers, 0):]:
+            layer.unfreeze()
+    else:
+        conf = adapter_config(cfg, fine_tune_type)
+        linear_to_lora_layers(model, conf["num_layers"], conf["lora_parameters"], use_dora=fine_tune_type == "dora")
     model.eval()
     mx.eval(model.trainable_parameters())
 
 
+def private_base(model_id: str, settings, fine_tune_type: str, quant_bits: int | None):
+    """(model, tokenizer, config, quantization) for a job that changes the base weights: its own
+    copy (worker/models.py load_private), made ready by prepare_private."""
+    model, tokenizer, config = load_private(model_id, settings)
+    return (model, tokenizer, *prepare_private(model, config, model_id, fine_tune_type, quant_bits,
+                                                settings.full_finetune_max_gb))
+
+
+def prepare_private(model: nn.Module, config: dict, name: str, fine_tune_type: str, quant_bits: int | None,
+                    max_gb: float) -> tuple[dict, dict | None]:
+    """Check a lazily loaded private copy and quantize it for qlora, as mlx_lm.convert does
+    (affine, group size 64); (its config, the quantization or None). `full` is bounded by
+    max_gb (MTQ_FULL_FINETUNE_MAX_GB), checked before any weight is read."""
+    if "quantization" in config or "quantization_config" in config:
+        raise UnsupportedBase(f"model {name!r} is already quantized: fine_tune_type lora or dora on it is QLoRA "
+                              "as it is; full, qlora and quantize_base need an unquantized model")
+    size = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # lazy: nothing read yet
+    if fine_tune_type == "full" and size > max_gb * 1e9:
+        raise UnsupportedBase(
+            f"full fine-tuning of {name!r}: its weights are {size / 1e9:.3g} GB, above MTQ_FULL_FINETUNE_MAX_GB "
+            f"({max_gb} GB; checkpoints hold the weights and twice that of optimizer state in Redis); "
+            "use lora, dora or qlora")
+    quantization = None
+    if quant_bits:
+        _, config = quantize_model(model, config, group_size=None, bits=quant_bits, mode="affine")
+        quantization = {k: config["quantization"][k] for k in ("group_size", "bits", "mode")}
+    mx.eval(model.parameters())
+    return config, quantization
+
+
+def save_full_model(model: nn.Module, tokenizer, config: dict, out_dir: Path, train_config: dict) -> None:
+    """A complete mlx_lm model directory (`mlx_lm.load(dir)`): every weight (model.safetensors),
+    the base's config.json and tokenizer; adapter_config.json records how it was trained."""
+    save_model(out_dir, model)
+    save_config(config, out_dir / "config.json")
+    tokenizer.save_pretrained(str(out_dir))
+    (out_dir / "adapter_config.json").write_text(json.dumps(train_config, indent=2))
+
+
 def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
+    """mlx_lm's trainer's optimizers, as the seed server's SFT uses them: MLX's Adam / AdamW
+    without bias correction (GRPO's is TRL's, bias-corrected: worker/grpo.py)."""
     lr = build_schedule(cfg.lr_schedule.model_dump()) if cfg.lr_schedule else cfg.learning_rate
     if cfg.optimizer == "adam":
         return optim.Adam(learning_rate=lr)
@@ -180,66 +242,92 @@ def gradient_checkpointing(model: nn.Module, on: bool):
 # --------------------------------------------------------------------------- the job
 
 
-def run_job(job: JobRun, spec, make_trainer: Callable, fine_tune_type: str = "lora") -> dict:
+def run_job(job: JobRun, spec, make_trainer: Callable, fine_tune_type: str = "lora", quant_bits: int | None = None) -> dict:
     """Load the model and the datasets, attach the adapter, run the steps with checkpoints,
-    evaluations, progress and events, and commit the adapter (plus what the trainer adds)."""
+    evaluations, progress and events, and commit the adapter (plus what the trainer adds).
+    `full` and a quantized base (quant_bits) train a private copy of the model, freed at the end."""
     settings, cfg = load_settings(), spec.config
     t0 = time.perf_counter()
     job.mark("loading_model")
-    model, tokenizer, cached = get_model(spec.model_id, settings)
+    private = fine_tune_type == "full" or quant_bits is not None
+    if private:
+        model, tokenizer, base_config, quantization = private_base(spec.model_id, settings, fine_tune_type, quant_bits)
+        cached = False
+    else:
+        model, tokenizer, cached = get_model(spec.model_id, settings)
+        base_config = quantization = None
+    if not cached:  # a model loaded, or (private copy) the shared one dropped: the advertisement says so
+        job.publish_loaded(loaded_model_ids())
+
+    def write_files(trainer: Trainer, out_dir: Path) -> None:
+        if fine_tune_type == "full":
+            save_full_model(model, tokenizer, base_config, out_dir, adapter_config(cfg, "full"))
+        else:
+            trainer.save(out_dir, adapter_config(cfg, fine_tune_type, quantization))
+
+    try:
+        return _train(job, spec, make_trainer, model, tokenizer, fine_tune_type, private, settings, t0, cached, write_files)
+    finally:
+        remove_adapter_layers(model)  # the process keeps a shared model for the next job
+        if private:
+            del model
+            mx.clear_cache()  # the private copy's memory goes back now, not when the next job allocates
+
+
+def _train(job: JobRun, spec, make_trainer: Callable, model, tokenizer, fine_tune_type: str, private: bool,
+           settings, t0: float, cached: bool, write_files: Callable) -> dict:
+    cfg = spec.config
     r = job.lease.r
     train = getattr(spec, "preference_pairs", None)
     train = [p.model_dump() for p in train] if train else load_rows(r, spec.dataset, settings, spec.row_format, "dataset")
     valid = load_rows(r, spec.valid_dataset, settings, spec.row_format, "valid_dataset", split="valid")
     if valid is None and isinstance(spec.dataset, str):  # a data directory's valid.jsonl
         valid = load_rows(r, spec.dataset, settings, spec.row_format, "dataset", split="valid")
-    job.write(event={"type": "model_ready", "cached": cached, "load_s": time.perf_counter() - t0,
+    job.write(event={"type": "model_ready", "cached": cached, "private_copy": private, "load_s": time.perf_counter() - t0,
                      "train_rows": len(train), "valid_rows": len(valid or [])})
 
     mx.random.seed(cfg.seed)  # LoRA init
     attach_adapter(model, cfg, fine_tune_type)
-    try:
-        with gradient_checkpointing(model, cfg.gradient_checkpointing):
-            trainer = make_trainer(model, tokenizer, spec, train, valid)
-            if trainer.truncated:
-                job.write(event={"type": "truncated", "rows": trainer.truncated, "max_seq_length": cfg.max_seq_length})
-            state = TrainState()
-            saved = job.load_checkpoint()
-            if saved:
-                state = checkpoints.restore(trainer.module, trainer.optimizer, saved)
-                job.write(event={"type": "resumed", "from_step": state.step}, resumed_from=state.step)
-            saver = checkpoints.CheckpointSaver(job, cfg.steps_per_save, cfg.checkpoint_interval_s, start_step=state.step)
-            step_type = f"{spec.kind}_step"
-            if valid and state.step == 0:  # before training, as mlx_lm reports it
-                job.mark("scoring")
-                job.write(event={"type": "eval", "iter": 0, **trainer.evaluate()})
-            try:
-                while state.step < cfg.iters:
-                    if job.should_stop():
-                        raise Cancelled()
-                    job.mark("updating")
-                    metrics = trainer.step(state, on_finite_loss=saver.flush)
-                    job.step_done()
-                    last = state.step == cfg.iters
-                    if valid and (state.step == 1 or state.step % cfg.steps_per_eval == 0 or last):
-                        job.mark("scoring")
-                        metrics.update(trainer.evaluate())
-                        job.write(event={"type": "eval", "iter": state.step, **{k: v for k, v in metrics.items() if k.startswith("val")}})
-                    progress = {"iter": state.step, "total_iters": cfg.iters, **metrics}
-                    event = {"type": step_type, "worker": job.lease.worker, **progress} \
-                        if state.step % cfg.steps_per_report == 0 or last else None
-                    job.write(event=event, progress=progress)
-                    state.history.append({k: metrics[k] for k in ("loss", "learning_rate", "step_time")})
-                    saver.maybe_snapshot(trainer.module, trainer.optimizer, state)
+    with gradient_checkpointing(model, cfg.gradient_checkpointing):
+        trainer = make_trainer(model, tokenizer, spec, train, valid)
+        if trainer.truncated:
+            job.write(event={"type": "truncated", "rows": trainer.truncated, "max_seq_length": cfg.max_seq_length})
+        state = TrainState()
+        saved = job.load_checkpoint()
+        if saved:
+            state = checkpoints.restore(trainer.module, trainer.optimizer, saved)
+            job.write(event={"type": "resumed", "from_step": state.step}, resumed_from=state.step)
+        saver = checkpoints.CheckpointSaver(job, cfg.steps_per_save, cfg.checkpoint_interval_s, start_step=state.step)
+        step_type = f"{spec.kind}_step"
+        if valid and state.step == 0:  # before training, as mlx_lm reports it
+            job.mark("scoring")
+            job.write(event={"type": "eval", "iter": 0, **trainer.evaluate()})
+        try:
+            while state.step < cfg.iters:
+                if job.should_stop():
+                    raise Cancelled()
+                job.mark("updating")
+                metrics = trainer.step(state, on_finite_loss=saver.flush)
+                job.step_done()
+                last = state.step == cfg.iters
+                if valid and (state.step == 1 or state.step % cfg.steps_per_eval == 0 or last):
+                    job.mark("scoring")
+                    metrics.update(trainer.evaluate())
+                    job.write(event={"type": "eval", "iter": state.step, **{k: v for k, v in metrics.items() if k.startswith("val")}})
+                progress = {"iter": state.step, "total_iters": cfg.iters, **metrics}
+                event = {"type": step_type, "worker": job.lease.worker, **progress} \
+                    if state.step % cfg.steps_per_report == 0 or last else None
+                job.write(event=event, progress=progress)
+                state.history.append({k: metrics[k] for k in ("loss", "learning_rate", "step_time")})
+                saver.maybe_snapshot(trainer.module, trainer.optimizer, state)
+                if not private:  # scoring requests use the shared copy: a private job leaves them to idle workers
                     job.between_steps(spec.model_id)
-            except Cancelled:
-                if job.marks.hand_back_requested:  # the worker is shutting down: keep what was done
-                    saver.save_now(trainer.module, trainer.optimizer, state)
-                raise
-        out = adapter_dir(settings, spec.model_id, spec.adapter_name or job.job_id)
-        job.commit_adapter(out, lambda d: trainer.save(d, adapter_config(cfg, fine_tune_type)))
-    finally:
-        remove_adapter_layers(model)  # the process keeps the model for the next job
+        except Cancelled:
+            if job.marks.hand_back_requested:  # the worker is shutting down: keep what was done
+                saver.save_now(trainer.module, trainer.optimizer, state)
+            raise
+    out = adapter_dir(settings, spec.model_id, spec.adapter_name or job.job_id)
+    job.commit_adapter(out, lambda d: write_files(trainer, d))
     kept = state.history[-checkpoints.HISTORY_KEPT:]
     first = state.step - len(kept) + 1
     return {"adapter_path": str(out), "adapter": (spec.model_id, spec.adapter_name),

@@ -260,6 +260,8 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
             return
         marks.mark("idle")
         conn.send(run_one(r, job_id, epoch, worker, marks, parent_pid))
+        published = None  # the job may have published its own list (models loaded, or one dropped): say ours again
+        publish_loaded()
 
 
 def _die_with_parent() -> None:

@@ -39,7 +39,7 @@ class Adapter(BaseModel):
     lora_rank: int | None
     fine_tune_type: str | None
     job_id: str = Field(description="The completed job that made it (the newest of that name).")
-    size: int = Field(description="Bytes of adapters.safetensors + adapter_config.json.")
+    size: int = Field(description="Bytes of the weights (adapters.safetensors; a full fine-tune: model.safetensors) + adapter_config.json.")
     created_at: float | None = Field(description="When that job completed (epoch seconds).")
 
 

@@ -1,45 +1,52 @@
-"""The routes of one job kind, built from its spec model: create, list, get, cancel, delete,
-stream, resume and history, with the seed server's shapes and messages:
+"""The routes of every job kind, built once from the kind's store (JobKind): create, list, get,
+cancel, delete, stream, resume, history and the job's adapter, with the seed server's shapes
+and messages:
 
-    POST   {prefix}                   the job (status "queued"); 400 "Invalid request: <where>: <why>"
-    GET    {prefix}                   a plain JSON array, newest first; header X-Next-After: the next page's `after`
+    POST   {prefix}                   the job (status "queued"); 400 with a readable `detail`
+    GET    {prefix}                   a plain JSON array, newest first; headers X-Has-More, X-Next-After (the next page's `after`)
     GET    {prefix}/{id}              404 "Job not found: <id>"
     POST   {prefix}/{id}/cancel       the job, already "cancelled"; 404 "Job not found or not cancellable: <id>"
     DELETE {prefix}/{id}              {"status": "deleted"} (queued or finished); 404 "Job not found or currently running: <id>"
     GET    {prefix}/{id}/stream       server-sent events (api/sse.py)
     POST   {prefix}/{id}/resume       re-queue a failed or cancelled job, optional {"config": {...}} overrides
     GET    {prefix}/{id}/history      a completed job's per-step metrics
+    GET    {prefix}/{id}/adapter      a completed job's adapter (or full model) as .tar.gz
 
-Invalid input of any kind (body, query) is a 400 with a readable string, as the seed's.
-Jobs of other kinds are 404 here. Who may do what: api/auth.py (a trainer token sees its own jobs).
+Jobs of other kinds are 404 here. Routes are plain `def`s (redis-py is blocking; FastAPI runs
+them in a thread pool), except the event stream: an `async def` on redis.asyncio, so that open
+streams hold no threads. Who may do what (api/auth.py): a viewer's token only reads (403 on
+changes); a trainer's token sees only the jobs it created (others' are 404).
 """
 
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Callable
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from api import sse
+from api.auth import Principal
 from api.deps import ADMIN_ERRORS, PrincipalDep, RedisDep, SettingsDep, WriterDep, get_async_redis, get_settings, require_token
 from api.json_body import JSONBodyRoute
-from shared import jobstore, lifecycle, train_jobs
-from shared.datasets import FileRef, file_meta, load_rows, path_error
+from api.routes.adapters import archive_response
+from shared import adapters, jobstore, lifecycle
 from shared.keys import job_key
-from shared.model_ids import model_id_error
-from shared.schemas import ErrorBody, check_json_values
-from shared.train_specs import TrainJob
+from shared.schemas import ErrorBody, JobStatus, UnreadableJob, check_json_values
 
+# Job ids are uuid4 hex; anything with a ':' would name another of the job's keys (mtq:job:<id>:events).
 JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 ERRORS = {
-    400: {"model": ErrorBody, "description": "Invalid request: a readable reason."},
+    400: {"model": ErrorBody, "description": "Invalid request: malformed or over-deep JSON, or a field that is "
+          "missing or wrong (`detail` says which, in words)."},
     403: {"model": ErrorBody, "description": "A viewer token cannot change anything."},
-    404: {"model": ErrorBody, "description": "Job not found (or not one of this trainer token's)."},
-    409: {"model": ErrorBody, "description": "Not possible in the job's current status."},
+    404: {"model": ErrorBody, "description": "No job of this kind with this id (or not one of this trainer token's)."},
+    409: {"model": ErrorBody, "description": "Not possible in the job's current status (or its stored record cannot be loaded)."},
     413: {"model": ErrorBody, "description": "Body larger than MTQ_MAX_BODY_BYTES."},
-    429: {"model": ErrorBody, "description": "Too many open event streams for this token."},
+    429: {"model": ErrorBody, "description": "This token has MTQ_MAX_STREAMS_PER_TOKEN streams open already."},
     **ADMIN_ERRORS,
 }
 
@@ -55,7 +62,8 @@ def readable(errors: list[dict]) -> str:
 
 
 class SeedErrorsRoute(JSONBodyRoute):
-    """Invalid input answers 400 with a readable string (the seed's), not FastAPI's 422 list."""
+    """Invalid input answers 400 with one readable string (the seed's SFT/DPO/... routes), not
+    FastAPI's 422 list."""
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
@@ -67,6 +75,24 @@ class SeedErrorsRoute(JSONBodyRoute):
                 return JSONResponse(status_code=400, content={"detail": readable(e.errors())})
 
         return answer_400
+
+
+@dataclass(frozen=True)
+class JobKind:
+    """One job kind as its routes see it: its paths, its models, and its store's functions."""
+
+    kind: str  # the record's `kind` (worker/training_process.py KINDS)
+    prefix: str
+    tag: str
+    what: str  # "a GRPO job", for the docs
+    spec_model: type[BaseModel]  # the create body
+    job_model: type[BaseModel]  # the job object
+    create: Callable[..., BaseModel]  # (r, spec, owner) -> the job, queued
+    from_hash: Callable[[str, dict], BaseModel]  # (job_id, record hash) -> the job, or an UnreadableJob
+    with_overrides: Callable[[Any, dict], Any]  # (spec, config overrides) -> spec; pydantic's ValidationError
+    resume: Callable[..., bool]  # (r, job_id, spec, overrides) -> re-queued?; ValueError: does not fit the checkpoint
+    check: Callable[..., None]  # (r, spec, settings, loc): what the schema cannot see; raises RequestValidationError / HTTPException 400
+    route_class: type[APIRoute] = SeedErrorsRoute  # how invalid input is answered
 
 
 class ResumeRequest(BaseModel):
@@ -81,128 +107,150 @@ class Deleted(BaseModel):
 
 class JobHistory(BaseModel):
     job_id: str
-    history: list[dict[str, Any]]
+    history: list[dict[str, Any]] = Field(description="One entry per step (the last 1000), each step once, "
+                                          "also across resumes: {step, loss, ...}.")
 
 
-def check_datasets(r, spec, settings) -> None:
-    """What the schema cannot see: the model id's allow-list, paths under MTQ_DATA_ROOTS,
-    uploaded files that exist and whose rows fit the kind, row counts (400s)."""
-    errors = []
-    if error := model_id_error(spec.model_id, settings):
-        errors.append(error)
-    for name in ("dataset", "valid_dataset"):
-        ref = getattr(spec, name)
-        if isinstance(ref, str) and (error := path_error(ref, settings)):
-            errors.append(error)
-        elif isinstance(ref, FileRef):
-            if file_meta(r, ref.file_id) is None:
-                errors.append(f"{name}: file {ref.file_id} not found")
-            else:
-                try:
-                    rows = load_rows(r, ref, settings, spec.row_format, name)
-                    if len(rows) > settings.max_prompts:
-                        errors.append(f"{name}: {len(rows)} rows; the limit is {settings.max_prompts} (MTQ_MAX_PROMPTS)")
-                except ValueError as e:
-                    errors.append(str(e))
-        elif isinstance(ref, list) and len(ref) > settings.max_prompts:
-            errors.append(f"{name}: {len(ref)} rows; the limit is {settings.max_prompts} (MTQ_MAX_PROMPTS)")
-    rows = spec.config.batch_size * (2 if spec.row_format == "preference" else 1)  # chosen + rejected
-    if rows * spec.config.max_seq_length > settings.max_step_tokens:
-        errors.append(f"a micro-batch could hold {rows * spec.config.max_seq_length} tokens (batch_size x "
-                      f"{'2 x ' if rows > spec.config.batch_size else ''}max_seq_length); the limit is "
-                      f"{settings.max_step_tokens} (MTQ_MAX_STEP_TOKENS)")
-    if len(getattr(spec, "preference_pairs", None) or []) > settings.max_prompts:
-        errors.append(f"preference_pairs: {len(spec.preference_pairs)} rows; the limit is {settings.max_prompts} (MTQ_MAX_PROMPTS)")
-    if errors:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, "; ".join(errors))
+def record_kind(raw: bytes | None) -> str:
+    return (raw or b"grpo").decode()  # records from before job kinds are GRPO's
 
 
-def job_router(kind: str, prefix: str, tag: str, spec_model: type[BaseModel], what: str) -> APIRouter:
-    router = APIRouter(prefix=prefix, tags=[tag], dependencies=[Depends(require_token)], route_class=SeedErrorsRoute,
-                       responses={k: ERRORS[k] for k in (400, 401, 413, 503)})
+def job_router(k: JobKind) -> APIRouter:
+    router = APIRouter(prefix=k.prefix, tags=[k.tag], dependencies=[Depends(require_token)], route_class=k.route_class,
+                       responses={code: ERRORS[code] for code in (400, 401, 413, 503)})
 
-    def visible(r, job_id: str, who) -> TrainJob | None:
-        job = train_jobs.get_job(r, job_id, kind) if JOB_ID.match(job_id) else None
-        return job if job is not None and who.sees(job.owner) else None
+    def only(*codes: int) -> dict:
+        return {code: ERRORS[code] for code in codes}
 
-    def found(r, job_id: str, who, message: str = "Job not found") -> TrainJob:
-        job = visible(r, job_id, who)
-        if job is None:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"{message}: {job_id[:100]}")
-        return job
+    def entry(r, job_id: str, who: Principal):
+        """The job (or its unreadable record), if it is of this kind and this principal may see it."""
+        h = r.hgetall(job_key(job_id)) if JOB_ID.match(job_id) else {}
+        if not h or record_kind(h.get(b"kind")) != k.kind:
+            return None
+        found = k.from_hash(job_id, h)
+        return found if who.sees(found.owner) else None
 
-    @router.post("", response_model=TrainJob, responses={k: ERRORS[k] for k in (403,)}, summary=f"Create {what} (queued)")
-    def create_job(spec: spec_model, r: RedisDep, settings: SettingsDep, who: WriterDep) -> TrainJob:  # type: ignore[valid-type]
-        check_datasets(r, spec, settings)
-        return train_jobs.create_job(r, spec, owner=who.name)
+    def not_found(job_id: str, what: str = "Job not found") -> HTTPException:
+        # The seed server's messages: "Job not found: <id>", "Job not found or not cancellable: <id>", ...
+        return HTTPException(status.HTTP_404_NOT_FOUND, f"{what}: {job_id[:100]}")
 
-    @router.get("", response_model=list[TrainJob | jobstore.UnreadableJob],
-                summary="List jobs, newest first (a trainer token: its own); X-Next-After: the next page")
+    def entry_or_404(r, job_id: str, who: Principal):
+        found = entry(r, job_id, who)
+        if found is None:
+            raise not_found(job_id)
+        return found
+
+    def job_or_404(r, job_id: str, who: Principal):
+        """A job this principal may see, readable (409 for a stored record that cannot be loaded)."""
+        found = entry_or_404(r, job_id, who)
+        if isinstance(found, UnreadableJob):
+            raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id}: {found.error}; it can only be deleted")
+        return found
+
+    @router.post("", response_model=k.job_model, responses=only(403), summary=f"Create {k.what} (queued)")
+    def create_job(spec: k.spec_model, r: RedisDep, settings: SettingsDep, who: WriterDep):  # type: ignore[valid-type]
+        k.check(r, spec, settings, ("body",))
+        return k.create(r, spec, owner=who.name)
+
+    @router.get("", response_model=list[k.job_model | UnreadableJob],  # type: ignore[name-defined]
+                summary="List jobs, newest first (a trainer token: its own): a plain array, as the seed server",
+                responses={200: {"headers": {
+                    "X-Has-More": {"description": "`true` if more jobs follow this page.", "schema": {"type": "string"}},
+                    "X-Next-After": {"description": "Pass as `after` to get the next page (only when X-Has-More is true).",
+                                     "schema": {"type": "string"}}}}})
     def list_jobs(
-        response: Response, r: RedisDep, who: PrincipalDep,
-        status_: Annotated[jobstore.JobStatus | None, Query(alias="status")] = None,
-        limit: Annotated[int, Query(ge=1, le=200)] = 100,
+        r: RedisDep, who: PrincipalDep, response: Response,
+        status_: Annotated[JobStatus | None, Query(alias="status", description="Only jobs in this status.")] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         after: Annotated[str | None, Query(max_length=64, description="X-Next-After of the previous page.")] = None,
     ) -> list:
         owner = who.name if who.role == "trainer" else None
         try:
-            jobs, more = train_jobs.list_jobs(r, kind, status_, limit, after, owner)
+            jobs, has_more = jobstore.list_jobs(r, status=status_, limit=limit, after=after, owner=owner, kind=k.kind,
+                                                load=k.from_hash)
         except KeyError:
             raise HTTPException(status.HTTP_400_BAD_REQUEST, f"unknown job id in 'after': {after}") from None
-        if more:
+        response.headers["X-Has-More"] = "true" if has_more else "false"
+        if has_more:
             response.headers["X-Next-After"] = jobs[-1].job_id
         return jobs
 
-    @router.get("/{job_id}", response_model=TrainJob, responses={404: ERRORS[404]}, summary="Get one job")
-    def get_job(job_id: str, r: RedisDep, who: PrincipalDep) -> TrainJob:
-        return found(r, job_id, who)
+    @router.get("/{job_id}", response_model=k.job_model | UnreadableJob, responses=only(404), summary="Get one job")
+    def get_job(job_id: str, r: RedisDep, who: PrincipalDep):
+        return entry_or_404(r, job_id, who)
 
-    @router.post("/{job_id}/cancel", response_model=TrainJob, responses={k: ERRORS[k] for k in (403, 404)},
-                 summary="Cancel a queued or running job (a running one stops at its next step)")
-    def cancel_job(job_id: str, r: RedisDep, who: WriterDep) -> TrainJob:
-        if visible(r, job_id, who) is None or not lifecycle.cancel(r, job_id):
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"Job not found or not cancellable: {job_id[:100]}")
-        return found(r, job_id, who)
-
-    @router.delete("/{job_id}", response_model=Deleted, responses={k: ERRORS[k] for k in (403, 404)},
-                   summary="Delete a queued or finished job (its record, events, checkpoint)")
+    @router.delete("/{job_id}", response_model=Deleted, responses=only(403, 404),
+                   summary="Delete a queued, finished or unreadable job with everything it stored")
     def delete_job(job_id: str, r: RedisDep, who: WriterDep) -> Deleted:
-        if visible(r, job_id, who) is None or not lifecycle.delete(r, job_id):
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"Job not found or currently running: {job_id[:100]}")
+        # lifecycle.delete refuses a running job (and removes a queued one's rq job).
+        if entry(r, job_id, who) is None or not lifecycle.delete(r, job_id):
+            raise not_found(job_id, "Job not found or currently running")
         return Deleted()
 
-    @router.post("/{job_id}/resume", response_model=TrainJob, responses={k: ERRORS[k] for k in (403, 404, 409)},
+    @router.post("/{job_id}/cancel", response_model=k.job_model, responses=only(403, 404),
+                 summary="Cancel a queued or running job: answered with the job already cancelled")
+    def cancel_job(job_id: str, r: RedisDep, who: WriterDep):
+        # A running job's worker is fenced out at once and stops at its next check.
+        found = entry(r, job_id, who)
+        if found is None or isinstance(found, UnreadableJob) or not lifecycle.cancel(r, job_id):
+            raise not_found(job_id, "Job not found or not cancellable")
+        return job_or_404(r, job_id, who)
+
+    @router.post("/{job_id}/resume", response_model=k.job_model, responses=only(403, 404, 409),
                  summary="Re-queue a failed or cancelled job; it continues from its last checkpoint")
-    def resume_job(job_id: str, r: RedisDep, who: WriterDep, body: ResumeRequest | None = None) -> TrainJob:
-        job = found(r, job_id, who)
+    def resume_job(job_id: str, r: RedisDep, settings: SettingsDep, who: WriterDep, body: ResumeRequest | None = None):
+        job = job_or_404(r, job_id, who)
         if job.status not in lifecycle.RESUMABLE:
             raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {job.status}; only failed or cancelled jobs resume")
+        overrides = (body or ResumeRequest()).config
+        spec = jobstore.get_spec(r, job_id)
         try:
-            resumed = train_jobs.resume_job(r, job_id, jobstore.get_spec(r, job_id), (body or ResumeRequest()).config)
+            k.check(r, k.with_overrides(spec, overrides), settings, ("body", "config"))
+            resumed = k.resume(r, job_id, spec, overrides)
         except ValidationError as e:
-            raise HTTPException(status.HTTP_400_BAD_REQUEST, readable([{**err, "loc": ("config", *err["loc"])} for err in e.errors()])) from None
-        except ValueError as e:
-            raise HTTPException(status.HTTP_400_BAD_REQUEST, f"Invalid request: config: {e}") from None
-        if not resumed:
+            raise RequestValidationError([{**err, "loc": ("body", "config", *err["loc"])} for err in e.errors()]) from None
+        except ValueError as e:  # a change that does not fit the checkpoint
+            raise RequestValidationError([{"loc": ("body", "config"), "msg": str(e), "type": "value_error"}]) from None
+        if not resumed:  # its status changed between our read and the request
             raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {jobstore.get_status(r, job_id)}")
-        return found(r, job_id, who)
+        return job_or_404(r, job_id, who)
 
-    @router.get("/{job_id}/history", response_model=JobHistory, responses={404: ERRORS[404]},
+    @router.get("/{job_id}/history", response_model=JobHistory, responses=only(404, 409),
                 summary="A completed job's per-step metrics")
     def job_history(job_id: str, r: RedisDep, who: PrincipalDep) -> JobHistory:
-        found(r, job_id, who)
+        job_or_404(r, job_id, who)
         return JobHistory(job_id=job_id, history=jobstore.get_history(r, job_id))
 
+    @router.get("/{job_id}/adapter", response_class=Response,
+                responses={200: {"content": {"application/gzip": {}},
+                                 "description": "A .tar.gz of the job's files from their copy in Redis: an adapter "
+                                 "(adapters.safetensors + adapter_config.json, mlx_lm's format: extract it into a directory "
+                                 "and pass that as adapter_path), or a full fine-tune's model directory."},
+                           404: {"model": ErrorBody, "description": "Unknown job, or it has no stored adapter (not completed, or deleted)."},
+                           409: ERRORS[409]},
+                summary="Download a completed job's adapter")
+    def download_job_adapter(job_id: str, r: RedisDep, who: PrincipalDep) -> Response:
+        job = job_or_404(r, job_id, who)
+        stored = adapters.files(r, job_id)
+        if not stored:
+            raise not_found(job_id, "Adapter not found for job")
+        return archive_response(stored, job.adapter_name)
+
     @router.get("/{job_id}/stream", response_class=StreamingResponse, responses={
-        200: {"content": {"text/event-stream": {}}, "description": "`data: <event JSON>` per event; ends after the terminal event."},
-        404: ERRORS[404], 429: ERRORS[429]}, summary="Follow a job's progress as server-sent events")
+        200: {"content": {"text/event-stream": {}}, "description": "`id: <stream id>` + `data: <event JSON>` per event; "
+              "ends after the terminal event (`done`, `failed` or `cancelled`)."},
+        400: {"model": ErrorBody, "description": "Malformed Last-Event-ID."}, **only(404, 429)},
+        summary="Follow a job's progress as server-sent events")
     async def stream_job(job_id: str, who: PrincipalDep,
-                         last_event_id: Annotated[str | None, Header()] = None) -> sse.CountedStream:
+                         last_event_id: Annotated[str | None, Header(description="Resume after this event id.")] = None,
+                         ) -> sse.CountedStream:
+        # Everything here runs on the event loop (no sync dependency: those take a pool thread).
         r, settings = get_async_redis(), get_settings()
-        job_kind = await r.hget(job_key(job_id), "kind") if JOB_ID.match(job_id) else None
-        job_status, owner = await sse.status_and_owner(r, job_id) if job_kind == kind.encode() else (None, None)
-        if job_status is None or not who.sees(owner):
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"Job not found: {job_id[:100]}")
+        job_status, owner = None, None
+        if JOB_ID.match(job_id) and record_kind(await r.hget(job_key(job_id), "kind")) == k.kind:
+            job_status, owner = await sse.status_and_owner(r, job_id)
+        if job_status is None or not who.sees(owner):  # before the stream starts: afterwards no 404 can be sent
+            raise not_found(job_id)
         if last_event_id is not None and not sse.valid_stream_id(last_event_id):
             raise HTTPException(status.HTTP_400_BAD_REQUEST, f"malformed Last-Event-ID: {last_event_id[:50]!r}")
         if sse.open_streams[who.name] >= settings.max_streams_per_token:
