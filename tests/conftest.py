@@ -140,6 +140,18 @@ class Stack:
         wait_for(registered, 60, "the worker to register")
         return proc
 
+    def rq_queue(self, job_id: str):
+        """The rq queue a queued job waits on (shared/routing.py routes it by model, memory and lane)."""
+        from rq import Queue
+
+        return Queue(self.redis.hget(f"mtq:job:{job_id}", "queue").decode(), connection=self.redis)
+
+    def rq_jobs_queued(self) -> int:
+        """rq jobs waiting on any queue."""
+        from rq import Queue
+
+        return sum(q.count for q in Queue.all(connection=self.redis))
+
     def logs(self, prefix: str) -> str:
         return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(self.workdir.glob(f"{prefix}-*.log")))
 
