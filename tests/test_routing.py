@@ -138,6 +138,38 @@ def test_the_worker_holding_the_model_loaded_gets_ten_jobs_in_a_row(stack, model
         assert (done["worker"], ready[0]["cached"]) == ("wb", True)
 
 
+def test_a_job_on_a_gone_workers_own_queue_moves_to_the_shared_queue(stack):
+    """A worker advertised m-b loaded and free, got the job on its own queue, then vanished:
+    the reconciler (every worker's heartbeat) routes the job again, and wb runs it."""
+    from shared import workers as ads
+
+    wb = worker(stack, "wb")
+    ghost = dict(wb, name="ghost", queues=[], current_job=None)
+    ghost.pop("loaded")
+    ads.advertise(stack.redis, ghost, ttl_s=60)
+    ads.publish_loaded(stack.redis, "ghost", ["m-b"], ttl_s=60)
+    job = submit(stack, "m-b", SMALL)
+    assert stack.rq_queue(job["job_id"]).name == "default@worker:ghost"  # sorted first of two warm, free workers
+    ads.withdraw(stack.redis, "ghost")
+    done = stack.wait_job(job["job_id"], timeout=120)
+    assert done["status"] == "completed" and done["worker"] == "wb"
+    [moved] = [e for _, e in stack.events(job["job_id"]) if e["type"] == "rerouted"]
+    assert moved["reason"] == "worker ghost is gone" and moved["from_queue"] == "default@worker:ghost"
+
+
+def test_a_worker_serves_its_lanes_in_order(stack, models):
+    """Queued before the worker starts, in the order default, high: it runs the high one first."""
+    shutil.copytree(models["m-a"], stack.workdir / "we-models" / "m-e")
+    first = submit(stack, "m-e", SMALL)
+    second = submit(stack, "m-e", dict(SMALL, queue="high"))
+    assert stack.rq_queue(second["job_id"]).name == "high@m-e@1gb"
+    stack.start_worker("--name", "we", "--lanes", "high,default",
+                       env=own_env(stack, stack.workdir / "we", stack.workdir / "we-models"))
+    done = [stack.wait_job(j["job_id"], timeout=120) for j in (first, second)]
+    assert [d["status"] for d in done] == ["completed", "completed"]
+    assert done[1]["started_at"] < done[0]["started_at"]
+
+
 def test_routing_names_and_reasons():
     assert [routing.memory_class(g) for g in (None, 0.2, 1, 1.01, 3.9, 4, 40)] == [1, 1, 1, 2, 4, 4, 64]
     assert routing.memory_classes(5.3) == [4, 2, 1] and routing.memory_classes(0.5) == []
