@@ -12,29 +12,17 @@ finished_at) and a summary: the cold load against the median cached one.
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-TOKEN = "bench-token-0123456789"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.private_stack import private_stack  # noqa: E402
+
 JOBS = "/admin/api/fine-tune/grpo/jobs"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_ready(client: httpx.Client, job_id: str) -> dict:
@@ -51,18 +39,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=10)
     args = ap.parse_args()
     model_dir = Path(args.model_dir).resolve()
-    port = free_port()
-    home = tempfile.mkdtemp(prefix="mtq-bench-")
-    env = dict(os.environ, MTQ_HOME=home, MTQ_MODELS_DIR=str(model_dir.parent), MTQ_API_TOKEN=TOKEN,
-               MTQ_API_PORT=str(port), PYTHONPATH=str(ROOT), MTQ_REDIS_PORT=str(free_port()))
-    env.pop("REDIS_URL", None)
-    log = open(Path(home) / "stack.log", "wb")
-    stack = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--port", str(port), "--workers", "2"], cwd=ROOT,
-                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     rows = []
-    try:
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"},
-                              timeout=300)
+    with private_stack(model_dir, workers=2) as (stack, client, log):
         deadline = time.monotonic() + 180
         while True:  # both workers advertise their memory (their training processes are up)
             try:
@@ -71,7 +49,7 @@ def main() -> int:
                     break
             except (httpx.HTTPError, ValueError):
                 pass
-            assert time.monotonic() < deadline and stack.poll() is None, (Path(home) / "stack.log").read_text()[-3000:]
+            assert time.monotonic() < deadline and stack.poll() is None, log.read_text()[-3000:]
             time.sleep(0.5)
         for i in range(args.jobs):
             job = client.post(JOBS, json={"model_id": model_dir.name, "prompts": ["What is 2+2?", "Say hello."],
@@ -84,9 +62,6 @@ def main() -> int:
             rows.append({"job": i, "worker": done["worker"], "cached": ready["cached"], "load_s": round(ready["load_s"], 4),
                          "wall_s": round(done["finished_at"] - done["created_at"], 3)})
             print(json.dumps(rows[-1]), flush=True)
-    finally:
-        os.killpg(stack.pid, signal.SIGTERM)
-        stack.wait(60)
     cold = [r["load_s"] for r in rows if not r["cached"]]
     warm = [r["load_s"] for r in rows if r["cached"]]
     print(json.dumps({"model": model_dir.name, "jobs": len(rows), "cold_loads": len(cold), "cached": len(warm),
