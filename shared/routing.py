@@ -15,8 +15,9 @@ order (`--lanes high,default`), and rq serves a worker's queues in order, so an 
 always goes first. Within a lane: its own queue, then the larger memory classes (jobs that
 fewer workers can run), then the hub.
 
-A model is named by its model_id, except absolute paths (any characters, and rq joins queue
-names with ','), which are named by a hash of the normalised path.
+A model is named by its model_id, with org/name as org:name (rq-dashboard puts queue names in
+URLs), except absolute paths (any characters, and rq joins queue names with ','), which are
+named by a hash of the normalised path.
 
 The estimate (shared/memory_estimate.py) comes from the job's config and the model's shape
 and size as the workers that hold it advertise them (the largest, if they differ); with the
@@ -46,9 +47,11 @@ _HF_ID = re.compile(rf"^{MODEL_NAME}/{MODEL_NAME}$")
 
 
 def model_key(model_id: str) -> str:
+    """How queue names name a model: a name as is, org/name as org:name (rq-dashboard's URLs
+    hold queue names; ':' is in no model name), an absolute path by its hash."""
     if model_id.startswith("/"):
         return "path-" + hashlib.sha256(os.path.normpath(model_id).encode()).hexdigest()[:16]
-    return model_id
+    return model_id.replace("/", ":")
 
 
 def memory_class(need_gb: float | None) -> int:
@@ -68,7 +71,7 @@ def memory_classes(memory_gb: float | None) -> list[int]:
 
 
 def model_queue(lane: str, model_id: str, memory_gb: int) -> str:
-    return f"{lane}@{model_key(model_id)}@{memory_gb}gb"
+    return f"{lane}@{model_key(model_id)}@{memory_gb}gb"  # the same names as worker_queues
 
 
 def hub_queue(lane: str, memory_gb: int) -> str:

@@ -174,8 +174,8 @@ def test_routing_names_and_reasons():
     assert [routing.memory_class(g) for g in (None, 0.2, 1, 1.01, 3.9, 4, 40)] == [1, 1, 1, 2, 4, 4, 64]
     assert routing.memory_classes(5.3) == [4, 2, 1] and routing.memory_classes(0.5) == []
     assert routing.worker_queues("w", ["high", "default"], ["m", "org/m"], 2, hub=True) == [
-        "high@worker:w", "high@m@2gb", "high@org/m@2gb", "high@m@1gb", "high@org/m@1gb", "high@hub@2gb", "high@hub@1gb",
-        "default@worker:w", "default@m@2gb", "default@org/m@2gb", "default@m@1gb", "default@org/m@1gb",
+        "high@worker:w", "high@m@2gb", "high@org:m@2gb", "high@m@1gb", "high@org:m@1gb", "high@hub@2gb", "high@hub@1gb",
+        "default@worker:w", "default@m@2gb", "default@org:m@2gb", "default@m@1gb", "default@org:m@1gb",
         "default@hub@2gb", "default@hub@1gb"]
     assert routing.model_key("/models/a,b/../c").startswith("path-") and "," not in routing.model_key("/x,y")
     spec = JobCreate(model_id="org/m", prompts=["hi"], config={"queue": "high"})

@@ -206,7 +206,7 @@ def test_models_come_from_the_workers_advertisements(stack, admin, worker):
                               "loaded": False}
     [advertised] = admin.get("/admin/api/workers").json()
     assert advertised["queues"][0] == "default@worker:" + advertised["name"] and advertised["loaded"] == []
-    assert "default@tiny@1gb" in advertised["queues"] and "default@org/tiny@1gb" in advertised["queues"]
+    assert "default@tiny@1gb" in advertised["queues"] and "default@org:tiny@1gb" in advertised["queues"]
     assert advertised["device"] == "cpu" and advertised["memory_gb"] > 0 and advertised["lanes"] == ["default"]
     assert advertised["pid"] == worker.pid and advertised["version"] and advertised["started_at"] > 0
 

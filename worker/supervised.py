@@ -35,7 +35,7 @@ from shared.settings import load_settings
 from shared.train_specs import TrainConfig
 from worker import checkpoints
 from worker.grpo import Cancelled, NonFiniteLoss, TrainState, batch_indices
-from worker.models import ModelNotFound, get_model
+from worker.models import ModelNotFound, get_model, loaded_model_ids
 from worker.training_process import JobRun
 
 log = logging.getLogger(__name__)
@@ -187,6 +187,8 @@ def run_job(job: JobRun, spec, make_trainer: Callable, fine_tune_type: str = "lo
     t0 = time.perf_counter()
     job.mark("loading_model")
     model, tokenizer, cached = get_model(spec.model_id, settings)
+    if not cached:
+        job.publish_loaded(loaded_model_ids())  # for the router's warm-model preference
     r = job.lease.r
     train = getattr(spec, "preference_pairs", None)
     train = [p.model_dump() for p in train] if train else load_rows(r, spec.dataset, settings, spec.row_format, "dataset")

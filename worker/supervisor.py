@@ -24,6 +24,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import threading
@@ -369,7 +370,7 @@ def run_worker(lanes: list[str], name: str | None = None, models: list[str] = ()
     if memory_gb:
         os.environ["MTQ_MEMORY_GB"] = repr(memory_gb)
     settings = load_settings()
-    name = name or f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+    name = name or re.sub(r"[^A-Za-z0-9._-]", "-", f"{socket.gethostname().split('.')[0]}-{os.getpid()}")[-64:]
     # Until the training process has reported its device (and memory), only the worker's own queues.
     _current = Supervisor([routing.own_queue(lane, name) for lane in lanes], connection=connect(settings.redis_url),
                           name=name, lanes=list(lanes), models=list(models), memory_gb=memory_gb or settings.memory_gb,
