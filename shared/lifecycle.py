@@ -27,9 +27,10 @@ Every transition reads the record under WATCH and commits in one MULTI/EXEC toge
 its rq enqueue (rq's `enqueue_call(..., pipeline=...)`), so there is no moment where a job
 is `queued` without an rq job, whoever dies when. Each enqueue routes the job again
 (shared/routing.py: its model, memory need and lane, against the live workers) and records
-the rq queue (`queue`) and, when no live worker can run it, `waiting_for_worker`. The reconciler (`Reconciler`, run by every
-worker's heartbeat) repairs what a lost worker leaves: a `running` job whose lease expired,
-and a `queued` job whose rq job is gone (its worker died between dequeuing it and starting).
+its rq queue (`queue`) and, when no live worker can run it, `waiting_for_worker`. The
+reconciler (`Reconciler`, run by every worker's heartbeat) repairs what a lost worker leaves:
+a `running` job whose lease expired, a `queued` job whose rq job is gone (its worker died
+between dequeuing it and starting), and a job left on a gone or busy worker's own queue.
 Nothing else in the project writes a job's status.
 """
 
@@ -41,6 +42,7 @@ from typing import Any, Callable
 import redis
 from rq import Queue
 
+from shared import routing, workers
 from shared.keys import (
     ADAPTERS_INDEX,
     JOBS_INDEX,
@@ -52,7 +54,6 @@ from shared.keys import (
     job_key,
     lease_key,
 )
-from shared import routing, workers
 from shared.settings import load_settings
 from shared.train_specs import spec_model
 

@@ -282,7 +282,7 @@ class Supervisor(SimpleWorker):
         """The router's memory class is a lower bound (shared/routing.py): check the job against
         this worker's device, model and memory, and route it again, without starting it (no
         attempt spent), when it needs more. The reason, or None when it fits."""
-        kind, raw = self.connection.hmget(job_key(job_id), "kind", "spec")
+        kind, raw = retrying(lambda: self.connection.hmget(job_key(job_id), "kind", "spec"), "job read")
         if raw is None or self.memory_gb is None or self.training.device is None:
             return None
         kind = (kind or b"grpo").decode()
@@ -295,7 +295,8 @@ class Supervisor(SimpleWorker):
         if need is None or need <= self.memory_gb:
             return None
         reason = f"worker {self.name} has {self.memory_gb:g} GB; the job needs about {need:.2f} GB there"
-        rerouted = lifecycle.reroute(self.connection, job_id, self._running[0].id, reason, need_gb=need)
+        rq_job_id = self._running[0].id
+        rerouted = retrying(lambda: lifecycle.reroute(self.connection, job_id, rq_job_id, reason, need_gb=need), "reroute")
         log.info("job %s: %s; %s", job_id, reason, "routed again" if rerouted else "already moved on")
         return f"not started: {reason}"
 
