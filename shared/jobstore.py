@@ -95,11 +95,11 @@ def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
 
 
 def _phase(h: dict[bytes, bytes]) -> tuple[str | None, str | None]:
-    """(phase, note): a queued job waits for a worker; a running one is in the phase its
-    training process last wrote (record fields of their own: not rewritten per step); a
-    finished one is in none."""
+    """(phase, note): a queued job waits for a worker (the note says why none could run it, if
+    so); a running one is in the phase its training process last wrote (record fields of their
+    own: not rewritten per step); a finished one is in none."""
     if h[b"status"] == b"queued":
-        return "waiting_for_worker", None
+        return "waiting_for_worker", _s(h.get(b"waiting_for_worker"))
     if h[b"status"] == b"running":
         return _s(h.get(b"phase")) or "starting", _s(h.get(b"phase_note"))
     return None, None

@@ -77,7 +77,7 @@ def test_jobs_go_only_to_workers_that_hold_their_model_and_have_the_memory(stack
     small = [submit(stack, m, SMALL) for m in ("m-a", "m-b", "m-a", "m-b")]
     waiting = submit(stack, "m-c", SMALL)
     big = submit(stack, "m-a", BIG)
-    assert waiting["waiting_for_worker"] == "no live worker has model 'm-c'"
+    assert waiting["waiting_for_worker"] == "no live worker has model 'm-c'" == waiting["phase_note"]  # web page, mtq watch
     assert big["waiting_for_worker"].startswith("needs about 1.08 GB (memory class 2 GB); the largest live worker "
                                                 "that can run it has 1 GB"), big["waiting_for_worker"]
     for job in small:
