@@ -170,6 +170,27 @@ def test_a_worker_serves_its_lanes_in_order(stack, models):
     assert done[1]["started_at"] < done[0]["started_at"]
 
 
+def test_hugging_face_ids_from_a_workers_cache_or_the_hub_queue(stack, models):
+    """A worker offers the models of its Hugging Face cache under their ids; a job for an id
+    no worker has goes to the hub queue, which only a worker with --hub takes (offline here:
+    it fails cleanly, saying so)."""
+    home = stack.workdir / "wh"
+    snapshot = home / "hf" / "hub" / "models--org--cached" / "snapshots" / "0123abcd"
+    shutil.copytree(models["m-a"], snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    elsewhere = submit(stack, "org/elsewhere", SMALL)
+    assert elsewhere["waiting_for_worker"].startswith("no live worker has model 'org/elsewhere', and none has hub access")
+    assert stack.rq_queue(elsewhere["job_id"]).name == "default@hub@1gb"
+    stack.start_worker("--name", "wh", "--hub", env=dict(own_env(stack, home, home / "models"), HF_HUB_OFFLINE="1"))
+    cached = submit(stack, "org/cached", SMALL)
+    assert cached["waiting_for_worker"] is None and stack.rq_queue(cached["job_id"]).name == "default@org:cached@1gb"
+    done = stack.wait_job(cached["job_id"], timeout=120)
+    assert done["status"] == "completed" and done["worker"] == "wh", done["error"]
+    failed = stack.wait_job(elsewhere["job_id"], timeout=120)
+    assert failed["worker"] == "wh" and "HF_HUB_OFFLINE is set" in failed["error"], failed["error"]
+
+
 def test_routing_names_and_reasons():
     assert [routing.memory_class(g) for g in (None, 0.2, 1, 1.01, 3.9, 4, 40)] == [1, 1, 1, 2, 4, 4, 64]
     assert routing.memory_classes(5.3) == [4, 2, 1] and routing.memory_classes(0.5) == []
