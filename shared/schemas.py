@@ -131,8 +131,9 @@ class GRPOConfig(BaseModel):
         "when recomputing).",
     )
     max_memory_gb: float | None = Field(
-        None, gt=0.0, le=1_000_000.0, description="Memory the job may use. Default (and upper bound): the device's "
-        "recommended working set on Metal, else 90% of the GPU's memory, else 75% of RAM.",
+        None, gt=0.0, le=1_000_000.0, description="Memory the job may use. Default (and upper bound): the worker's "
+        "--memory-gb if it declares one, else the device's recommended working set on Metal, else 90% of the GPU's "
+        "memory, else 75% of RAM.",
     )
 
     # Routing (shared/routing.py).
