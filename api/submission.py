@@ -5,15 +5,8 @@ from fastapi.exceptions import RequestValidationError
 
 from shared.model_ids import model_id_error
 from shared.reward_specs import PythonReward, RegexReward, disallowed_endpoint_hosts, endpoint_urls, python_reward_error
-from shared.schemas import JobCreate, PromptItem
+from shared.schemas import JobCreate, prompt_chars
 from shared.settings import Settings
-
-
-def prompt_chars(prompt) -> int:
-    """Characters of a prompt: the text, or the messages' contents together."""
-    if isinstance(prompt, PromptItem):
-        prompt = prompt.prompt
-    return len(prompt) if isinstance(prompt, str) else sum(len(m.content) for m in prompt)
 
 
 def spec_errors(spec: JobCreate, settings: Settings) -> list[str]:

@@ -15,30 +15,18 @@ Prints one JSON line per case: p50_ms, p99_ms, requests_per_s.
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-TOKEN = "bench-token-0123456789"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.private_stack import private_stack  # noqa: E402
+
 PROMPTS = ["What is 2+2?", "Say hello to the queue.", "Count to three", "Name a prime number."]
 COMPLETION = " The answer, written out in a few plain words, is four."
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentiles(seconds: list[float]) -> dict:
@@ -93,18 +81,8 @@ def main() -> int:
     from worker.openblas import reexec_with_openblas
 
     reexec_with_openblas()  # the reference runs in this process: give it the worker's BLAS
-    port = free_port()
-    home = tempfile.mkdtemp(prefix="mtq-bench-")
-    env = dict(os.environ, MTQ_HOME=home, MTQ_MODELS_DIR=str(model_dir.parent), MTQ_API_TOKEN=TOKEN,
-               MTQ_API_PORT=str(port), PYTHONPATH=str(ROOT), MTQ_REDIS_PORT=str(free_port()))
-    env.pop("REDIS_URL", None)
-    log = open(Path(home) / "stack.log", "wb")
-    stack = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--port", str(port)], cwd=ROOT, env=env,
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     results = []
-    try:
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"},
-                              timeout=120)
+    with private_stack(model_dir) as (stack, client, log):
         deadline = time.monotonic() + 180
         while True:  # the stack is up once the worker answers a first request (model loaded, kernels built)
             try:
@@ -113,7 +91,7 @@ def main() -> int:
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline and stack.poll() is None, (Path(home) / "stack.log").read_text()[-3000:]
+            assert time.monotonic() < deadline and stack.poll() is None, log.read_text()[-3000:]
             time.sleep(0.5)
         timed_requests(client, model_dir.name, 3, args.batch)  # warm-up: every shape once
 
@@ -133,9 +111,6 @@ def main() -> int:
         client.post(f"/admin/api/fine-tune/grpo/jobs/{job['job_id']}/cancel")
         step_time = client.get(f"/admin/api/fine-tune/grpo/jobs/{job['job_id']}").json()["progress"].get("step_time")
         results.append({"case": "busy: the training job's step_s", "step_s": step_time})
-    finally:
-        os.killpg(stack.pid, signal.SIGTERM)
-        stack.wait(60)
     ref = seed_reference(str(model_dir), max(args.requests // 4, 5))
     results.append({"case": "seed approach (load + forward + free per request)", "items_per_request": 1,
                     **percentiles(ref)})

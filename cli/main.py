@@ -3,9 +3,12 @@ it needs when it runs, so that `mtq api` never loads the worker (or mlx). The cl
 commands (submit, jobs, watch...) are in cli/commands.py."""
 
 import argparse
+import re
 import sys
 
-from shared.settings import QUEUE_NAME, load_settings
+from shared.routing import WORKER_NAME
+from shared.schemas import DEFAULT_LANE, LANE_PATTERN
+from shared.settings import load_settings
 
 
 def cmd_api(args: argparse.Namespace) -> int:
@@ -21,11 +24,39 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.print_service:
         from cli.service import print_service
 
-        return print_service(args.print_service, args.queues, args.name)
+        return print_service(args.print_service, worker_args(args))
     from worker.supervisor import run_worker
 
-    run_worker(args.queues, args.name)
+    run_worker(args.lanes, args.name, models=args.models, memory_gb=args.memory_gb, hub=args.hub)
     return 0
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """The worker's options as given, for a service definition that runs the same worker."""
+    argv = ["--lanes", ",".join(args.lanes)] + (["--name", args.name] if args.name else [])
+    argv += ["--models", *args.models] if args.models else []
+    argv += ["--memory-gb", repr(args.memory_gb)] if args.memory_gb else []
+    return argv + (["--hub"] if args.hub else [])
+
+
+def _lanes(text: str) -> list[str]:
+    lanes = [lane.strip() for lane in text.split(",") if lane.strip()]
+    if not lanes or not all(re.match(LANE_PATTERN, lane) for lane in lanes) or len(lanes) > 16:
+        raise argparse.ArgumentTypeError("1 to 16 comma-separated lane names (a-z, 0-9, _ and -)")
+    return lanes
+
+
+def _name(text: str) -> str:
+    if not WORKER_NAME.match(text):
+        raise argparse.ArgumentTypeError("letters, digits, '.', '_' and '-' (at most 64)")
+    return text
+
+
+def _gb(text: str) -> float:
+    gb = float(text)
+    if not 0 < gb <= 1e6:
+        raise argparse.ArgumentTypeError("a number of GB above 0")
+    return gb
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -66,8 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     api.set_defaults(func=cmd_api)
 
     worker = commands.add_parser("worker", help="run a training worker (rq) on REDIS_URL")
-    worker.add_argument("--queues", nargs="+", default=[QUEUE_NAME], help="queues to take jobs from (default: %(default)s)")
-    worker.add_argument("--name", help="worker name (default: chosen by rq)")
+    worker.add_argument("--lanes", type=_lanes, default=[DEFAULT_LANE], metavar="LANE,...",
+                        help="job lanes (a job's config.queue) to serve, first first (default: %(default)s)")
+    worker.add_argument("--name", type=_name, help="worker name (default: <host>-<pid>)")
+    worker.add_argument("--models", nargs="+", default=[], metavar="MODEL_ID",
+                        help="model ids to take jobs for besides those in MTQ_MODELS_DIR, MTQ_MODEL_ROOTS and the "
+                             "Hugging Face cache (e.g. Hugging Face ids this worker downloads)")
+    worker.add_argument("--memory-gb", type=_gb, help="memory jobs may use here (default: detected: Metal's "
+                        "recommended working set, else 90%% of a GPU's memory, else 75%% of RAM)")
+    worker.add_argument("--hub", action="store_true",
+                        help="this worker reaches the Hugging Face hub: it takes jobs for Hugging Face ids no live worker holds")
     worker.add_argument("--print-service", choices=["launchd", "systemd"],
                         help="print a launchd plist or systemd unit that runs this worker as a service, and exit")
     worker.set_defaults(func=cmd_worker)

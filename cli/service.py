@@ -17,9 +17,8 @@ LABEL = "com.mlx-train-queue.worker"
 STOP_GRACE_S = 60  # a warm shutdown checkpoints the running job and hands it back first
 
 
-def worker_argv(queues: list[str], name: str | None) -> list[str]:
-    argv = [sys.executable, "-m", "cli.main", "worker", "--queues", *queues]
-    return argv + (["--name", name] if name else [])
+def worker_argv(options: list[str]) -> list[str]:
+    return [sys.executable, "-m", "cli.main", "worker", *options]
 
 
 def service_env() -> dict[str, str]:
@@ -57,7 +56,7 @@ def launchd_plist(argv: list[str]) -> str:
     return plistlib.dumps(plist).decode()
 
 
-def print_service(kind: str, queues: list[str], name: str | None) -> int:
-    argv = worker_argv(queues, name)
+def print_service(kind: str, options: list[str]) -> int:
+    argv = worker_argv(options)
     print(systemd_unit(argv) if kind == "systemd" else launchd_plist(argv), end="")
     return 0

@@ -21,6 +21,8 @@ install_system_packages() {
       ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || missing+=(libopenblas0-pthread)
       command -v python3 >/dev/null || missing+=(python3)
       python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+      # tests/test_netns.py puts a worker in a network namespace of its own (as root).
+      [ "$(id -u)" != 0 ] || command -v ip >/dev/null || missing+=(iproute2)
       # The web page's tests drive a headless Chromium (tests/browser.py).
       command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium)
       if [ ${#missing[@]} -gt 0 ]; then

@@ -15,7 +15,7 @@ from shared import lifecycle
 from shared.keys import JOBS_INDEX, events_key, job_key
 from shared.adapters import adapter_dir
 from shared.schemas import FINISHED_STATUSES, GRPOConfig, Job, JobCreate, JobStatus, UnreadableJob
-from shared.settings import QUEUE_NAME, load_settings
+from shared.settings import load_settings
 
 EVENTS_MAXLEN = lifecycle.EVENTS_MAXLEN
 RESUMABLE_STATUSES = lifecycle.RESUMABLE
@@ -41,13 +41,13 @@ def max_attempts(config: GRPOConfig) -> int:
 
 
 def create_job(r: redis.Redis, spec: JobCreate, owner: str | None = None) -> Job:
-    """Store a new job as queued and put it on the rq queue (one atomic step). owner: the name
+    """Store a new job as queued and put it on its rq queue (one atomic step). owner: the name
     of the token that created it (api/auth.py)."""
     job_id = uuid.uuid4().hex
     spec = spec.model_copy(update={"adapter_name": spec.adapter_name or f"grpo-{job_id[:8]}"})
     # As the seed server: the adapter's path is known from the start, progress is {} until a step.
     path = adapter_dir(load_settings(), spec.model_id, spec.adapter_name)
-    lifecycle.create(r, job_id, "grpo", QUEUE_NAME, spec.model_dump_json(by_alias=True),
+    lifecycle.create(r, job_id, "grpo", spec.model_dump_json(by_alias=True),
                      progress="{}", adapter_path=str(path), max_attempts=max_attempts(spec.config),
                      **({"owner": owner} if owner else {}))
     return get_job(r, job_id)  # type: ignore[return-value]
@@ -55,13 +55,12 @@ def create_job(r: redis.Redis, spec: JobCreate, owner: str | None = None) -> Job
 
 def get_spec(r: redis.Redis, job_id: str) -> JobCreate | None:
     """The job's spec, as its kind's model (GRPO: JobCreate; others: shared/train_specs.py)."""
-    from shared.train_specs import SPECS
+    from shared.train_specs import spec_model
 
     kind, raw = r.hmget(job_key(job_id), "kind", "spec")
     if raw is None:
         return None
-    model = SPECS.get(kind.decode(), JobCreate) if kind else JobCreate
-    return model.model_validate_json(raw)  # type: ignore[return-value]
+    return spec_model(kind and kind.decode()).model_validate_json(raw)  # type: ignore[return-value]
 
 
 def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
@@ -84,6 +83,7 @@ def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
         progress=json.loads(h.get(b"progress") or b"{}"),
         phase=phase,
         phase_note=phase_note,
+        waiting_for_worker=_s(h.get(b"waiting_for_worker")),
         worker=_s(h.get(b"worker")),
         checkpoint_step=None if checkpoint is None else int(checkpoint),
         attempts=int(h.get(b"attempts", 0)),
@@ -95,11 +95,11 @@ def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
 
 
 def _phase(h: dict[bytes, bytes]) -> tuple[str | None, str | None]:
-    """(phase, note): a queued job waits for a worker; a running one is in the phase its
-    training process last wrote (record fields of their own: not rewritten per step); a
-    finished one is in none."""
+    """(phase, note): a queued job waits for a worker (the note says why none could run it, if
+    so); a running one is in the phase its training process last wrote (record fields of their
+    own: not rewritten per step); a finished one is in none."""
     if h[b"status"] == b"queued":
-        return "waiting_for_worker", None
+        return "waiting_for_worker", _s(h.get(b"waiting_for_worker"))
     if h[b"status"] == b"running":
         return _s(h.get(b"phase")) or "starting", _s(h.get(b"phase_note"))
     return None, None

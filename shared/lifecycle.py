@@ -6,6 +6,8 @@
     queued|running     cancel          cancelled   lease_epoch + 1 (a running worker is fenced out at once and
                                                    stops at its next check); checkpoint kept; retention
     queued             requeue         queued      (reconciler) its rq job is gone: a new one pushed
+    queued             reroute         queued      a worker cannot fit it, or (reconciler) it waited on a busy or
+                                                   gone worker's own queue: routed again, its old rq job removed
     running            complete        completed   fenced; checkpoint dropped; adapter indexed; retention
     running            fail            failed      fenced; retention
     running            hand_back       queued      fenced; lease_epoch + 1; rq job pushed; attempt not counted
@@ -23,9 +25,12 @@ checkpoint and adapter hashes).
 
 Every transition reads the record under WATCH and commits in one MULTI/EXEC together with
 its rq enqueue (rq's `enqueue_call(..., pipeline=...)`), so there is no moment where a job
-is `queued` without an rq job, whoever dies when. The reconciler (`Reconciler`, run by every
-worker's heartbeat) repairs what a lost worker leaves: a `running` job whose lease expired,
-and a `queued` job whose rq job is gone (its worker died between dequeuing it and starting).
+is `queued` without an rq job, whoever dies when. Each enqueue routes the job again
+(shared/routing.py: its model, memory need and lane, against the live workers) and records
+its rq queue (`queue`) and, when no live worker can run it, `waiting_for_worker`. The
+reconciler (`Reconciler`, run by every worker's heartbeat) repairs what a lost worker leaves:
+a `running` job whose lease expired, a `queued` job whose rq job is gone (its worker died
+between dequeuing it and starting), and a job left on a gone or busy worker's own queue.
 Nothing else in the project writes a job's status.
 """
 
@@ -37,6 +42,7 @@ from typing import Any, Callable
 import redis
 from rq import Queue
 
+from shared import routing, workers
 from shared.keys import (
     ADAPTERS_INDEX,
     JOBS_INDEX,
@@ -49,6 +55,7 @@ from shared.keys import (
     lease_key,
 )
 from shared.settings import load_settings
+from shared.train_specs import spec_model
 
 FINISHED = ("completed", "failed", "cancelled")
 RESUMABLE = ("failed", "cancelled")
@@ -61,6 +68,7 @@ TABLE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "start": (("queued",), ("running",)),
     "cancel": (("queued", "running"), ("cancelled",)),
     "requeue": (("queued",), ("queued",)),
+    "reroute": (("queued",), ("queued",)),
     "complete": (("running",), ("completed",)),
     "fail": (("running",), ("failed",)),
     "hand_back": (("running",), ("queued",)),
@@ -89,11 +97,10 @@ class Change:
 # --------------------------------------------------------------------------- transitions
 
 
-def create(r: redis.Redis, job_id: str, kind: str, queue: str, spec_json: str, *, max_attempts: int,
-           **fields: Any) -> None:
-    """Store a new job as queued and push its rq job on `queue`, atomically."""
+def create(r: redis.Redis, job_id: str, kind: str, spec_json: str, *, max_attempts: int, **fields: Any) -> None:
+    """Store a new job as queued and push its rq job on the queue it is routed to, atomically."""
     now = time.time()
-    record = {"kind": kind, "queue": queue, "spec": spec_json, "created_at": repr(now), "attempts": 0,
+    record = {"kind": kind, "spec": spec_json, "created_at": repr(now), "attempts": 0,
               "failed_attempts": 0, "max_attempts": max_attempts, **fields}
     with r.pipeline() as p:
         p.multi()
@@ -107,7 +114,7 @@ def start(r: redis.Redis, job_id: str, worker: str, lease_ttl_s: float) -> int |
     def decide(rec):
         epoch = int(rec.get("lease_epoch", 0)) + 1
         fields = {"lease_epoch": epoch, "worker": worker, "attempts": int(rec.get("attempts", 0)) + 1,
-                  "error": None, "finished_at": None, "phase": None, "phase_note": None}
+                  "error": None, "finished_at": None, "phase": None, "phase_note": None, "waiting_for_worker": None}
         if not rec.get("started_at"):
             fields["started_at"] = repr(time.time())
         return Change("running", fields, lease=f"{worker}:{epoch}")
@@ -183,7 +190,7 @@ def resume(r: redis.Redis, job_id: str, spec_json: str, total_iters: int, overri
     from the last checkpoint. False if it is not (or no longer) resumable."""
     def decide(rec):
         progress = {**json.loads(rec.get("progress") or "{}"), "total_iters": total_iters}
-        fields = {"spec": spec_json, "error": None, "finished_at": None, "cancel_requested": None,
+        fields = {"spec": spec_json, "error": None, "finished_at": None, "cancel_requested": None, "need_gb": None,
                   "failed_attempts": 0, "max_attempts": max_attempts, "progress": json.dumps(progress)}
         event = {"type": "resume_requested", "config_overrides": overrides}
         return Change("queued", fields, event, enqueue=True)
@@ -205,6 +212,19 @@ def requeue_if_orphaned(r: redis.Redis, job_id: str, rq_job_id: str) -> bool:
                       enqueue=True)
 
     return _commit(r, job_id, "requeue", decide) is not None
+
+
+def reroute(r: redis.Redis, job_id: str, rq_job_id: str, reason: str, need_gb: float | None = None) -> bool:
+    """Route a queued job again, its rq job `rq_job_id` taken off its queue: a worker found it
+    needs `need_gb` (more than that worker has), or it waited on a worker's own queue that
+    the worker is not coming back to (the job then goes to the shared queue)."""
+    def decide(rec):
+        if rec.get("rq_job") != rq_job_id:
+            return None  # routed or started meanwhile
+        fields = {} if need_gb is None else {"need_gb": max(need_gb, float(rec.get("need_gb") or 0))}
+        return Change("queued", fields, {"type": "rerouted", "reason": reason, "from_queue": rec.get("queue")}, enqueue=True)
+
+    return _commit(r, job_id, "reroute", decide) is not None
 
 
 # --------------------------------------------------------------------------- fenced writes (no status change)
@@ -261,8 +281,9 @@ def renew(r: redis.Redis, job_id: str, epoch: int, lease_ttl_s: float) -> bool:
 @dataclass
 class Reconciler:
     """Run every few seconds by every worker: re-queues running jobs whose lease has been gone
-    for `grace_s` (so a live owner can renew after, say, a Redis restart), and queued jobs
-    whose rq job is gone or was abandoned by a dead worker."""
+    for `grace_s` (so a live owner can renew after, say, a Redis restart), queued jobs
+    whose rq job is gone or was abandoned by a dead worker, and routes again jobs that wait on
+    a worker's own queue while that worker is gone or busy."""
 
     r: redis.Redis
     grace_s: float
@@ -291,8 +312,9 @@ class Reconciler:
         queued = [j.decode() for j in self.r.smembers(QUEUED_JOBS)]
         with self.r.pipeline(transaction=False) as p:
             for job_id in queued:
-                p.hget(job_key(job_id), "rq_job")
-            rq_ids = [None if v is None else v.decode() for v in p.execute()]
+                p.hmget(job_key(job_id), "rq_job", "queue", "enqueued_at")
+            recs = [[None if v is None else v.decode() for v in values] for values in p.execute()]
+        rq_ids = [rq_id for rq_id, _, _ in recs]
         with self.r.pipeline(transaction=False) as p:
             for rq_id in rq_ids:
                 p.hmget(RQ_JOB_PREFIX + (rq_id or "-"), "status", "worker_name")
@@ -310,7 +332,30 @@ class Reconciler:
                 continue
             if requeue_if_orphaned(self.r, job_id, rq_id):
                 repaired.append(job_id)
-        return repaired
+        waiting = [(job_id, rq_id, queue) for job_id, (rq_id, queue, at), (status, _) in zip(queued, recs, rq_states)
+                   if status == b"queued" and queue and routing.queue_owner(queue)
+                   and time.time() - float(at or 0) > routing.WARM_WAIT_S]
+        return repaired + self.leave_own_queues(waiting)
+
+    def leave_own_queues(self, waiting: list[tuple[str, str, str]]) -> list[str]:
+        """Jobs waiting on a worker's own queue (warm-model preference) while that worker is
+        gone or busy with another job go to the shared queue (routed again)."""
+        if not waiting:
+            return []
+        live = {w["name"]: w for w in workers.live_workers(self.r)}
+        moved = []
+        for job_id, rq_id, queue in waiting:
+            owner = routing.queue_owner(queue)
+            current = live.get(owner, {}).get("current_job")
+            if owner not in live:
+                reason = f"worker {owner} is gone"
+            elif current not in (None, job_id) and self.r.hget(job_key(current), "status") == b"running":
+                reason = f"worker {owner} is busy with job {current}"
+            else:
+                continue
+            if reroute(self.r, job_id, rq_id, reason):
+                moved.append(job_id)
+        return moved
 
 
 # --------------------------------------------------------------------------- the one place that commits
@@ -357,8 +402,7 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
     reconciler scans, the lease, the rq job, and retention."""
     keys = [job_key(job_id), events_key(job_id), checkpoint_key(job_id), adapter_key(job_id)]
     if change.status is None:  # delete
-        if rec.get("status") == "queued" and rec.get("rq_job"):
-            p.lrem(f"rq:queue:{rec['queue']}", 0, rec["rq_job"])
+        if _unqueue(p, rec):
             p.delete(RQ_JOB_PREFIX + rec["rq_job"])
         p.delete(*keys, lease_key(job_id))
         p.zrem(JOBS_INDEX, job_id)
@@ -377,8 +421,11 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
         # job_timeout -1: training runs as long as it takes; liveness is the supervisor's business.
         # rq's own record of the attempt lives no longer than ours.
         record = {**rec, **change.fields}
+        where = _route(r, record)
+        fields.update(queue=where.queue, waiting_for_worker=where.waiting_for_worker, enqueued_at=repr(time.time()))
+        _unqueue(p, rec)  # re-queued while queued (rerouted, repaired): its old rq job leaves its queue
         description = f"{record['kind']} job {job_id} on {json.loads(record['spec'])['model_id']} (run {attempt + 1})"
-        Queue(record["queue"], connection=r).enqueue_call(
+        Queue(where.queue, connection=r).enqueue_call(
             RUN_JOB_FUNC, args=(job_id,), job_id=rq_id, timeout=-1, pipeline=p, description=description,
             result_ttl=min(3600, _retention_s()), failure_ttl=min(7 * 86400, _retention_s()),
         )
@@ -406,6 +453,22 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
     elif rec.get("status") in FINISHED:  # resumed: keep everything again
         for key in keys:
             p.persist(key)
+
+
+def _unqueue(p, rec: dict) -> bool:
+    """Take a queued job's rq job off its rq queue (if it is still there)."""
+    if rec.get("status") != "queued" or not rec.get("rq_job"):
+        return False
+    p.lrem(f"rq:queue:{rec['queue']}", 0, rec["rq_job"])
+    return True
+
+
+def _route(r: redis.Redis, rec: dict) -> routing.Route:
+    """Where the job goes now: its spec against the live workers (shared/routing.py)."""
+    spec = spec_model(rec.get("kind")).model_validate_json(rec["spec"])
+    floor = float(rec.get("need_gb") or 0) or None
+    return routing.route(rec.get("kind") or "grpo", spec, workers.live_workers(r), floor_gb=floor,
+                         finished=lambda job_id: r.hget(job_key(job_id), "status") != b"running")
 
 
 def _retention_s() -> int:

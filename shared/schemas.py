@@ -13,6 +13,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from shared.reward_specs import RewardSource
 
 SEED_MAX = 2**32 - 1
+DEFAULT_LANE = "default"
+LANE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"  # a job's queue (lane): part of rq queue names
 # model_id: a name under MTQ_MODELS_DIR, a Hugging Face id (org/name), or an absolute path
 # (allowed only under MTQ_MODEL_ROOTS, checked by the API and the worker: shared/model_ids.py).
 MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
@@ -65,6 +67,13 @@ class PromptItem(BaseModel):
 
 
 Prompt = str | list[ChatMessage] | PromptItem
+
+
+def prompt_chars(prompt: Prompt) -> int:
+    """Characters of a prompt: the text, or the messages' contents together."""
+    if isinstance(prompt, PromptItem):
+        prompt = prompt.prompt
+    return len(prompt) if isinstance(prompt, str) else sum(len(m.content) for m in prompt)
 
 
 class GRPOConfig(BaseModel):
@@ -122,9 +131,14 @@ class GRPOConfig(BaseModel):
         "when recomputing).",
     )
     max_memory_gb: float | None = Field(
-        None, gt=0.0, le=1_000_000.0, description="Memory the job may use. Default (and upper bound): the device's "
-        "recommended working set on Metal, else 90% of the GPU's memory, else 75% of RAM.",
+        None, gt=0.0, le=1_000_000.0, description="Memory the job may use. Default (and upper bound): the worker's "
+        "--memory-gb if it declares one, else the device's recommended working set on Metal, else 90% of the GPU's "
+        "memory, else 75% of RAM.",
     )
+
+    # Routing (shared/routing.py).
+    queue: str = Field(DEFAULT_LANE, pattern=LANE_PATTERN, description="The job's lane: workers serve the lanes they "
+                       "are given in their order (mtq worker --lanes high,default).")
 
     # Durability.
     checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Save a checkpoint every N steps.")
@@ -198,6 +212,10 @@ class Progress(BaseModel):
     mean_reward: float | None = None
 
 
+WAITING_DOC = ("Why no live worker could run the queued job when it was queued (the model, or the memory it needs "
+               "against the largest worker's); it starts as soon as a capable worker appears. null once it starts.")
+
+
 class Job(BaseModel):
     job_id: str
     model_id: str
@@ -217,6 +235,7 @@ class Job(BaseModel):
                               "starting, loading_model, compiling (first step on a fresh machine), sampling, scoring, "
                               "updating, checkpointing, saving.")
     phase_note: str | None = Field(None, description="A sentence about the phase, e.g. why compiling takes long.")
+    waiting_for_worker: str | None = Field(None, description=WAITING_DOC)
     worker: str | None = Field(None, description="The worker running (or that last ran) the job.")
     checkpoint_step: int | None = Field(None, description="Step of the last checkpoint (resume starts there).")
     attempts: int = Field(0, description="Runs of the job started by workers (a clean hand-back included).")

@@ -8,9 +8,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-QUEUE_NAME = "grpo"
-
-
 @dataclass(frozen=True)
 class Settings:
     redis_url: str
@@ -26,6 +23,7 @@ class Settings:
     job_retention_s: int = 30 * 86400  # finished jobs' keys expire after this long
     max_attempts_cap: int = 10  # server cap on a job's max_attempts
     score_wait_s: float = 20.0  # how long POST .../logprob waits for the workers before answering 202
+    memory_gb: float | None = None  # a worker's memory for jobs (MTQ_MEMORY_GB, mtq worker --memory-gb); default: detected
     # Who may do what (api/auth.py): a JSON or YAML file of named tokens with roles.
     tokens_file: Path | None = None
     # Operator allow-lists: python reward modules (prefixes) and directories models may be loaded from.
@@ -81,6 +79,7 @@ def load_settings() -> Settings:
         job_retention_s=int(_float("MTQ_JOB_RETENTION_S", Settings.job_retention_s)),
         max_attempts_cap=_int("MTQ_MAX_ATTEMPTS", Settings.max_attempts_cap),
         score_wait_s=_float("MTQ_SCORE_WAIT_S", Settings.score_wait_s),
+        memory_gb=_float("MTQ_MEMORY_GB", 0.0) or None,
         tokens_file=Path(tokens_file).expanduser() if tokens_file else None,
         reward_modules=_list("MTQ_REWARD_MODULES"),
         model_roots=tuple(Path(p).expanduser().resolve() for p in _list("MTQ_MODEL_ROOTS", sep=os.pathsep)),

@@ -1,7 +1,7 @@
 """Job records of the supervised kinds (SFT, DPO, ORPO, reward models): creating, reading,
 listing and resuming them. Every status change goes through shared/lifecycle.py, as for GRPO;
-the record's `kind` selects the worker module (worker/training_process.py KINDS). All kinds
-share the rq queue QUEUE_NAME ("grpo"), so every `mtq worker` runs every kind.
+the record's `kind` selects the worker module (worker/training_process.py KINDS). Every kind
+is routed by its model and memory need (shared/routing.py), and every `mtq worker` runs every kind.
 """
 
 import json
@@ -12,7 +12,6 @@ import redis
 
 from shared import jobstore, lifecycle
 from shared.keys import job_key
-from shared.settings import QUEUE_NAME
 from shared.train_specs import SPECS, TrainJob
 
 # Changing these on resume would not fit the checkpoint's adapter (shape, placement or scale).
@@ -22,7 +21,7 @@ ADAPTER_SHAPE_FIELDS = ("lora_rank", "lora_layers", "lora_alpha", "fine_tune_typ
 def create_job(r: redis.Redis, spec, owner: str | None = None) -> TrainJob:
     job_id = uuid.uuid4().hex
     spec = spec.model_copy(update={"adapter_name": spec.adapter_name or f"{spec.kind}-{job_id[:8]}"})
-    lifecycle.create(r, job_id, spec.kind, QUEUE_NAME, spec.model_dump_json(), progress="{}",
+    lifecycle.create(r, job_id, spec.kind, spec.model_dump_json(), progress="{}",
                      max_attempts=jobstore.max_attempts(spec.config), **({"owner": owner} if owner else {}))
     # The job as created (a worker may have started it already: that is the next GET's news).
     job = get_job(r, job_id)
@@ -43,6 +42,7 @@ def job_from_hash(job_id: str, h: dict[bytes, bytes]) -> TrainJob:
         adapter_path=rec.get("adapter_path") or None, status=rec["status"], created_at=float(rec["created_at"]),
         started_at=num("started_at", default=0.0), finished_at=num("finished_at", default=0.0),
         error=rec.get("error") or "", progress=json.loads(rec.get("progress") or "{}"), worker=rec.get("worker"),
+        waiting_for_worker=rec.get("waiting_for_worker"),
         checkpoint_step=num("checkpoint_step", int), attempts=num("attempts", int, 0),
         failed_attempts=num("failed_attempts", int, 0), max_attempts=num("max_attempts", int, 3),
         resumed_from=num("resumed_from", int), owner=rec.get("owner"),

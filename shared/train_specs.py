@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.datasets import DatasetRef, PreferencePair, rows_errors, sft_format
-from shared.schemas import MODEL_ID_RE, SEED_MAX, check_json_values
+from shared.schemas import DEFAULT_LANE, LANE_PATTERN, MODEL_ID_RE, SEED_MAX, WAITING_DOC, JobCreate, check_json_values
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 SCHEDULES = ("cosine_decay", "linear_schedule", "exponential_decay", "step_decay")
@@ -51,6 +51,7 @@ class TrainConfig(BaseModel):
     steps_per_save: int = Field(100, ge=1, le=1_000_000, description="Checkpoint (LoRA + optimizer state) every N steps.")
     gradient_checkpointing: bool = False
     seed: int = Field(0, ge=0, le=SEED_MAX)
+    queue: str = Field(DEFAULT_LANE, pattern=LANE_PATTERN, description="The job's lane (as GRPO's: shared/routing.py).")
     # Durability (as GRPO's).
     checkpoint_interval_s: float = Field(300.0, gt=0.0, le=86_400.0, description="...and at least this often.")
     max_attempts: int = Field(3, ge=1, le=100)
@@ -157,6 +158,11 @@ SPECS: dict[str, type[_JobSpec]] = {"sft": SFTJobCreate, "dpo": DPOJobCreate, "o
                                     "reward": RewardJobCreate}
 
 
+def spec_model(kind: str | None) -> type[BaseModel]:
+    """The spec model of a job record's kind (GRPO's JobCreate for "grpo" and old records without a kind)."""
+    return SPECS.get(kind or "grpo", JobCreate)
+
+
 class TrainJob(BaseModel):
     """The job object of the supervised kinds: the spec as sent, plus the lifecycle's fields
     (the same as a GRPO job's; times 0.0 and error "" until set, progress {} before the first step)."""
@@ -176,6 +182,7 @@ class TrainJob(BaseModel):
     finished_at: float = 0.0
     error: str = ""
     progress: dict[str, Any] = Field(default_factory=dict)
+    waiting_for_worker: str | None = Field(None, description=WAITING_DOC)
     worker: str | None = None
     checkpoint_step: int | None = None
     attempts: int = 0

@@ -2,16 +2,21 @@
 
 Two keys per worker, both expiring (a dead worker disappears within `ttl_s`):
 
-  mtq:worker:<name>          JSON {name, host, pid, queues, version, started_at, models_dir,
-                             models: [{model_id, model_type, model_path}]}; written by the
-                             worker's supervisor from its heartbeat (`advertise`), which also
-                             renews the key below.
+  mtq:worker:<name>          JSON {name, host, pid, version, started_at, models_dir,
+                             models: [{model_id, model_type, model_path, size_bytes, shape}],
+                             queues, lanes, hub, declared (model ids it offers besides),
+                             device, device_name, memory_total_gb, memory_gb, memory_declared,
+                             current_job}; written by the worker's supervisor from its heartbeat
+                             and when a job starts or ends (`advertise`), which also renews the
+                             key below.
   mtq:worker:<name>:loaded   JSON [model_id, ...]: the models its training process holds
                              loaded; written by the training process itself (`publish_loaded`)
                              whenever that set changes, so the supervisor never needs MLX.
 
 `models` lists the directories under the worker's MTQ_MODELS_DIR that hold a config.json
-(names, and org/name for Hugging Face ids); model_type is "vlm" for a config with a vision
+(names, and org/name for Hugging Face ids), those under MTQ_MODEL_ROOTS (absolute paths) and
+the local Hugging Face cache's; size_bytes and shape feed the memory estimate that routes
+jobs (shared/routing.py); model_type is "vlm" for a config with a vision
 part, "llm" otherwise, null when config.json cannot be read. Readers: `live_workers`,
 `model_list` (the seed's GET /admin/api/fine-tune/models).
 """
@@ -26,6 +31,7 @@ from typing import Any
 
 import redis
 
+from shared.memory_estimate import shape_from_config
 from shared.schemas import MODEL_NAME
 
 WORKERS = "mtq:workers"  # set of worker names that advertised (entries whose key expired are dropped on read)
@@ -48,18 +54,25 @@ def package_version() -> str:
         return "unknown"
 
 
-def model_type(config_file: Path) -> str | None:
+def model_info(model_id: str, model_dir: Path) -> dict[str, Any]:
+    """What routing needs to know of a model directory: its type, the size of its weights
+    (the safetensors files) and its shape (config.json), for the memory estimate."""
     try:
-        config = json.loads(config_file.read_text())
+        config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
-        return None
+        config = None
     if not isinstance(config, dict):
-        return None
-    return "vlm" if "vision_config" in config else "llm"
+        return {"model_id": model_id, "model_type": None, "model_path": str(model_dir), "size_bytes": None, "shape": None}
+    shape = shape_from_config(config)
+    size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    return {"model_id": model_id, "model_type": "vlm" if "vision_config" in config else "llm",
+            "model_path": str(model_dir), "size_bytes": size, "shape": None if shape is None else shape.as_dict()}
 
 
-def local_models(models_dir: Path) -> list[dict[str, Any]]:
-    """Model directories under models_dir: <name>/config.json and <org>/<name>/config.json."""
+def local_models(models_dir: Path, absolute: bool = False) -> list[dict[str, Any]]:
+    """Model directories under models_dir: <name>/config.json and <org>/<name>/config.json,
+    named as a job names them: <name> and <org>/<name>, or (absolute: a directory of
+    MTQ_MODEL_ROOTS) by their absolute path."""
     found = []
     candidates = sorted(models_dir.glob("*/config.json")) + sorted(models_dir.glob("*/*/config.json"))
     for config in candidates[:MAX_MODELS]:
@@ -67,16 +80,38 @@ def local_models(models_dir: Path) -> list[dict[str, Any]]:
         parts = model_dir.relative_to(models_dir).parts
         if not all(_MODEL_NAME.match(p) for p in parts):
             continue  # not a name a job could use (hidden, temporary...)
-        found.append({"model_id": "/".join(parts), "model_type": model_type(config), "model_path": str(model_dir)})
+        found.append(model_info(str(model_dir) if absolute else "/".join(parts), model_dir))
     return found
 
 
-def record(name: str, queues: list[str], models_dir: Path, started_at: float) -> dict[str, Any]:
-    return {
-        "name": name, "host": socket.gethostname(), "pid": os.getpid(), "queues": queues,
-        "version": package_version(), "started_at": started_at, "models_dir": str(models_dir),
-        "models": local_models(models_dir),
-    }
+def hub_cache_models() -> list[dict[str, Any]]:
+    """Models in the local Hugging Face cache (models--<org>--<name>/snapshots/<rev>/config.json)."""
+    from huggingface_hub import constants  # no network, no MLX: only where the cache is
+
+    found = {}
+    for config in sorted(Path(constants.HF_HUB_CACHE).glob("models--*--*/snapshots/*/config.json"))[:MAX_MODELS]:
+        org_name = config.parents[2].name.removeprefix("models--").split("--", 1)
+        model_id = "/".join(org_name)
+        if all(_MODEL_NAME.match(p) for p in org_name):
+            found[model_id] = model_info(model_id, config.parent)
+    return list(found.values())
+
+
+def all_local_models(models_dir: Path, model_roots: tuple[Path, ...]) -> list[dict[str, Any]]:
+    """Every model a worker can load without the network: its models directory, the
+    directories of MTQ_MODEL_ROOTS (by absolute path) and the Hugging Face cache."""
+    models = local_models(models_dir)
+    for root in model_roots:
+        models += local_models(root, absolute=True)
+    return (models + hub_cache_models())[:MAX_MODELS]
+
+
+def record(name: str, models_dir: Path, models: list[dict[str, Any]], started_at: float, **offer: Any) -> dict[str, Any]:
+    """A worker's advertisement. models: all_local_models(...). offer: queues, lanes, hub,
+    declared (--models), device, device_name, memory_total_gb, memory_gb (what it runs jobs
+    in: declared or detected), memory_declared, current_job."""
+    return {"name": name, "host": socket.gethostname(), "pid": os.getpid(), "version": package_version(),
+            "started_at": started_at, "models_dir": str(models_dir), "models": models, **offer}
 
 
 def advertise(r: redis.Redis, rec: dict[str, Any], ttl_s: float) -> None:
@@ -100,6 +135,12 @@ def withdraw(r: redis.Redis, name: str) -> None:
         p.delete(worker_key(name), loaded_key(name))
         p.srem(WORKERS, name)
         p.execute()
+
+
+def get_worker(r: redis.Redis, name: str) -> dict[str, Any] | None:
+    """One live worker's record, with `loaded` (None if it is not live)."""
+    raw, loaded = r.mget(worker_key(name), loaded_key(name))
+    return None if raw is None else {**json.loads(raw), "loaded": json.loads(loaded) if loaded else []}
 
 
 def live_workers(r: redis.Redis) -> list[dict[str, Any]]:
@@ -132,7 +173,9 @@ def model_list(r: redis.Redis) -> list[dict[str, Any]]:
     models: dict[str, dict[str, Any]] = {}
     for worker in live_workers(r):
         for m in worker["models"]:
-            models.setdefault(m["model_id"], {**m, "loaded": False})
+            if m["model_id"].startswith("/"):
+                continue  # a directory under MTQ_MODEL_ROOTS: listed once loaded, as before
+            models.setdefault(m["model_id"], {k: m[k] for k in ("model_id", "model_type", "model_path")} | {"loaded": False})
         for model_id in worker["loaded"]:
             entry = models.setdefault(model_id, {"model_id": model_id, "model_type": "llm", "model_path": model_id,
                                                  "loaded": True})

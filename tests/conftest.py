@@ -44,7 +44,8 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
 
 
 class RedisServer:
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, bind: str = "127.0.0.1"):
+        self.bind = bind  # addresses, space-separated (besides loopback: tests/test_netns.py)
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -55,8 +56,9 @@ class RedisServer:
         exe = shutil.which("redis-server")
         assert exe, "redis-server is not installed (see README: make test installs it)"
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-             "--appendonly", "yes", "--save", "", "--daemonize", "no"],
+            [exe, "--port", str(self.port), "--bind", *self.bind.split(), "--dir", str(self.dir),
+             "--appendonly", "yes", "--save", "", "--daemonize", "no",
+             "--protected-mode", "yes" if self.bind == "127.0.0.1" else "no"],
             stdout=open(self.dir / "redis.log", "ab"), stderr=subprocess.STDOUT,
         )
         client = redis.Redis.from_url(self.url)
@@ -78,10 +80,10 @@ def _pings(client) -> bool:
 class Stack:
     """A redis-server, the API, and workers started on demand; all real processes."""
 
-    def __init__(self, workdir: Path, tiny_model: Path):
+    def __init__(self, workdir: Path, tiny_model: Path, redis_bind: str = "127.0.0.1"):
         self.workdir = workdir
         self.tiny_model = tiny_model
-        self.redis_server = RedisServer(workdir / "redis")
+        self.redis_server = RedisServer(workdir / "redis", redis_bind)
         self.api_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.api_port}"
         self.procs: list[subprocess.Popen] = []
@@ -107,10 +109,11 @@ class Stack:
         path.write_text(yaml.safe_dump({"tokens": tokens}))
         self.env["MTQ_TOKENS_FILE"] = str(path)
 
-    def spawn(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    def spawn(self, name: str, *args: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        """`mtq ARGS`; prefix: a command to run it under (e.g. `ip netns exec NS`)."""
         log = open(self.workdir / f"{name}-{len(self.procs)}.log", "ab")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env or self.env,
+            [*prefix, sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env or self.env,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         self.procs.append(proc)
@@ -126,12 +129,12 @@ class Stack:
         except httpx.HTTPError:
             return False
 
-    def start_worker(self, *args: str, env: dict | None = None) -> subprocess.Popen:
+    def start_worker(self, *args: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
         """Start `mtq worker` and wait until it has registered with rq."""
         from rq import Worker
 
         before = {w.name for w in Worker.all(connection=self.redis)}
-        proc = self.spawn("worker", "worker", *args, env=env)
+        proc = self.spawn("worker", "worker", *args, env=env, prefix=prefix)
 
         def registered():
             assert proc.poll() is None, f"worker exited with {proc.returncode}: {self.logs('worker')}"
@@ -139,6 +142,18 @@ class Stack:
 
         wait_for(registered, 60, "the worker to register")
         return proc
+
+    def rq_queue(self, job_id: str):
+        """The rq queue a queued job waits on (shared/routing.py routes it by model, memory and lane)."""
+        from rq import Queue
+
+        return Queue(self.redis.hget(f"mtq:job:{job_id}", "queue").decode(), connection=self.redis)
+
+    def rq_jobs_queued(self) -> int:
+        """rq jobs waiting on any queue."""
+        from rq import Queue
+
+        return sum(q.count for q in Queue.all(connection=self.redis))
 
     def logs(self, prefix: str) -> str:
         return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(self.workdir.glob(f"{prefix}-*.log")))

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from rq import Queue
 
 from shared import jobstore, lifecycle
 
@@ -107,7 +106,7 @@ def test_create_returns_a_queued_job_with_the_seed_fields_and_defaults(stack, cl
     assert {k: job["config"][k] for k in SEED_CONFIG_DEFAULTS} == SEED_CONFIG_DEFAULTS
     assert job["progress"] == {} and job["phase"] == "waiting_for_worker"  # the seed's {} until the first step
     # It is on rq's queue for the workers, and GET returns the same record.
-    assert job["job_id"] in Queue("grpo", connection=stack.redis).job_ids
+    assert job["job_id"] in stack.rq_queue(job["job_id"]).job_ids
     assert client.get(f"{JOBS}/{job['job_id']}").json() == job
 
 
@@ -135,14 +134,14 @@ def test_invalid_input_is_400_with_field_errors(client, body, loc):
     {"reward": [{"type": "endpoint", "url": "http://example.com/r"}]},
 ], ids=["config.reward_endpoint", "reward-source"])
 def test_disallowed_reward_host_is_400(stack, client, body):
-    queued_before = Queue("grpo", connection=stack.redis).count
+    queued_before = stack.rq_jobs_queued()
     res = client.post(JOBS, json={"model_id": "tiny", "prompts": ["hi"], **body})
     assert res.status_code == 400, res.text
     [error] = res.json()["errors"]
     assert res.json()["detail"] == error["msg"]
     assert {"loc", "msg", "type"} <= error.keys()
     assert "example.com" in error["msg"] and "not allowed" in error["msg"]
-    assert Queue("grpo", connection=stack.redis).count == queued_before  # nothing was queued
+    assert stack.rq_jobs_queued() == queued_before  # nothing was queued
 
 
 def test_allowed_reward_host_is_accepted(client):

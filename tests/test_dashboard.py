@@ -19,9 +19,11 @@ def test_dashboard_shows_queue_workers_and_a_running_jobs_progress(stack, worker
     job_id = stack.submit({"model_id": stack.tiny_model.name, "prompts": ["What is 2+2?", "Say hello."],
                            "config": {"iters": 100_000, "group_size": 2, "batch_size": 2, "max_completion_len": 16}})
     wait_for(lambda: (stack.get_job(job_id)["progress"].get("iter") or 0) >= 2, 120, "a few steps")
+    queue = stack.rq_queue(job_id).name  # routed by model and memory (shared/routing.py)
+    assert queue == f"default@{stack.tiny_model.name}@1gb"
 
     def meta():
-        listed = _get(f"{base}/jobs/grpo/started/10/asc/1.json")
+        listed = _get(f"{base}/jobs/{queue}/started/10/asc/1.json")
         ids = [j["id"] for j in (listed or {}).get("jobs", []) if job_id in j["id"]]
         info = ids and _get(f"{base}/job/{ids[0]}.json")
         m = json.loads(info["metadata"]) if info else {}
@@ -32,9 +34,9 @@ def test_dashboard_shows_queue_workers_and_a_running_jobs_progress(stack, worker
     assert int(step) >= 1 and total == "100000" and m["phase"] in ("sampling", "scoring", "updating", "checkpointing")
     assert stack.tiny_model.name in info["description"] and job_id in info["description"]
     queues = {q["name"]: q for q in _get(f"{base}/queues.json")["queues"]}
-    assert "grpo" in queues
-    names = [w["name"] for w in _get(f"{base}/workers.json")["workers"]]
-    assert len(names) >= 1
+    assert queue in queues
+    [shown] = _get(f"{base}/workers.json")["workers"]
+    assert queue in shown["queues"]  # the queues it listens to name the models it can load
 
     # As a person sees it: rq-dashboard's job page in headless Chromium shows the progress.
     from browser import Browser

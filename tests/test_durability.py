@@ -65,7 +65,8 @@ def test_killed_worker_job_is_requeued_and_resumed_elsewhere(stack, workers):
 def test_long_job_is_never_declared_abandoned_while_its_worker_lives(stack, workers):
     workers(env=dict(stack.env, MTQ_LEASE_TTL="1"))
     job_id = stack.submit(body(stack, iters=300))  # a few ms a step on the tiny model: several TTLs long
-    queue_registries = (StartedJobRegistry("grpo", connection=stack.redis), FailedJobRegistry("grpo", connection=stack.redis))
+    queue = stack.rq_queue(job_id).name
+    queue_registries = (StartedJobRegistry(queue, connection=stack.redis), FailedJobRegistry(queue, connection=stack.redis))
     deadline = time.monotonic() + 180
     started = None
     while (job := stack.get_job(job_id))["status"] in ("queued", "running"):
@@ -78,7 +79,7 @@ def test_long_job_is_never_declared_abandoned_while_its_worker_lives(stack, work
     assert time.monotonic() - started > 3  # the job outlived the 1 s TTL several times over
     assert job["attempts"] == 1 and job["failed_attempts"] == 0
     assert not [e for _, e in stack.events(job_id) if e["type"] == "requeued"]
-    assert job_id not in FailedJobRegistry("grpo", connection=stack.redis).get_job_ids()
+    assert job_id not in FailedJobRegistry(queue, connection=stack.redis).get_job_ids()
 
 
 def test_paused_worker_writes_nothing_after_losing_its_job(stack, workers):

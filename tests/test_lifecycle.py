@@ -96,7 +96,7 @@ def _one_transaction_queues_it(monitor: Monitor, job_id: str) -> bool:
     """Some MULTI/EXEC both set the job's status to queued and pushed its rq job."""
     for tx in monitor.transactions():
         sets_queued = any(c.startswith(f"HSET {job_key(job_id)} ") and " status queued" in c for c in tx)
-        pushes = any(c.startswith(("RPUSH rq:queue:grpo", "LPUSH rq:queue:grpo")) and job_id in c for c in tx)
+        pushes = any(c.startswith(("RPUSH rq:queue:", "LPUSH rq:queue:")) and job_id in c for c in tx)
         if sets_queued and pushes:
             return True
     return False
@@ -131,7 +131,7 @@ def test_every_transition_to_queued_is_one_transaction_with_its_rq_job(stack):
     with r.pipeline() as p:
         p.multi()
         p.zadd("mtq:jobs", {"never": 1.0})
-        lifecycle._write(p, r, "never", {}, lifecycle.Change("queued", {"kind": "grpo", "queue": "grpo", "spec": '{"model_id": "m"}'},
+        lifecycle._write(p, r, "never", {}, lifecycle.Change("queued", {"kind": "grpo", "spec": '{"model_id": "m", "prompts": ["hi"]}'},
                                                           enqueue=True))
         p.reset()  # the client dies here
     assert r.dbsize() == before and not r.exists(job_key("never"))
@@ -142,10 +142,10 @@ def test_reconciler_repairs_a_queued_job_without_rq_job_and_a_running_job_withou
     r = stack.redis
     orphan = stack.submit(body(stack))
     r.delete(f"rq:job:{orphan}")  # as if the rq job had been lost
-    r.lrem("rq:queue:grpo", 0, orphan)
+    r.lrem(stack.rq_queue(orphan).key, 0, orphan)
     leaseless = stack.submit(body(stack))
     assert lifecycle.start(r, leaseless, "gone-worker", lease_ttl_s=60)  # taken by a worker...
-    r.lrem("rq:queue:grpo", 0, leaseless)
+    r.lrem(stack.rq_queue(leaseless).key, 0, leaseless)
     r.delete(lease_key(leaseless))  # ...that died without a trace
 
     t0 = time.time()
@@ -282,7 +282,7 @@ def test_every_terminal_path_leaves_no_key_after_retention(stack, workers):
         with stack.client() as c:
             assert c.post(f"{JOBS}/{queued}/cancel").json()["status"] == "cancelled"
             ended("queued-cancel", queued, "cancelled")
-            r.lrem("rq:queue:grpo", 0, dead)
+            r.lrem(stack.rq_queue(dead).key, 0, dead)
             assert lifecycle.start(r, dead, "gone-worker", lease_ttl_s=60)
             r.delete(lease_key(dead))  # its worker died
             assert c.post(f"{JOBS}/{dead}/cancel").json()["status"] == "cancelled"

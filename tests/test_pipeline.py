@@ -52,16 +52,16 @@ def test_seed_job_completes_with_progress_and_adapter(stack, workers):
     assert isinstance(text, str) and len(text) > 0
 
 
-def test_missing_model_fails_clearly_then_worker_takes_next_job(stack, workers):
+def test_a_job_for_a_model_no_worker_has_waits_naming_it_and_the_worker_takes_the_next_job(stack, workers):
     workers()
     with stack.client() as c:
         bad = c.post(JOBS, json=dict(SEED_BODY, model_id="no-such-model-anywhere")).json()
-        good = c.post(JOBS, json=dict(SEED_BODY, model_id=str(stack.tiny_model), adapter_name="after_failure")).json()
-    bad_job = stack.wait_job(bad["job_id"])
-    assert bad_job["status"] == "failed"
-    assert bad_job["error"].startswith("model not found: 'no-such-model-anywhere'")
-    good_job = stack.wait_job(good["job_id"])
-    assert good_job["status"] == "completed", good_job["error"]
+        good = c.post(JOBS, json=dict(SEED_BODY, model_id=str(stack.tiny_model), adapter_name="after_waiting")).json()
+        assert bad["status"] == "queued" and bad["waiting_for_worker"] == "no live worker has model 'no-such-model-anywhere'"
+        good_job = stack.wait_job(good["job_id"])
+        assert good_job["status"] == "completed", good_job["error"]
+        assert c.get(f"{JOBS}/{bad['job_id']}").json()["status"] == "queued"  # never taken, never failed
+        assert c.delete(f"{JOBS}/{bad['job_id']}").status_code == 200
 
 
 def test_sse_stream_follows_a_running_job(stack, workers):

@@ -16,7 +16,6 @@ import tarfile
 
 import httpx
 import pytest
-from rq import Queue
 
 from conftest import ROOT, TOKEN, Stack, wait_for, running
 from shared.keys import JOBS_INDEX
@@ -81,12 +80,12 @@ def create(client, **fields) -> dict:
      "Invalid config: iters: Input should be a valid integer, unable to parse string as an integer"),
 ], ids=["no-model_id", "no-prompts", "empty-prompts", "prompts-not-a-list", "unknown-config-key", "group_size-0", "iters-text"])
 def test_invalid_bodies_are_400_with_a_readable_detail(stack, admin, body, detail):
-    queued = Queue("grpo", connection=stack.redis).count
+    queued = stack.rq_jobs_queued()
     res = admin.post(JOBS, json=body)
     assert res.status_code == 400, res.text
     assert res.json()["detail"] == detail
     assert res.json()["errors"] and {"loc", "msg", "type"} <= res.json()["errors"][0].keys()
-    assert Queue("grpo", connection=stack.redis).count == queued  # nothing was queued
+    assert stack.rq_jobs_queued() == queued  # nothing was queued
 
 
 def test_other_field_errors_are_400_naming_the_field(admin):
@@ -139,10 +138,11 @@ def test_cancel_answers_the_cancelled_job_and_a_finished_job_is_not_cancellable(
 
 def test_delete_removes_a_queued_job_and_its_rq_job(stack, admin):
     job_id = create(admin)["job_id"]
-    assert job_id in Queue("grpo", connection=stack.redis).job_ids
+    queue = stack.rq_queue(job_id)
+    assert job_id in queue.job_ids
     res = admin.delete(f"{JOBS}/{job_id}")
     assert res.status_code == 200 and res.json() == {"status": "deleted"}
-    assert job_id not in Queue("grpo", connection=stack.redis).job_ids
+    assert job_id not in queue.job_ids
     assert admin.get(f"{JOBS}/{job_id}").status_code == 404
     assert admin.delete(f"{JOBS}/{job_id}").status_code == 404
     # A finished job too.
@@ -205,7 +205,9 @@ def test_models_come_from_the_workers_advertisements(stack, admin, worker):
     assert listed["tiny"] == {"model_id": "tiny", "model_type": "llm", "model_path": str(stack.workdir / "models" / "tiny"),
                               "loaded": False}
     [advertised] = admin.get("/admin/api/workers").json()
-    assert advertised["queues"] == ["grpo"] and advertised["loaded"] == []
+    assert advertised["queues"][0] == "default@worker:" + advertised["name"] and advertised["loaded"] == []
+    assert "default@tiny@1gb" in advertised["queues"] and "default@org:tiny@1gb" in advertised["queues"]
+    assert advertised["device"] == "cpu" and advertised["memory_gb"] > 0 and advertised["lanes"] == ["default"]
     assert advertised["pid"] == worker.pid and advertised["version"] and advertised["started_at"] > 0
 
 
@@ -323,16 +325,22 @@ def test_adapters_of_deleted_jobs_drop_out_of_the_list(admin, worker):
     assert admin.get(f"{API}/adapters/tiny/numbered/download").status_code == 404
 
 
-def test_local_models_are_model_directories_with_their_type(tmp_path):
-    for rel, config in (("a", '{"model_type": "qwen3"}'), ("org/b", '{"vision_config": {}}'), ("c", "not json"),
-                        (".hidden", "{}"), ("org/.tmp-x", "{}")):
+def test_local_models_are_model_directories_with_their_type_size_and_shape(tmp_path):
+    shape = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 1024, "torch_dtype": "bfloat16"}
+    for rel, config in (("a", json.dumps({"model_type": "qwen3", **shape})), ("org/b", '{"vision_config": {}}'),
+                        ("c", "not json"), (".hidden", "{}"), ("org/.tmp-x", "{}")):
         (tmp_path / rel).mkdir(parents=True)
         (tmp_path / rel / "config.json").write_text(config)
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"x" * 1000)
     (tmp_path / "no-config").mkdir()
     assert local_models(tmp_path) == [
-        {"model_id": "a", "model_type": "llm", "model_path": str(tmp_path / "a")},
-        {"model_id": "c", "model_type": None, "model_path": str(tmp_path / "c")},
-        {"model_id": "org/b", "model_type": "vlm", "model_path": str(tmp_path / "org" / "b")},
+        {"model_id": "a", "model_type": "llm", "model_path": str(tmp_path / "a"), "size_bytes": 1000,
+         "shape": {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "head_dim": 16,
+                   "vocab": 1024, "act_bytes": 2}},
+        {"model_id": "c", "model_type": None, "model_path": str(tmp_path / "c"), "size_bytes": None, "shape": None},
+        {"model_id": "org/b", "model_type": "vlm", "model_path": str(tmp_path / "org" / "b"), "size_bytes": 0,
+         "shape": None},
     ]
 
 

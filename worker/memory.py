@@ -34,31 +34,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-GB = 1e9
-# The decode's peak over its KV cache: ~4.7 measured on CPU (attention copies K/V for
-# grouped-query heads, old and new buffers). On the H200 (fused attention) a limit of 2x held
-# (bench --sweep: 4.56 GB at G16 B4 L256) at the cost of ~6% decode speed, MLX waiting on queued work.
-SAMPLING_KV_COPIES = {"cpu": 5, "gpu": 2}
+from shared.memory_estimate import GB, ModelShape, logits_chunk_tokens, loss_bytes, min_need_bytes, sampling_bytes  # noqa: F401 (re-exported)
+from shared.settings import load_settings
+
 MAX_MICRO_BATCH_TOKENS = 8192
 MIN_MICRO_BATCH_TOKENS = 1024  # below this a micro-batch is mostly per-call overhead: allowed whenever it fits
-LOGITS_CHUNK_BYTES = 16 * 2**20  # float32 logits of one chunk of completion positions
-MIN_LOGITS_CHUNK_TOKENS = 64
 
 
 class MemoryEstimateError(Exception):
     """The job cannot fit max_memory_gb even one row at a time; the message gives the estimate."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    act_bytes: int  # bytes per activation value (2 for bf16/fp16 models, 4 for fp32)
 
 
 def model_shape(model: nn.Module) -> ModelShape:
@@ -79,8 +63,12 @@ def weights_bytes(model: nn.Module) -> int:
 
 
 def device_memory_bytes() -> float:
-    """What a job may use at most: Metal's recommended working set, else 90% of a GPU's
-    memory, else 75% of RAM."""
+    """What a job may use at most: what the worker declares (`mtq worker --memory-gb`,
+    MTQ_MEMORY_GB), else Metal's recommended working set, else 90% of a GPU's memory, else
+    75% of RAM."""
+    declared = load_settings().memory_gb
+    if declared:
+        return declared * GB
     info = mx.device_info()
     if "max_recommended_working_set_size" in info:  # Metal
         return float(info["max_recommended_working_set_size"])
@@ -89,30 +77,16 @@ def device_memory_bytes() -> float:
     return 0.75 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def logits_chunk_tokens(vocab: int) -> int:
-    return max(MIN_LOGITS_CHUNK_TOKENS, LOGITS_CHUNK_BYTES // (4 * vocab))
+def device_kind() -> str:
+    return "gpu" if mx.default_device() == mx.gpu else "cpu"
 
 
-def activation_bytes(s: ModelShape, width: int) -> int:
-    """Bytes one transformer layer keeps per token for its backward pass."""
-    q, kv, d, f = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
-    stored = 6 * d + 4 * q + 6 * kv + 4 * f  # norms, q/k/v (+ norms, rope), attention out, MLP
-    lora_inputs = 5 * d + q + f  # LoRA's float32 copies of each projection's input
-    attention = s.heads * width  # attention probabilities, float32
-    return s.act_bytes * stored + 4 * lora_inputs + 4 * attention
-
-
-def sampling_bytes(s: ModelShape, rows: int, width: int) -> int:
-    copies = SAMPLING_KV_COPIES["gpu" if mx.default_device() == mx.gpu else "cpu"]
-    return copies * rows * s.layers * 2 * s.kv_heads * s.head_dim * width * s.act_bytes
-
-
-def loss_bytes(s: ModelShape, rows: int, width: int, checkpointing: bool) -> int:
-    act = activation_bytes(s, width)
-    # checkpointing: each layer's input, plus the layer being recomputed and its neighbour's gradient
-    per_token = s.layers * s.hidden * s.act_bytes + 2 * act if checkpointing else s.layers * act
-    logits = 4 * min(logits_chunk_tokens(s.vocab), rows * width) * s.vocab * 4  # logits, softmax, their gradients
-    return rows * width * per_token + logits
+def device_description() -> dict:
+    """For the worker's advertisement: the MLX device, its memory, and what a job may use."""
+    info = mx.device_info()
+    total = info.get("memory_size") or info.get("total_memory") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"device": device_kind(), "device_name": str(info.get("device_name") or info.get("architecture") or "cpu"),
+            "memory_total_gb": round(total / GB, 2), "memory_gb": round(device_memory_bytes() / GB, 2)}
 
 
 @dataclass(frozen=True)
@@ -145,13 +119,13 @@ def plan_memory(
     s = model_shape(model)
     limit = device_memory_bytes() if max_memory_gb is None else min(max_memory_gb * GB, device_memory_bytes())
     weights = weights_bytes(model)
-    sampling = sampling_bytes(s, rows, width)
+    sampling = sampling_bytes(s, rows, width, device_kind())
     divisors = [m for m in range(1, rows + 1) if rows % m == 0]
 
     def fits(m: int) -> bool:
         return weights + loss_bytes(s, m, width, checkpointing) <= limit
 
-    need = weights + max(sampling, loss_bytes(s, 1, width, checkpointing))
+    need = min_need_bytes(s, weights, rows, width, checkpointing, device_kind())
     if need > limit:
         raise MemoryEstimateError(
             f"this job needs about {need / GB:.2f} GB (weights {weights / GB:.2f} GB, sampling {rows} rows of "

@@ -24,20 +24,23 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import signal
+import socket
 import threading
 import time
 
 import redis
 from pydantic import ValidationError
-from rq import SimpleWorker
+from rq import Queue, SimpleWorker
 from rq.worker import WorkerStatus
 
-from shared import workers
+from shared import lifecycle, routing, workers
 from shared.jobstore import connect, get_spec
 from shared.keys import job_key
 from shared.lifecycle import Reconciler
-from shared.settings import QUEUE_NAME, load_settings
+from shared.settings import load_settings
+from shared.train_specs import spec_model
 from worker import openblas
 from worker.lease import Lease, LeaseLost, retrying
 from worker.training_process import Marks
@@ -66,6 +69,7 @@ class TrainingProcess:
         self.worker_name = worker_name
         self.proc = None
         self.conn = None
+        self.device: dict | None = None  # the MLX device and its memory, as the child reports it
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.is_alive()
@@ -82,8 +86,9 @@ class TrainingProcess:
         while not ours.poll(POLL_S):
             if not self.proc.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the training process did not start ({self.exit_description()})")
-        assert ours.recv() == "ready"
-        log.info("training process %d ready", self.proc.pid)
+        ready, self.device = ours.recv()
+        assert ready == "ready"
+        log.info("training process %d ready on %s", self.proc.pid, self.device)
 
     def exit_description(self) -> str:
         code = None if self.proc is None else self.proc.exitcode
@@ -111,11 +116,32 @@ class TrainingProcess:
 
 
 class Supervisor(SimpleWorker):
-    def __init__(self, *args, **kwargs):
+    """Listens to the queues of what it offers (shared/routing.py): for each lane, its own
+    queue, then every model it can load in every memory class up to its memory, then (--hub)
+    the hub's. The heartbeat refreshes that list (models appear, get loaded); rq reads
+    `_ordered_queues` at every dequeue, which waits at most `dequeue_timeout`."""
+
+    def __init__(self, *args, lanes: list[str], models: list[str], memory_gb: float | None, hub: bool, **kwargs):
         super().__init__(*args, **kwargs)
         self.training = TrainingProcess(self.name)
         self.lease: Lease | None = None  # of the job being run, for the heartbeat thread
         self._running = None  # (rq job, execution) while a job runs
+        self.lanes, self.declared_models, self.declared_memory_gb, self.hub = lanes, models, memory_gb, hub
+        self.current_job: str | None = None
+        self.models: dict[str, dict] = {}  # model key -> what it advertises of the models it has on disk
+        self._advertising = threading.Lock()
+        self._started_at = time.time()
+
+    @property
+    def dequeue_timeout(self) -> int:
+        return max(1, int(load_settings().lease_ttl_s / 4))
+
+    @property
+    def memory_gb(self) -> float | None:
+        """What jobs may use here: as declared (--memory-gb), else as the training process detected."""
+        if self.declared_memory_gb:
+            return self.declared_memory_gb
+        return None if self.training.device is None else self.training.device["memory_gb"]
 
     def get_heartbeat_ttl(self, job, working_time: float = 0.0) -> int:
         # rq's registry entries live as long as our lease: a dead worker is noticed quickly,
@@ -137,6 +163,7 @@ class Supervisor(SimpleWorker):
         beat.start()
         try:
             self.training.start()
+            self._advertise()  # now with the device's memory: the queues of every memory class that fits
             return super().work(*args, **kwargs)
         finally:
             stop.set()
@@ -150,10 +177,9 @@ class Supervisor(SimpleWorker):
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         ttl = load_settings().lease_ttl_s
         reconciler = Reconciler(self.connection, grace_s=ttl / 2)
-        started_at = time.time()
-        self._advertise(started_at)
+        self._advertise()
         while not stop.wait(ttl / 4):
-            self._advertise(started_at)
+            self._advertise()
             try:
                 lease = self.lease
                 if lease is not None and not lease.renew():
@@ -181,23 +207,55 @@ class Supervisor(SimpleWorker):
                             "phase": self.training.marks.phase})
         rq_job.save_meta()
 
-    def _advertise(self, started_at: float) -> None:
-        """What this worker offers (shared/workers.py), read by GET /admin/api/fine-tune/models."""
+    def _advertise(self) -> None:
+        """What this worker offers (shared/workers.py), read by the router and GET /admin/api/workers;
+        and the queues that follow from it. Called from the heartbeat and when a job starts or
+        ends (the router prefers a free worker holding the model), one at a time."""
         settings = load_settings()
-        try:
-            rec = workers.record(self.name, self.queue_names(), settings.models_dir, started_at)
-            workers.advertise(self.connection, rec, ttl_s=settings.lease_ttl_s)
-        except (redis.RedisError, OSError) as e:
-            log.warning("heartbeat: could not advertise this worker: %s", e)
+        with self._advertising:
+            try:
+                loaded = json.loads(self.connection.get(workers.loaded_key(self.name)) or "[]")
+                models = workers.all_local_models(settings.models_dir, settings.model_roots)
+                self.models = {routing.model_key(m["model_id"]): m for m in models}
+                queues = routing.worker_queues(self.name, self.lanes, [*self.models, *self.declared_models, *loaded],
+                                               self.memory_gb, self.hub)
+                self._listen(queues)
+                device = self.training.device or {}
+                rec = workers.record(
+                    self.name, settings.models_dir, models, self._started_at, queues=queues,
+                    lanes=self.lanes, hub=self.hub, declared=self.declared_models, current_job=self.current_job,
+                    device=device.get("device"), device_name=device.get("device_name"),
+                    memory_total_gb=device.get("memory_total_gb"), memory_gb=self.memory_gb,
+                    memory_declared=self.declared_memory_gb is not None,
+                )
+                workers.advertise(self.connection, rec, ttl_s=settings.lease_ttl_s)
+            except (redis.RedisError, OSError) as e:
+                log.warning("heartbeat: could not advertise this worker: %s", e)
+
+    def _listen(self, names: list[str]) -> None:
+        """Listen to these queues from the next dequeue on (rq's worker reads `_ordered_queues`
+        there), and show them in rq's worker record (rq-dashboard's workers view)."""
+        if names == self.queue_names():
+            return
+        self.queues = [Queue(n, connection=self.connection) for n in names]
+        self._ordered_queues = self.queues[:]
+        if self.birth_date is not None:  # before its birth, rq writes the record itself
+            self.connection.hset(self.key, "queues", ",".join(names))
+        log.info("listening to %d queues: %s", len(names), ", ".join(names))
 
     # ------------------------------------------------------------------ one job
 
     def run(self, job_id: str) -> str:
         """rq's job function (worker/jobs.py) calls this: take the job, let the child run it, watch."""
+        too_big = self._does_not_fit(job_id)
+        if too_big:
+            return too_big
         lease = Lease.start(self.connection, job_id, self.name)
         if lease is None:
             return "not started: the job is no longer queued"
         self.lease = lease
+        self.current_job = job_id
+        self._advertise()
         try:
             try:
                 spec = retrying(lambda: get_spec(self.connection, job_id), "job read")
@@ -217,6 +275,30 @@ class Supervisor(SimpleWorker):
             raise
         finally:
             self.lease = None
+            self.current_job = None
+            self._advertise()
+
+    def _does_not_fit(self, job_id: str) -> str | None:
+        """The router's memory class is a lower bound (shared/routing.py): check the job against
+        this worker's device, model and memory, and route it again, without starting it (no
+        attempt spent), when it needs more. The reason, or None when it fits."""
+        kind, raw = retrying(lambda: self.connection.hmget(job_key(job_id), "kind", "spec"), "job read")
+        if raw is None or self.memory_gb is None or self.training.device is None:
+            return None
+        kind = (kind or b"grpo").decode()
+        try:
+            spec = spec_model(kind).model_validate_json(raw)
+        except ValidationError:
+            return None  # run() fails it with the reason
+        model = self.models.get(routing.model_key(spec.model_id), {})
+        need = routing.job_need_gb(kind, spec, model, self.training.device["device"])
+        if need is None or need <= self.memory_gb:
+            return None
+        reason = f"worker {self.name} has {self.memory_gb:g} GB; the job needs about {need:.2f} GB there"
+        rq_job_id = self._running[0].id
+        rerouted = retrying(lambda: lifecycle.reroute(self.connection, job_id, rq_job_id, reason, need_gb=need), "reroute")
+        log.info("job %s: %s; %s", job_id, reason, "routed again" if rerouted else "already moved on")
+        return f"not started: {reason}"
 
     def watch(self, lease: Lease, stall_timeout_s: float) -> str:
         t = self.training
@@ -278,10 +360,20 @@ def current() -> Supervisor:
     return _current
 
 
-def run_worker(queues: list[str] | None = None, name: str | None = None) -> None:
+def run_worker(lanes: list[str], name: str | None = None, models: list[str] = (), memory_gb: float | None = None,
+               hub: bool = False) -> None:
+    """`mtq worker`: lanes in the order to serve them; models: ids to offer besides those on
+    disk (e.g. Hugging Face ids to fetch, with hub); memory_gb: overrides the detected memory
+    (the training process plans jobs with it too: MTQ_MEMORY_GB)."""
     global _current
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     openblas.preload_for_children()  # before the training process starts (and imports mlx)
+    if memory_gb:
+        os.environ["MTQ_MEMORY_GB"] = repr(memory_gb)
     settings = load_settings()
-    _current = Supervisor(queues or [QUEUE_NAME], connection=connect(settings.redis_url), name=name)
+    name = name or re.sub(r"[^A-Za-z0-9._-]", "-", f"{socket.gethostname().split('.')[0]}-{os.getpid()}")[-64:]
+    # Until the training process has reported its device (and memory), only the worker's own queues.
+    _current = Supervisor([routing.own_queue(lane, name) for lane in lanes], connection=connect(settings.redis_url),
+                          name=name, lanes=list(lanes), models=list(models), memory_gb=memory_gb or settings.memory_gb,
+                          hub=hub)
     _current.work(with_scheduler=False, logging_level="INFO")

@@ -244,7 +244,9 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
             retrying(lambda: workers.publish_loaded(r, worker, published, settings.lease_ttl_s), "loaded models")
 
     publish_loaded()  # a fresh process holds none
-    conn.send("ready")
+    from worker.memory import device_description
+
+    conn.send(("ready", device_description()))  # the supervisor advertises the device and routes by its memory
     while True:
         # Idle: answer log-prob requests for any model; a job waiting gets the process after
         # the requests already queued (scoring comes before training work).

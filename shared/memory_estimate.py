@@ -1,0 +1,82 @@
+"""The memory formulas of a training step, on plain numbers: no MLX, so the API can route a
+job by its estimated need (shared/routing.py) and the worker can plan its micro-batch
+(worker/memory.py, which explains each term and how they were calibrated).
+
+A model's shape comes from its config.json (`shape_from_config`), its weights' size from its
+safetensors files, both advertised by the workers that hold it (shared/workers.py).
+"""
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+GB = 1e9
+# The decode's peak over its KV cache: ~4.7 measured on CPU (attention copies K/V for
+# grouped-query heads, old and new buffers). On the H200 (fused attention) a limit of 2x held
+# (bench --sweep: 4.56 GB at G16 B4 L256) at the cost of ~6% decode speed, MLX waiting on queued work.
+SAMPLING_KV_COPIES = {"cpu": 5, "gpu": 2}
+LOGITS_CHUNK_BYTES = 16 * 2**20  # float32 logits of one chunk of completion positions
+MIN_LOGITS_CHUNK_TOKENS = 64
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    act_bytes: int  # bytes per activation value (2 for bf16/fp16 models, 4 for fp32)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def shape_from_config(config: dict[str, Any]) -> ModelShape | None:
+    """The shape from a Hugging Face / mlx_lm config.json (None if it lacks a field)."""
+    config = config.get("text_config", config) if "vision_config" in config else config
+    try:
+        heads = int(config["num_attention_heads"])
+        return ModelShape(
+            layers=int(config["num_hidden_layers"]), hidden=int(config["hidden_size"]),
+            intermediate=int(config["intermediate_size"]), heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+            vocab=int(config["vocab_size"]), act_bytes=DTYPE_BYTES.get(config.get("torch_dtype"), 2),
+        )
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def logits_chunk_tokens(vocab: int) -> int:
+    return max(MIN_LOGITS_CHUNK_TOKENS, LOGITS_CHUNK_BYTES // (4 * vocab))
+
+
+def activation_bytes(s: ModelShape, width: int) -> int:
+    """Bytes one transformer layer keeps per token for its backward pass."""
+    q, kv, d, f = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
+    stored = 6 * d + 4 * q + 6 * kv + 4 * f  # norms, q/k/v (+ norms, rope), attention out, MLP
+    lora_inputs = 5 * d + q + f  # LoRA's float32 copies of each projection's input
+    attention = s.heads * width  # attention probabilities, float32
+    return s.act_bytes * stored + 4 * lora_inputs + 4 * attention
+
+
+def sampling_bytes(s: ModelShape, rows: int, width: int, device: str) -> int:
+    """The KV cache of `rows` rows of `width` positions, times the decode's copies of it."""
+    return SAMPLING_KV_COPIES[device] * rows * s.layers * 2 * s.kv_heads * s.head_dim * width * s.act_bytes
+
+
+def loss_bytes(s: ModelShape, rows: int, width: int, checkpointing: bool) -> int:
+    act = activation_bytes(s, width)
+    # checkpointing: each layer's input, plus the layer being recomputed and its neighbour's gradient
+    per_token = s.layers * s.hidden * s.act_bytes + 2 * act if checkpointing else s.layers * act
+    logits = 4 * min(logits_chunk_tokens(s.vocab), rows * width) * s.vocab * 4  # logits, softmax, their gradients
+    return rows * width * per_token + logits
+
+
+def min_need_bytes(s: ModelShape, weights: int, rows: int, width: int, checkpointing: bool, device: str) -> int:
+    """The least a step can run in: the weights plus the larger of sampling and a loss step
+    of one row (the micro-batch then grows into whatever room is left)."""
+    return weights + max(sampling_bytes(s, rows, width, device), loss_bytes(s, 1, width, checkpointing))

@@ -1,0 +1,179 @@
+"""Routing: which rq queue a job waits on, and which queues a worker listens to.
+
+A job goes only to a worker that can run it, by rq's own mechanism: named queues. A job's
+queue names what it needs, and a worker listens to the queues of everything it offers:
+
+    <lane>@<model>@<N>gb       the job's model, and its memory class: its estimated need rounded
+                               up to a power of two (1, 2, 4, ... GB); a worker listens to every
+                               class up to its memory, for every model it can load
+    <lane>@hub@<N>gb           a Hugging Face id no live worker holds: for workers with `--hub`
+    <lane>@worker:<name>       one worker's own queue: a job for a model that worker holds loaded
+                               (warm-model preference)
+
+`lane` is the job's `config.queue` ("default"); a worker serves the lanes it is given in that
+order (`--lanes high,default`), and rq serves a worker's queues in order, so an earlier lane
+always goes first. Within a lane: its own queue, then the larger memory classes (jobs that
+fewer workers can run), then the hub.
+
+A model is named by its model_id, with org/name as org:name (rq-dashboard puts queue names in
+URLs), except absolute paths (any characters, and rq joins queue names with ','), which are
+named by a hash of the normalised path.
+
+The estimate (shared/memory_estimate.py) comes from the job's config and the model's shape
+and size as the workers that hold it advertise them (the largest, if they differ); with the
+GPU's sampling factor, the lowest a device needs. The worker that takes the job checks again
+with its own device and model (Supervisor.run) and re-routes the job, without starting it,
+when it does not fit: the API's class is a lower bound, never a reason to run a job that
+does not fit. A model no live worker advertises has no size yet: its job waits in class 1,
+and the first worker with the model checks it.
+"""
+
+import hashlib
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from shared.memory_estimate import GB, ModelShape, loss_bytes, min_need_bytes
+from shared.schemas import DEFAULT_LANE, MODEL_NAME, prompt_chars
+
+WORKER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MAX_MEMORY_CLASS_GB = 2**20
+CHARS_PER_TOKEN = 4  # the API has no tokenizer; the training process plans with the real token counts
+CHAT_TEMPLATE_TOKENS = 32  # what a chat template adds around a prompt, roughly
+WARM_WAIT_S = 5.0  # a job waits this long on a busy worker's own queue before the shared one
+_HF_ID = re.compile(rf"^{MODEL_NAME}/{MODEL_NAME}$")
+
+
+def model_key(model_id: str) -> str:
+    """How queue names name a model: a name as is, org/name as org:name (rq-dashboard's URLs
+    hold queue names; ':' is in no model name), an absolute path by its hash."""
+    if model_id.startswith("/"):
+        return "path-" + hashlib.sha256(os.path.normpath(model_id).encode()).hexdigest()[:16]
+    return model_id.replace("/", ":")
+
+
+def memory_class(need_gb: float | None) -> int:
+    """The smallest power of two GB >= need (1 when unknown)."""
+    if not need_gb or need_gb <= 1:
+        return 1
+    return min(2 ** math.ceil(math.log2(need_gb)), MAX_MEMORY_CLASS_GB)
+
+
+def memory_classes(memory_gb: float | None) -> list[int]:
+    """The classes a worker with this much memory listens to, largest first."""
+    classes, c = [], 1
+    while memory_gb and c <= min(memory_gb, MAX_MEMORY_CLASS_GB):
+        classes.append(c)
+        c *= 2
+    return classes[::-1]
+
+
+def model_queue(lane: str, model_id: str, memory_gb: int) -> str:
+    return f"{lane}@{model_key(model_id)}@{memory_gb}gb"  # the same names as worker_queues
+
+
+def hub_queue(lane: str, memory_gb: int) -> str:
+    return f"{lane}@hub@{memory_gb}gb"
+
+
+def own_queue(lane: str, worker: str) -> str:
+    return f"{lane}@worker:{worker}"
+
+
+def queue_owner(queue: str) -> str | None:
+    """The worker whose own queue this is (None for a shared queue)."""
+    return queue.split("@worker:", 1)[1] if "@worker:" in queue else None
+
+
+def worker_queues(name: str, lanes: list[str], model_ids: list[str], memory_gb: float | None, hub: bool) -> list[str]:
+    """Every queue a worker listens to, in the order rq should serve them."""
+    classes = memory_classes(memory_gb)
+    keys = sorted({model_key(m) for m in model_ids})
+    queues = []
+    for lane in lanes:
+        queues.append(own_queue(lane, name))
+        queues += [f"{lane}@{key}@{c}gb" for c in classes for key in keys]
+        if hub:
+            queues += [hub_queue(lane, c) for c in classes]
+    return queues
+
+
+def served_models(worker: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """model key -> what the worker advertises about the model ({} when only its id is known):
+    its models on disk, the models it holds loaded, and those it was told to offer (--models)."""
+    served: dict[str, dict[str, Any]] = {model_key(m): {} for m in worker.get("declared", []) + worker.get("loaded", [])}
+    for m in worker.get("models", []):
+        served[model_key(m["model_id"])] = m
+    return served
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+def job_need_gb(kind: str, spec, model: dict[str, Any], device: str = "gpu") -> float | None:
+    """Estimated memory (GB) of the job's step, from its config and the model's advertised
+    shape and size; None when the model's shape is not known."""
+    if not model.get("shape") or model.get("size_bytes") is None:
+        return None
+    s, weights, cfg = ModelShape(**model["shape"]), int(model["size_bytes"]), spec.config
+    if kind == "grpo":
+        chars = max(prompt_chars(p) for p in spec.prompts)
+        chat = cfg.use_chat_template or any(isinstance(p, list) for p in spec.prompts)
+        width = math.ceil(chars / CHARS_PER_TOKEN) + (CHAT_TEMPLATE_TOKENS if chat else 0) + cfg.max_completion_len
+        checkpointing = cfg.use_gradient_checkpointing is not False  # None: the plan may turn it on
+        need = min_need_bytes(s, weights, cfg.batch_size * cfg.group_size, width, checkpointing, device)
+    else:  # supervised kinds: a batch of rows of max_seq_length; preference pairs are two rows each
+        rows = cfg.batch_size * (1 if kind == "sft" else 2)
+        need = weights + loss_bytes(s, rows, cfg.max_seq_length, cfg.gradient_checkpointing)
+    return need / GB
+
+
+# --------------------------------------------------------------------------- routing a job
+
+
+@dataclass(frozen=True)
+class Route:
+    queue: str
+    need_gb: float | None
+    waiting_for_worker: str | None  # why no live worker can run it now (None: some can)
+
+
+def route(kind: str, spec, live: list[dict[str, Any]], floor_gb: float | None = None, warm: bool = True,
+          finished=lambda job_id: True) -> Route:
+    """The queue for a job, given the live workers' advertisements (shared/workers.py).
+    floor_gb: a need measured by a worker that could not fit the job. warm: prefer the own
+    queue of a capable worker that holds the model loaded and is free (finished(job_id) says
+    whether the job a worker advertises as its current one has ended meanwhile)."""
+    lane = getattr(spec.config, "queue", DEFAULT_LANE)
+    key = model_key(spec.model_id)
+    holders = [w for w in live if key in served_models(w)]
+    sizes = [job_need_gb(kind, spec, served_models(w)[key]) for w in holders]
+    need = max([n for n in sizes if n is not None] + [floor_gb or 0.0]) or None
+    cls = memory_class(need)
+
+    def capable(w):
+        return lane in w.get("lanes", [DEFAULT_LANE]) and cls <= (w.get("memory_gb") or 0)
+
+    if not holders and _HF_ID.match(spec.model_id):
+        queue, candidates = hub_queue(lane, cls), [w for w in live if w.get("hub")]
+        missing = f"no live worker has model {spec.model_id!r}, and none has hub access (mtq worker --hub)"
+    else:
+        queue, candidates = model_queue(lane, spec.model_id, cls), holders
+        missing = f"no live worker has model {spec.model_id!r}"
+    able = [w for w in candidates if capable(w)]
+    waiting = None
+    if not candidates:
+        waiting = missing
+    elif not able and not any(lane in w.get("lanes", [DEFAULT_LANE]) for w in candidates):
+        waiting = f"no live worker that can run it takes jobs of queue {lane!r} (mtq worker --lanes)"
+    elif not able:
+        largest = max((w.get("memory_gb") or 0) for w in candidates)
+        waiting = (f"needs about {need:.2f} GB (memory class {cls} GB); the largest live worker that can run it "
+                   f"has {largest:g} GB")
+    if warm:
+        for w in sorted(able, key=lambda w: w["name"]):
+            if key in {model_key(m) for m in w.get("loaded", [])} and (not w.get("current_job") or finished(w["current_job"])):
+                return Route(own_queue(lane, w["name"]), need, None)
+    return Route(queue, need, waiting)
