@@ -23,6 +23,9 @@ class Settings:
     job_retention_s: int = 30 * 86400  # finished jobs' keys expire after this long
     max_attempts_cap: int = 10  # server cap on a job's max_attempts
     score_wait_s: float = 20.0  # how long POST .../logprob waits for the workers before answering 202
+    # Extra room before a job's first step: MLX compiles kernels on first use (about a minute on
+    # a fresh Linux CPU machine, about six on a fresh CUDA machine).
+    compile_grace_s: float = 600.0
     memory_gb: float | None = None  # a worker's memory for jobs (MTQ_MEMORY_GB, mtq worker --memory-gb); default: detected
     # Who may do what (api/auth.py): a JSON or YAML file of named tokens with roles.
     tokens_file: Path | None = None
@@ -79,6 +82,7 @@ def load_settings() -> Settings:
         job_retention_s=int(_float("MTQ_JOB_RETENTION_S", Settings.job_retention_s)),
         max_attempts_cap=_int("MTQ_MAX_ATTEMPTS", Settings.max_attempts_cap),
         score_wait_s=_float("MTQ_SCORE_WAIT_S", Settings.score_wait_s),
+        compile_grace_s=_float("MTQ_COMPILE_GRACE_S", Settings.compile_grace_s),
         memory_gb=_float("MTQ_MEMORY_GB", 0.0) or None,
         tokens_file=Path(tokens_file).expanduser() if tokens_file else None,
         reward_modules=_list("MTQ_REWARD_MODULES"),

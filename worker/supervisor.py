@@ -54,12 +54,6 @@ LEASE_LOST_GRACE_S = 10.0
 READY_TIMEOUT_S = 300.0  # importing MLX and the trainer
 
 
-def compile_grace_s() -> float:
-    """Extra room before the first step: MLX compiles kernels on first use (about a minute on a
-    fresh Linux CPU machine, about six on a fresh CUDA machine)."""
-    return float(os.environ.get("MTQ_COMPILE_GRACE_S", "600"))
-
-
 class TrainingProcess:
     """The supervisor's handle on its child."""
 
@@ -326,7 +320,7 @@ class Supervisor(SimpleWorker):
             silence = now - t.marks.last
             allowed = stall_timeout_s
             if t.marks.steps == 0 and t.marks.phase != "scoring":
-                allowed += compile_grace_s()
+                allowed += load_settings().compile_grace_s
             if silence > allowed:
                 t.kill()
                 return self._lost(lease, f"stalled: no progress for {silence:.0f}s in phase {t.marks.phase} "
