@@ -48,6 +48,19 @@ def sequence_logps(logps: mx.array, mask: mx.array, average: bool = False) -> mx
     return total / mx.maximum(mask.sum(axis=-1), 1.0) if average else total
 
 
+def preference_metrics(chosen_reward: mx.array, rejected_reward: mx.array, chosen_logps: mx.array,
+                       rejected_logps: mx.array) -> dict[str, mx.array]:
+    """TRL's rewards/* and logps/* metrics of a batch of pairs, for DPO and ORPO alike."""
+    return {
+        "rewards/chosen": chosen_reward.mean(),
+        "rewards/rejected": rejected_reward.mean(),
+        "rewards/accuracies": (chosen_reward > rejected_reward).astype(mx.float32).mean(),
+        "rewards/margins": (chosen_reward - rejected_reward).mean(),
+        "logps/chosen": chosen_logps.mean(),
+        "logps/rejected": rejected_logps.mean(),
+    }
+
+
 def dpo_loss(chosen: mx.array, rejected: mx.array, ref_chosen: mx.array, ref_rejected: mx.array, *,
              beta: float, loss_type: str, label_smoothing: float = 0.0) -> tuple[mx.array, dict[str, mx.array]]:
     """Sequence log-probs (N,) of policy and reference -> the mean loss and TRL's metrics."""
@@ -62,14 +75,7 @@ def dpo_loss(chosen: mx.array, rejected: mx.array, ref_chosen: mx.array, ref_rej
         losses = (z - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
-    return losses.mean(), {
-        "rewards/chosen": chosen_reward.mean(),
-        "rewards/rejected": rejected_reward.mean(),
-        "rewards/accuracies": (chosen_reward > rejected_reward).astype(mx.float32).mean(),
-        "rewards/margins": (chosen_reward - rejected_reward).mean(),
-        "logps/chosen": chosen.mean(),
-        "logps/rejected": rejected.mean(),
-    }
+    return losses.mean(), preference_metrics(chosen_reward, rejected_reward, chosen, rejected)
 
 
 def orpo_loss(chosen_mean: mx.array, rejected_mean: mx.array, nll: mx.array, *,
@@ -82,12 +88,7 @@ def orpo_loss(chosen_mean: mx.array, rejected_mean: mx.array, nll: mx.array, *,
         "nll_loss": nll,
         "log_odds_ratio": ratio.mean(),
         "log_odds_chosen": log_odds.mean(),
-        "rewards/chosen": chosen_reward.mean(),
-        "rewards/rejected": rejected_reward.mean(),
-        "rewards/accuracies": (chosen_reward > rejected_reward).astype(mx.float32).mean(),
-        "rewards/margins": (chosen_reward - rejected_reward).mean(),
-        "logps/chosen": chosen_mean.mean(),
-        "logps/rejected": rejected_mean.mean(),
+        **preference_metrics(chosen_reward, rejected_reward, chosen_mean, rejected_mean),
     }
 
 
