@@ -23,6 +23,9 @@ app = FastAPI(
     description="Every `/admin` route needs `Authorization: Bearer <token>` (MTQ_API_TOKEN, or a token of MTQ_TOKENS_FILE).",
     # Answered with 413 while the body is read (Content-Length, or counting a chunked body).
     max_body_size=get_settings().max_body_bytes,
+    # A path answers for itself: Starlette's slash redirect would send `jobs/<id>%2F` (an id
+    # ending in '/') to job <id>, another job, with an undocumented 307.
+    redirect_slashes=False,
 )
 app.include_router(health.router)
 app.include_router(grpo_jobs.router)

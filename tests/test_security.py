@@ -175,7 +175,7 @@ def test_unreadable_record_is_listed_as_such_and_can_be_deleted(stack, client):
     assert client.get(f"{JOBS}/{bad}").status_code == 404
 
 
-@pytest.mark.parametrize("suffix", [":events", ":events/stream", ":adapter", ":checkpoint/cancel", "%00", "x" * 100])
+@pytest.mark.parametrize("suffix", [":events", ":events/stream", ":adapter", ":checkpoint/cancel", "%00", "x" * 100, "%2F", "/"])
 def test_job_paths_with_key_characters_are_404(stack, client, suffix):
     job_id = create(client, stack)["job_id"]
     for method in ("GET", "DELETE"):
