@@ -78,14 +78,19 @@ def lower_bound(model, tokenizer, prompt_ids, group_size, length, temperature, r
     return statistics.median(gen_times), statistics.median(fb_times)
 
 
-def run_trainer(model, tokenizer, model_dir, group_size, batch_size, length, steps, warmup, overrides):
-    """Steps of a fresh job (fresh LoRA) on the loaded model; returns its spec, trainer and metrics."""
-    config = {"group_size": group_size, "batch_size": batch_size, "max_completion_len": length, "iters": steps + warmup}
+def make_trainer(model, tokenizer, model_dir, group_size, batch_size, length, iters, overrides):
+    """The trainer of a fresh job (fresh LoRA) on the loaded model, and the job's spec."""
+    config = {"group_size": group_size, "batch_size": batch_size, "max_completion_len": length, "iters": iters}
     config.update(overrides)
     spec = JobCreate.model_validate({"model_id": model_dir, "prompts": (PROMPTS * 64)[:batch_size], "config": config})
     mx.random.seed(spec.config.seed)
     attach_lora(model, spec.config)
-    trainer = GRPOTrainer(model, tokenizer, spec, build_scorer(spec, "bench"))
+    return spec, GRPOTrainer(model, tokenizer, spec, build_scorer(spec, "bench"))
+
+
+def run_trainer(model, tokenizer, model_dir, group_size, batch_size, length, steps, warmup, overrides):
+    """Steps of a fresh job (fresh LoRA) on the loaded model; returns its spec, trainer and metrics."""
+    spec, trainer = make_trainer(model, tokenizer, model_dir, group_size, batch_size, length, steps + warmup, overrides)
     state = TrainState()
     metrics = [trainer.step(state, lambda: False)[0] for _ in range(steps + warmup)][warmup:]
     return spec, trainer, metrics

@@ -20,7 +20,8 @@ estimate MLX's memory limit, so a GPU that would queue work far ahead keeps to i
 The micro-batch (when the job does not set it) is the largest divisor m of B*G such that
   - the loss step needs no more than sampling does (the peak stays the sampling peak),
     or m * (P + L) <= MIN_MICRO_BATCH_TOKENS (smaller would be mostly per-call overhead),
-  - m * (P + L) <= MAX_MICRO_BATCH_TOKENS (larger forward passes are no faster), and
+  - m * (P + L) <= MAX_MICRO_BATCH_TOKENS (on the CPU larger forward passes are no faster;
+    on a GPU they are, at a cost in memory: README, the loss-phase table), and
   - weights + loss(m) fits max_memory_gb.
 Gradient checkpointing (unless the job sets it) is used where it allows a larger micro-batch.
 If even m = 1 (or sampling) does not fit max_memory_gb, the job fails at start with
