@@ -7,7 +7,9 @@
                                                    stops at its next check); checkpoint kept; retention
     queued             requeue         queued      (reconciler) its rq job is gone: a new one pushed
     queued             reroute         queued      a worker cannot fit it, or (reconciler) it waited on a busy or
-                                                   gone worker's own queue: routed again, its old rq job removed
+                                                   gone worker's own queue, or the live workers changed so that it
+                                                   belongs on the hub queue or off it: routed again, its old rq job
+                                                   removed; or (reconciler) only its waiting_for_worker brought up to date
     running            complete        completed   fenced; checkpoint dropped; adapter indexed; retention
     running            fail            failed      fenced; retention
     running            hand_back       queued      fenced; lease_epoch + 1; rq job pushed; attempt not counted
@@ -30,7 +32,9 @@ is `queued` without an rq job, whoever dies when. Each enqueue routes the job ag
 its rq queue (`queue`) and, when no live worker can run it, `waiting_for_worker`. The
 reconciler (`Reconciler`, run by every worker's heartbeat) repairs what a lost worker leaves:
 a `running` job whose lease expired, a `queued` job whose rq job is gone (its worker died
-between dequeuing it and starting), and a job left on a gone or busy worker's own queue.
+between dequeuing it and starting), and a job left on a gone or busy worker's own queue; and
+when the live workers change, it routes again the jobs that wait on the hub queue or for a
+worker (`follow_workers`).
 Nothing else in the project writes a job's status.
 """
 
@@ -227,6 +231,33 @@ def reroute(r: redis.Redis, job_id: str, rq_job_id: str, reason: str, need_gb: f
     return _commit(r, job_id, "reroute", decide) is not None
 
 
+def refresh_route(r: redis.Redis, job_id: str, rq_job_id: str, live: list[dict]) -> str | None:
+    """A queued job's route against the live workers as they are now: "moved" when it waits on
+    the hub queue and a live worker now has its model, or the other way round (no holder is
+    left and a hub worker can download it); "updated" when it stays on its queue and only its
+    waiting_for_worker changed; None otherwise. Moves between memory classes are left to the
+    worker that dequeues the job (Supervisor.run), which measures it."""
+    outcome = {}
+
+    def decide(rec):
+        if rec.get("rq_job") != rq_job_id:
+            return None  # routed or started meanwhile
+        where = _route(r, rec, live, warm=False)
+        queue = rec.get("queue") or ""
+        if routing.is_hub_queue(where.queue) != routing.is_hub_queue(queue):
+            model = spec_model(rec.get("kind")).model_validate_json(rec["spec"]).model_id
+            reason = (f"no live worker has model {model!r} any more" if routing.is_hub_queue(where.queue)
+                      else f"a live worker now has model {model!r}")
+            outcome["done"] = "moved"
+            return Change("queued", {}, {"type": "rerouted", "reason": reason, "from_queue": queue}, enqueue=True)
+        if where.queue == queue and where.waiting_for_worker != rec.get("waiting_for_worker"):
+            outcome["done"] = "updated"
+            return Change("queued", {"waiting_for_worker": where.waiting_for_worker})
+        return None
+
+    return outcome["done"] if _commit(r, job_id, "reroute", decide) is not None else None
+
+
 # --------------------------------------------------------------------------- fenced writes (no status change)
 
 # KEYS: job, events, blobs (or ''). ARGV: epoch, event json ('' none), maxlen, nblobs, blob pairs..., field pairs...
@@ -242,7 +273,7 @@ end
 for i = 5 + 2 * n, #ARGV, 2 do
   if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i]) else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 end
-if ARGV[2] ~= '' then redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'data', ARGV[2]) end
+if ARGV[2] ~= '' then return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'data', ARGV[2]) end
 return 1
 """
 
@@ -257,17 +288,22 @@ return 1
 
 
 def write(r: redis.Redis, job_id: str, epoch: int, event: dict | None = None, blobs_key: str | None = None,
-          blobs: dict[str, bytes] | None = None, **fields: Any) -> None:
+          blobs: dict[str, bytes] | None = None, **fields: Any) -> str | None:
     """Set job fields, append an event, replace a blob hash (checkpoint, adapter): all or
-    nothing, and only while `epoch` holds the job. Raises LeaseLost otherwise."""
+    nothing, and only while `epoch` holds the job. Raises LeaseLost otherwise. Returns the
+    event's stream id (None without an event)."""
     blobs = blobs or {}
     args: list = [epoch, json.dumps(event) if event else "", EVENTS_MAXLEN, len(blobs)]
     for name, blob in blobs.items():
         args += [name, blob]
     args += field_args(fields)
     keys = (job_key(job_id), events_key(job_id), blobs_key or job_key(job_id) + ":none")
-    if r.eval(_FENCED_WRITE, 3, *keys, *args) != 1:
+    written = r.eval(_FENCED_WRITE, 3, *keys, *args)
+    if written == 0:
         raise LeaseLost(f"job {job_id}: lease epoch {epoch} is no longer current")
+    if isinstance(written, int):
+        return None  # no event
+    return written.decode() if isinstance(written, bytes) else written
 
 
 def renew(r: redis.Redis, job_id: str, epoch: int, lease_ttl_s: float) -> bool:
@@ -283,11 +319,13 @@ class Reconciler:
     """Run every few seconds by every worker: re-queues running jobs whose lease has been gone
     for `grace_s` (so a live owner can renew after, say, a Redis restart), queued jobs
     whose rq job is gone or was abandoned by a dead worker, and routes again jobs that wait on
-    a worker's own queue while that worker is gone or busy."""
+    a worker's own queue while that worker is gone or busy, and, when the live workers change,
+    jobs on the hub queue or waiting for a worker."""
 
     r: redis.Redis
     grace_s: float
     missing_since: dict[str, float] = field(default_factory=dict)
+    workers_seen: tuple | None = None  # what the live workers offered at the last follow_workers
 
     def scan(self) -> list[str]:
         return self.scan_running() + self.scan_queued()
@@ -312,9 +350,9 @@ class Reconciler:
         queued = [j.decode() for j in self.r.smembers(QUEUED_JOBS)]
         with self.r.pipeline(transaction=False) as p:
             for job_id in queued:
-                p.hmget(job_key(job_id), "rq_job", "queue", "enqueued_at")
+                p.hmget(job_key(job_id), "rq_job", "queue", "enqueued_at", "waiting_for_worker")
             recs = [[None if v is None else v.decode() for v in values] for values in p.execute()]
-        rq_ids = [rq_id for rq_id, _, _ in recs]
+        rq_ids = [rq_id for rq_id, _, _, _ in recs]
         with self.r.pipeline(transaction=False) as p:
             for rq_id in rq_ids:
                 p.hmget(RQ_JOB_PREFIX + (rq_id or "-"), "status", "worker_name")
@@ -332,10 +370,12 @@ class Reconciler:
                 continue
             if requeue_if_orphaned(self.r, job_id, rq_id):
                 repaired.append(job_id)
-        waiting = [(job_id, rq_id, queue) for job_id, (rq_id, queue, at), (status, _) in zip(queued, recs, rq_states)
+        waiting = [(job_id, rq_id, queue) for job_id, (rq_id, queue, at, _), (status, _) in zip(queued, recs, rq_states)
                    if status == b"queued" and queue and routing.queue_owner(queue)
                    and time.time() - float(at or 0) > routing.WARM_WAIT_S]
-        return repaired + self.leave_own_queues(waiting)
+        unserved = [(job_id, rq_id) for job_id, (rq_id, queue, _, why), (status, _) in zip(queued, recs, rq_states)
+                    if status == b"queued" and queue and (why or routing.is_hub_queue(queue))]
+        return repaired + self.leave_own_queues(waiting) + self.follow_workers(unserved)
 
     def leave_own_queues(self, waiting: list[tuple[str, str, str]]) -> list[str]:
         """Jobs waiting on a worker's own queue (warm-model preference) while that worker is
@@ -356,6 +396,19 @@ class Reconciler:
             if reroute(self.r, job_id, rq_id, reason):
                 moved.append(job_id)
         return moved
+
+    def follow_workers(self, unserved: list[tuple[str, str]]) -> list[str]:
+        """When what the live workers offer (models, memory, lanes, hub access) has changed
+        since the last scan: jobs on the hub queue or waiting for a worker are routed again
+        (refresh_route), so a job for a Hugging Face id leaves the hub queue once a worker
+        with the model joins, and waiting_for_worker says what is missing now."""
+        live = workers.live_workers(self.r)
+        offered = tuple(sorted((w["name"], tuple(sorted(routing.served_models(w))), w.get("memory_gb"),
+                                tuple(w.get("lanes", [])), bool(w.get("hub"))) for w in live))
+        if offered == self.workers_seen:
+            return []
+        self.workers_seen = offered
+        return [job_id for job_id, rq_id in unserved if refresh_route(self.r, job_id, rq_id, live) == "moved"]
 
 
 # --------------------------------------------------------------------------- the one place that commits
@@ -463,11 +516,12 @@ def _unqueue(p, rec: dict) -> bool:
     return True
 
 
-def _route(r: redis.Redis, rec: dict) -> routing.Route:
+def _route(r: redis.Redis, rec: dict, live: list[dict] | None = None, warm: bool = True) -> routing.Route:
     """Where the job goes now: its spec against the live workers (shared/routing.py)."""
     spec = spec_model(rec.get("kind")).model_validate_json(rec["spec"])
     floor = float(rec.get("need_gb") or 0) or None
-    return routing.route(rec.get("kind") or "grpo", spec, workers.live_workers(r), floor_gb=floor,
+    return routing.route(rec.get("kind") or "grpo", spec, workers.live_workers(r) if live is None else live,
+                         floor_gb=floor, warm=warm,
                          finished=lambda job_id: r.hget(job_key(job_id), "status") != b"running")
 
 

@@ -78,6 +78,10 @@ def hub_queue(lane: str, memory_gb: int) -> str:
     return f"{lane}@hub@{memory_gb}gb"
 
 
+def is_hub_queue(queue: str) -> bool:
+    return "@hub@" in queue
+
+
 def own_queue(lane: str, worker: str) -> str:
     return f"{lane}@worker:{worker}"
 

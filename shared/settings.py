@@ -45,6 +45,9 @@ class Settings:
     # Full fine-tuning stores every trained weight and twice that of optimizer state in one Redis
     # value each, and Redis refuses values over 512 MB (proto-max-bulk-len): weights up to this many GB.
     full_finetune_max_gb: float = 0.25
+    # A GRPO job's `samples` events (every completion of a step) are the bulk of its event stream:
+    # a run keeps only its last this many in Redis (every step's metrics stay).
+    samples_events_kept: int = 200
 
     @property
     def adapters_dir(self) -> Path:
@@ -97,4 +100,5 @@ def load_settings() -> Settings:
         max_streams_per_token=_int("MTQ_MAX_STREAMS_PER_TOKEN", Settings.max_streams_per_token),
         max_file_bytes=_int("MTQ_MAX_FILE_BYTES", Settings.max_file_bytes),
         full_finetune_max_gb=_float("MTQ_FULL_FINETUNE_MAX_GB", Settings.full_finetune_max_gb),
+        samples_events_kept=max(1, _int("MTQ_SAMPLES_EVENTS_KEPT", Settings.samples_events_kept)),
     )

@@ -105,3 +105,19 @@ def test_cancel_running_job_stops_it_and_worker_moves_on(stack, workers):
     never_job = stack.wait_job(never)
     assert never_job["status"] == "cancelled" and never_job["started_at"] == 0.0
     assert not [e for e in events_of(stack, never) if e["type"] == "started"]
+
+
+def test_the_event_stream_keeps_every_step_and_the_last_samples(stack, workers):
+    """A step's `samples` event holds every completion: the stream keeps the last
+    MTQ_SAMPLES_EVENTS_KEPT of them (2 here) and every step's grpo_step event."""
+    workers(env=dict(stack.env, MTQ_SAMPLES_EVENTS_KEPT="2"))
+    body = dict(SEED_BODY, model_id=stack.tiny_model.name, adapter_name="kept_samples",
+                config=dict(SEED_BODY["config"], iters=5))
+    with stack.client() as c:
+        job_id = c.post(JOBS, json=body).json()["job_id"]
+    assert stack.wait_job(job_id)["status"] == "completed"
+    events = events_of(stack, job_id)
+    assert [e["iter"] for e in events if e["type"] == "grpo_step"] == [0, 1, 2, 3, 4]
+    samples = [e for e in events if e["type"] == "samples"]
+    assert [e["iter"] for e in samples] == [3, 4]
+    assert all(len(g) == 2 and all(isinstance(t, str) for t in g) for e in samples for g in e["completions"])

@@ -170,15 +170,45 @@ def test_a_worker_serves_its_lanes_in_order(stack, models):
     assert done[1]["started_at"] < done[0]["started_at"]
 
 
+def in_hf_cache(home, repo_id: str, model_dir) -> None:
+    """Put a model into the Hugging Face cache of the worker whose home this is, as the hub would."""
+    snapshot = home / "hf" / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / "0123abcd"
+    shutil.copytree(model_dir, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+
+
+def test_a_job_on_the_hub_queue_moves_when_a_worker_with_its_model_joins(stack, models):
+    """No live worker has org/late and none has hub access: its jobs wait on the hub queue. A
+    worker with org/late in its Hugging Face cache (and no --hub) joins, and the reconciler moves
+    them to the model's queues: one runs there; the other, in a lane no worker serves, now says
+    that instead."""
+    home = stack.workdir / "wl"
+    in_hf_cache(home, "org/late", models["m-a"])
+    job = submit(stack, "org/late", SMALL)
+    slow = submit(stack, "org/late", dict(SMALL, queue="slow"))
+    for j in (job, slow):
+        assert j["waiting_for_worker"].startswith("no live worker has model 'org/late', and none has hub access")
+    assert [stack.rq_queue(j["job_id"]).name for j in (job, slow)] == ["default@hub@1gb", "slow@hub@1gb"]
+    stack.start_worker("--name", "wl", env=own_env(stack, home, home / "models"))
+    done = stack.wait_job(job["job_id"], timeout=120)
+    assert done["status"] == "completed" and done["worker"] == "wl", done["error"]
+    [moved] = [e for _, e in stack.events(job["job_id"]) if e["type"] == "rerouted"]
+    assert (moved["reason"], moved["from_queue"]) == ("a live worker now has model 'org/late'", "default@hub@1gb")
+    waiting = stack.get_job(slow["job_id"])
+    assert waiting["status"] == "queued" and waiting["waiting_for_worker"].startswith(
+        "no live worker that can run it takes jobs of queue 'slow'"), waiting["waiting_for_worker"]
+    assert stack.rq_queue(slow["job_id"]).name == "slow@org:late@1gb"
+    with stack.client() as c:
+        assert c.delete(f"{JOBS}/{slow['job_id']}").status_code == 200
+
+
 def test_hugging_face_ids_from_a_workers_cache_or_the_hub_queue(stack, models):
     """A worker offers the models of its Hugging Face cache under their ids; a job for an id
     no worker has goes to the hub queue, which only a worker with --hub takes (offline here:
     it fails cleanly, saying so)."""
     home = stack.workdir / "wh"
-    snapshot = home / "hf" / "hub" / "models--org--cached" / "snapshots" / "0123abcd"
-    shutil.copytree(models["m-a"], snapshot)
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    in_hf_cache(home, "org/cached", models["m-a"])
     elsewhere = submit(stack, "org/elsewhere", SMALL)
     assert elsewhere["waiting_for_worker"].startswith("no live worker has model 'org/elsewhere', and none has hub access")
     assert stack.rq_queue(elsewhere["job_id"]).name == "default@hub@1gb"

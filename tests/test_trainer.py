@@ -215,6 +215,22 @@ def test_reward_text_has_no_special_tokens(lm):
 # ----------------------------------------------------------------------------------------
 
 
+def test_samples_event_texts_are_cut_to_fit_its_size_bound(lm, monkeypatch):
+    """The per-step samples event lives in Redis: each completion is cut to SAMPLE_TEXT_CHARS, and
+    to fewer when rows x SAMPLE_TEXT_CHARS would pass SAMPLES_EVENT_CHARS; rewards saw the whole text."""
+    import worker.grpo as grpo
+
+    seen = []
+    trainer = make_trainer(lm, group_size=4, batch_size=2, max_completion_len=24, temperature=1.0)
+    score = trainer.scorer.score
+    monkeypatch.setattr(trainer.scorer, "score", lambda step, items, completions, **kw: (
+        seen.extend(c for g in completions for c in g), score(step, items, completions, **kw))[1])
+    monkeypatch.setattr(grpo, "SAMPLES_EVENT_CHARS", 8 * 5)  # 8 rows: 5 characters each
+    _, samples = run_steps(trainer, 1)[0]
+    assert max(len(t) for t in seen) > 5
+    assert flat(samples) == [t[:5] for t in seen]
+
+
 def test_gradient_checkpointing_is_planned_and_refuses_dropout(lm):
     from pydantic import ValidationError
 

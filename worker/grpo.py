@@ -61,7 +61,10 @@ from worker.sampling import (
 )
 
 ADV_EPS = 1e-4
-SAMPLE_TEXT_CHARS = 2000  # completions in the per-step `samples` event are cut to this (the events live in Redis)
+# The per-step `samples` event lives in Redis: each completion in it is cut to SAMPLE_TEXT_CHARS,
+# and to fewer when the step has so many rows that the event would pass SAMPLES_EVENT_CHARS.
+SAMPLE_TEXT_CHARS = 2000
+SAMPLES_EVENT_CHARS = 262_144
 HISTORY_METRICS = ("loss", "reward", "reward_std", "entropy", "completions/mean_length", "learning_rate", "step_time")
 LENGTH_BUCKET = 16  # pad completion lengths to a multiple of this so the loss compiles for few shapes
 
@@ -539,7 +542,8 @@ class GRPOTrainer:
         metrics["step_time"] = time.perf_counter() - t0
         state.step += 1
         state.history.append({k: metrics[k] for k in HISTORY_METRICS})
-        shown = [[text[:SAMPLE_TEXT_CHARS] for text in group] for group in completions]
+        cut = min(SAMPLE_TEXT_CHARS, SAMPLES_EVENT_CHARS // len(rows))
+        shown = [[text[:cut] for text in group] for group in completions]
         # Per completion, its text's tokens and their summed sampling log-probs (logits / temperature):
         # what a downstream trainer needs for its own ratios, and what the log-prob endpoint
         # answers for the same prompt and completion text.

@@ -59,9 +59,10 @@ class Lease:
             self.lost.set()
             raise
 
-    def write(self, event: dict | None = None, **fields: Any) -> None:
-        """Set job fields and append an event, only while this worker holds the job."""
-        self._fenced(lambda: lifecycle.write(self.r, self.job_id, self.epoch, event, **fields), "job write")
+    def write(self, event: dict | None = None, **fields: Any) -> str | None:
+        """Set job fields and append an event, only while this worker holds the job; the
+        event's stream id."""
+        return self._fenced(lambda: lifecycle.write(self.r, self.job_id, self.epoch, event, **fields), "job write")
 
     def save_blobs(self, key: str, blobs: dict[str, bytes], event: dict | None = None, **fields: Any) -> None:
         """Replace the hash `key` with `blobs` and set job fields, in one fenced write."""

@@ -184,7 +184,7 @@ class Supervisor(SimpleWorker):
                     if lease is not None:
                         self._mirror_progress(running[0], lease.job_id)
                 for job_id in reconciler.scan():
-                    log.warning("job %s: repaired by the reconciler (its worker or rq job was lost)", job_id)
+                    log.warning("job %s: re-queued or routed again by the reconciler (see its events)", job_id)
             except redis.RedisError as e:
                 log.warning("heartbeat: redis error %s", e)
             except Exception:

@@ -23,12 +23,13 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import deque
 from pathlib import Path
 from typing import Callable
 
 from shared import workers
 from shared.jobstore import connect
-from shared.keys import adapter_key, checkpoint_key, job_key
+from shared.keys import adapter_key, checkpoint_key, events_key, job_key
 from shared.metrics import recorder
 from shared.settings import load_settings
 from worker.lease import Lease, LeaseLost, retrying
@@ -105,6 +106,7 @@ class JobRun:
         self.lease, self.marks, self.parent_pid = lease, marks, parent_pid
         self.job_id = lease.job_id
         self.shown_phase: str | None = None  # the phase in the job record
+        self.kept: dict[str, deque] = {}  # event type -> stream ids of the kept events of that type
 
     def mark(self, phase: str | None = None) -> None:
         """A progress mark; a new phase is also written to the job record (a few writes per
@@ -135,6 +137,15 @@ class JobRun:
 
     def write(self, event: dict | None = None, **fields) -> None:
         self.lease.write(event, **fields)
+
+    def write_kept(self, event: dict, keep: int) -> None:
+        """Append an event of which the stream keeps only the last `keep` of its type that this
+        run wrote (large per-step payloads; the stream's own cap counts entries, not bytes)."""
+        ids = self.kept.setdefault(event["type"], deque())
+        ids.append(self.lease.write(event))
+        while len(ids) > keep:
+            old = ids.popleft()
+            retrying(lambda: self.lease.r.xdel(events_key(self.job_id), old), "drop an old event")
 
     def between_steps(self, model_id: str) -> None:
         """Answer waiting log-prob requests for the model this job trains (worker/scoring.py)."""
