@@ -2,7 +2,12 @@
 measured on one machine in one sitting (step times drift between sessions on a shared GPU).
 
     git archive 1aecfa7 worker shared | (mkdir -p /tmp/old && tar -x -C /tmp/old)
-    for code in /tmp/old . /tmp/old .; do python bench/trainer_versions.py $code MODEL_DIR 16,4,256 8,4,128; done
+    for shape in 16,4,256 8,4,128; do for code in /tmp/old . /tmp/old .; do
+        python bench/trainer_versions.py $code MODEL_DIR $shape; done; done
+
+One shape per process: on the H200, this code's G8 B4 L128 steps took 2.3-2.5 s when run after
+G16 B4 L256 in the same process, and a step took 1.80 s in a process of its own in another
+sitting (a hint of an order effect, not yet measured side by side).
 
 CODE_ROOT is a tree holding `worker/` and `shared/` (this repository, or an older commit's).
 Prints one JSON line per shape G,B,L: median step seconds (and each timed step), sampled
