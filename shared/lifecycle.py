@@ -408,7 +408,14 @@ class Reconciler:
         if offered == self.workers_seen:
             return []
         self.workers_seen = offered
-        return [job_id for job_id, rq_id in unserved if refresh_route(self.r, job_id, rq_id, live) == "moved"]
+        moved = []
+        for job_id, rq_id in unserved:
+            try:
+                if refresh_route(self.r, job_id, rq_id, live) == "moved":
+                    moved.append(job_id)
+            except ValueError:  # a record this version cannot read (listed as unreadable): it stays
+                continue
+        return moved
 
 
 # --------------------------------------------------------------------------- the one place that commits

@@ -161,6 +161,35 @@ def test_reconciler_repairs_a_queued_job_without_rq_job_and_a_running_job_withou
     assert any("lease expired" in e["reason"] for e in events(stack, leaseless) if e["type"] == "requeued")
 
 
+def test_reconciler_moves_hub_jobs_when_a_holder_appears_and_skips_unreadable_records(stack):
+    """Two jobs for org/held wait on the hub queue; one record is then made unreadable. When a
+    worker advertising org/held appears, the reconciler moves the readable job to the model's
+    queue and leaves the other where it is (no exception stops the pass); a second scan with
+    the same workers moves nothing."""
+    from shared import workers as ads
+
+    good, bad = (stack.submit(dict(body(stack), model_id="org/held")) for _ in range(2))
+    def queue(job_id):
+        return stack.redis.hget(job_key(job_id), "queue").decode()
+
+    assert {queue(good), queue(bad)} == {"default@hub@1gb"}
+    stack.redis.hset(job_key(bad), "spec", "{not json")
+    reconciler = lifecycle.Reconciler(stack.redis, grace_s=60)
+    assert reconciler.scan_queued() == []  # no live worker has it: nothing to move
+    ads.advertise(stack.redis, {"name": "holder", "lanes": ["default"], "memory_gb": 8, "hub": False, "queues": [],
+                                "models": [{"model_id": "org/held"}]}, ttl_s=60)
+    try:
+        assert reconciler.scan_queued() == [good]
+        assert reconciler.scan_queued() == []
+    finally:
+        ads.withdraw(stack.redis, "holder")
+    assert queue(good) == "default@org:held@1gb" and stack.get_job(good)["waiting_for_worker"] is None
+    assert queue(bad) == "default@hub@1gb"
+    with stack.client() as c:
+        assert c.delete(f"{JOBS}/{good}").status_code == 200
+        assert c.delete(f"{JOBS}/{bad}").status_code == 200
+
+
 def test_python_reward_that_never_returns_fails_the_job_within_its_timeout(stack, workers):
     workers(env=short_lease(stack))
     job_id = stack.submit(body(stack, reward="sleep_forever", reward_timeout=2))
