@@ -15,7 +15,8 @@ from shared.train_specs import DPOJobCreate, SFTJobCreate
 from worker.dpo_job import DPOTrainer, sequence_logps
 from worker.grpo import TrainState
 from worker.sft_job import SFTTrainer
-from worker.supervised import attach_adapter, gradient_checkpointing, remove_adapter_layers, token_logps
+from worker.models import gradient_checkpointing
+from worker.supervised import attach_adapter, remove_adapter_layers, token_logps
 
 ROWS = [{"prompt": "Q0?", "completion": "red apple"}, {"prompt": "Q1?", "completion": "blue stone"}]
 BASE = dict(lora_layers=-1, lora_rank=4, lora_alpha=4, learning_rate=1e-2, batch_size=2, iters=3, mask_prompt=True)

@@ -56,6 +56,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from shared.schemas import GRPOConfig, JobCreate, PromptItem
 from worker.memory import GB, logits_chunk_tokens, model_shape, plan_memory
+from worker.models import gradient_checkpointing
 from worker.sampling import (
     PaddingMaskCache, Samples, SamplingParams, left_pad, lm_head, make_decode_step, sample, token_logprobs,
 )
@@ -199,7 +200,7 @@ def completion_logprobs(
     a time. Each chunk is an mx.checkpoint: its full-vocabulary logits are recomputed in the
     backward pass rather than kept, so one chunk's logits exist at a time."""
     caches = [PaddingMaskCache(pad) for _ in model.layers]
-    with checkpointed_layers(model, checkpointing):
+    with gradient_checkpointing(model, checkpointing):
         hidden = model.model(inputs, cache=caches)
     rows, L = completion.shape
     hidden = hidden[:, -L - 1 : -1].reshape(rows * L, -1)  # position t predicts token t + 1
@@ -572,30 +573,3 @@ class lora_disabled:
         for m, s in zip(self.layers, self.scales):
             m.scale = s
 
-
-class checkpointed_layers:
-    """Context: every transformer block keeps only its input for the backward pass and
-    recomputes the rest there (mx.checkpoint). Like mlx_lm's grad_checkpoint it patches
-    the block's class while the loss's forward pass is traced, but it undoes the patch: the
-    worker keeps the model loaded for jobs that may not want it."""
-
-    def __init__(self, model: nn.Module, on: bool):
-        self.cls = type(model.layers[0]) if on else None
-
-    def __enter__(self):
-        if self.cls is None:
-            return
-        self.call = call = self.cls.__call__
-
-        def checkpointed(layer, *args, **kwargs):
-            def inner(params, *args, **kwargs):
-                layer.update(params)
-                return call(layer, *args, **kwargs)
-
-            return mx.checkpoint(inner)(layer.trainable_parameters(), *args, **kwargs)
-
-        self.cls.__call__ = checkpointed
-
-    def __exit__(self, *exc):
-        if self.cls is not None:
-            self.cls.__call__ = self.call

@@ -1,5 +1,6 @@
 """Loading models (kept loaded between jobs), attaching a fresh LoRA per job, writing adapters."""
 
+import contextlib
 import json
 import logging
 import socket
@@ -11,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
+from mlx_lm.tuner.trainer import grad_checkpoint
 from mlx_lm.tuner.utils import linear_to_lora_layers, remove_lora_layers
 
 from shared.model_ids import model_id_error, under_roots
@@ -137,6 +139,23 @@ def lora_config(cfg: GRPOConfig) -> dict:
         "num_layers": cfg.lora_layers,
         "lora_parameters": {"rank": cfg.lora_rank, "scale": cfg.lora_alpha, "dropout": cfg.lora_dropout},
     }
+
+
+@contextlib.contextmanager
+def gradient_checkpointing(model: nn.Module, on: bool):
+    """Every transformer block keeps only its input for the backward pass and recomputes the
+    rest there: mlx_lm's grad_checkpoint, which patches the block's class. The class is
+    restored afterwards, since the process keeps the model (and its class) for other jobs."""
+    if not on:
+        yield
+        return
+    cls = type(model.layers[0])
+    original = cls.__call__
+    grad_checkpoint(model.layers[0])
+    try:
+        yield
+    finally:
+        cls.__call__ = original
 
 
 def attach_lora(model: nn.Module, cfg: GRPOConfig) -> None:

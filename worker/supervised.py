@@ -13,7 +13,6 @@ nothing before it, and the loss masks it out.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -28,7 +27,6 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
-from mlx_lm.tuner.trainer import grad_checkpoint
 from mlx_lm.tuner.utils import build_schedule, linear_to_lora_layers
 from mlx_lm.utils import quantize_model, save_config, save_model
 
@@ -38,7 +36,7 @@ from shared.settings import load_settings
 from shared.train_specs import TrainConfig
 from worker import checkpoints
 from worker.grpo import Cancelled, NonFiniteLoss, TrainState, batch_indices
-from worker.models import ModelNotFound, get_model, load_private, loaded_model_ids
+from worker.models import ModelNotFound, get_model, gradient_checkpointing, load_private, loaded_model_ids
 
 if TYPE_CHECKING:  # the job's handle; the trainers run without the worker (bench/train_step.py)
     from worker.training_process import JobRun
@@ -221,22 +219,6 @@ def value_and_grad_step(module: nn.Module, loss_fn: Callable, micro_batches: lis
     grad_norm = mx.sqrt(sum((g * g).sum() for g in grads.values()))
     metrics["grad_norm"] = grad_norm
     return {k: float(v.item()) for k, v in metrics.items()}, tree_unflatten(list(grads.items()))
-
-
-@contextlib.contextmanager
-def gradient_checkpointing(model: nn.Module, on: bool):
-    """mlx_lm's grad_checkpoint patches the layer class; the class is restored afterwards,
-    since the process keeps the model (and its class) for other jobs."""
-    if not on:
-        yield
-        return
-    cls = type(model.layers[0])
-    original = cls.__call__
-    grad_checkpoint(model.layers[0])
-    try:
-        yield
-    finally:
-        cls.__call__ = original
 
 
 # --------------------------------------------------------------------------- the job
