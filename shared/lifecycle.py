@@ -401,7 +401,10 @@ class Reconciler:
         """When what the live workers offer (models, memory, lanes, hub access) has changed
         since the last scan: jobs on the hub queue or waiting for a worker are routed again
         (refresh_route), so a job for a Hugging Face id leaves the hub queue once a worker
-        with the model joins, and waiting_for_worker says what is missing now."""
+        with the model joins, and waiting_for_worker says what is missing now. With nothing
+        waiting there is nothing to read (a job queued later is routed against the workers of then)."""
+        if not unserved:
+            return []
         live = workers.live_workers(self.r)
         offered = tuple(sorted((w["name"], tuple(sorted(routing.served_models(w))), w.get("memory_gb"),
                                 tuple(w.get("lanes", [])), bool(w.get("hub"))) for w in live))

@@ -140,7 +140,7 @@ def withdraw(r: redis.Redis, name: str) -> None:
 def get_worker(r: redis.Redis, name: str) -> dict[str, Any] | None:
     """One live worker's record, with `loaded` (None if it is not live)."""
     raw, loaded = r.mget(worker_key(name), loaded_key(name))
-    return None if raw is None else {**json.loads(raw), "loaded": json.loads(loaded) if loaded else []}
+    return None if raw is None else _with_loaded(raw, loaded)
 
 
 def live_workers(r: redis.Redis) -> list[dict[str, Any]]:
@@ -159,10 +159,15 @@ def live_workers(r: redis.Redis) -> list[dict[str, Any]]:
         if raw is None:
             gone.append(name)
             continue
-        out.append({**json.loads(raw), "loaded": json.loads(loaded) if loaded else []})
+        out.append(_with_loaded(raw, loaded))
     if gone:
         r.srem(WORKERS, *gone)
     return out
+
+
+def _with_loaded(raw: bytes, loaded: bytes | None) -> dict[str, Any]:
+    """An advertisement and the models its training process holds loaded."""
+    return {**json.loads(raw), "loaded": json.loads(loaded) if loaded else []}
 
 
 def model_list(r: redis.Redis) -> list[dict[str, Any]]:

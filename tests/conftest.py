@@ -231,6 +231,19 @@ def running(s: Stack):
     s.stop_all()
 
 
+def worker_for_later_tests(s: Stack):
+    """A module's worker fixture body, where the tests before it left jobs queued on purpose:
+    those are cancelled, so the worker runs only what the tests that use it submit."""
+    from shared import lifecycle
+    from shared.keys import JOBS_INDEX
+
+    for job_id in s.redis.zrange(JOBS_INDEX, 0, -1):
+        lifecycle.cancel(s.redis, job_id.decode())
+    proc = s.start_worker()
+    yield proc
+    s.stop_proc(proc)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model):
     yield from running(Stack(tmp_path_factory.mktemp("stack"), tiny_model))

@@ -17,9 +17,9 @@ import time
 import httpx
 import pytest
 
-from conftest import ROOT, TOKEN, Stack, wait_for, running
+from conftest import ROOT, TOKEN, Stack, running, wait_for, worker_for_later_tests
 from reward_server import serving
-from shared import jobstore, lifecycle
+from shared import jobstore
 from shared.keys import JOBS_INDEX, job_key
 from shared.settings import load_settings
 
@@ -52,12 +52,7 @@ def client(stack):
 
 @pytest.fixture(scope="module")
 def worker(stack):
-    # The submission tests' jobs need no worker: cancel what they left queued.
-    for job_id in stack.redis.zrange(JOBS_INDEX, 0, -1):
-        lifecycle.cancel(stack.redis, job_id.decode())
-    proc = stack.start_worker()
-    yield proc
-    stack.stop_proc(proc)
+    yield from worker_for_later_tests(stack)
 
 
 def body(stack, **fields) -> dict:

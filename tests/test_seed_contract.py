@@ -17,8 +17,7 @@ import tarfile
 import httpx
 import pytest
 
-from conftest import ROOT, TOKEN, Stack, wait_for, running
-from shared.keys import JOBS_INDEX
+from conftest import ROOT, TOKEN, Stack, running, wait_for, worker_for_later_tests
 from shared.workers import local_models
 
 API = "/admin/api/fine-tune"
@@ -50,14 +49,8 @@ def admin(stack):
 
 
 @pytest.fixture(scope="module")
-def worker(stack, admin):
-    # The tests before this one left jobs queued on purpose: remove them, so the worker only
-    # runs what the worker tests submit.
-    for job_id in stack.redis.zrange(JOBS_INDEX, 0, -1):
-        admin.post(f"{JOBS}/{job_id.decode()}/cancel")
-    proc = stack.start_worker()
-    yield proc
-    stack.stop_proc(proc)
+def worker(stack):
+    yield from worker_for_later_tests(stack)
 
 
 def create(client, **fields) -> dict:

@@ -60,7 +60,7 @@ def run(job: JobRun, spec_json: str) -> dict:
                 step_index = state.step - 1
                 job.write(event={**progress.model_dump(exclude_none=True), "type": "grpo_step", "iter": step_index,
                                  "worker": job.lease.worker}, progress=progress)
-                job.write_kept({"type": "samples", "iter": step_index, **samples}, load_settings().samples_events_kept)
+                job.write_kept({"type": "samples", "iter": step_index, **samples}, settings.samples_events_kept)
                 recorder.observe("mtq_step_seconds", metrics["step_time"])
                 recorder.observe("mtq_tokens_per_second", metrics["tokens_per_second"])
                 recorder.flush(job.lease.r)

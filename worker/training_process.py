@@ -157,8 +157,7 @@ class JobRun:
 
     def publish_loaded(self, model_ids: list[str]) -> None:
         """Tell the worker's advertisement which models this process holds loaded now."""
-        retrying(lambda: workers.publish_loaded(self.lease.r, self.lease.worker, model_ids, load_settings().lease_ttl_s),
-                 "loaded models")
+        publish_loaded(self.lease.r, self.lease.worker, model_ids)
 
     def load_checkpoint(self) -> dict[bytes, bytes]:
         return self.lease.load_checkpoint()
@@ -223,6 +222,10 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
         recorder.flush(r)  # what the job measured since its last step (e.g. the reward errors that failed it)
 
 
+def publish_loaded(r, worker: str, model_ids: list[str]) -> None:
+    retrying(lambda: workers.publish_loaded(r, worker, model_ids, load_settings().lease_ttl_s), "loaded models")
+
+
 def _fail(lease: Lease, error: str) -> str:
     try:
         lease.finish("failed", {"type": "failed", "error": error}, error=error)
@@ -248,13 +251,13 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
     r = connect(settings.redis_url)
     published: list[str] | None = None
 
-    def publish_loaded() -> None:  # the worker's advertisement says which models this process holds
+    def publish_changes() -> None:  # the worker's advertisement says which models this process holds
         nonlocal published
         if loaded_model_ids() != published:
             published = loaded_model_ids()
-            retrying(lambda: workers.publish_loaded(r, worker, published, settings.lease_ttl_s), "loaded models")
+            publish_loaded(r, worker, published)
 
-    publish_loaded()  # a fresh process holds none
+    publish_changes()  # a fresh process holds none
     from worker.memory import device_description
 
     conn.send(("ready", device_description()))  # the supervisor advertises the device and routes by its memory
@@ -264,7 +267,7 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
         try:
             while not conn.poll(0):
                 if retrying(lambda: scoring.serve_waiting(r, settings, wait_s=IDLE_WAIT_S), "scoring"):
-                    publish_loaded()  # a request may have loaded a model
+                    publish_changes()  # a request may have loaded a model
                 if os.getppid() != parent_pid:
                     return
             retrying(lambda: scoring.serve_waiting(r, settings), "scoring")
@@ -274,7 +277,7 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
         marks.mark("idle")
         conn.send(run_one(r, job_id, epoch, worker, marks, parent_pid))
         published = None  # the job may have published its own list (models loaded, or one dropped): say ours again
-        publish_loaded()
+        publish_changes()
 
 
 def _die_with_parent() -> None:
