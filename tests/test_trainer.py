@@ -534,10 +534,10 @@ def test_job_that_cannot_fit_one_row_fails_at_start_with_the_estimate(stack, wor
     assert "Traceback" not in job["error"] and job["progress"].get("iter", 0) == 0
 
 
-def test_the_loss_phase_benchmark_runs_each_asked_configuration(tiny_model):
-    """bench/loss_phase.py (README's loss-phase table) times the loss under the memory choices
-    it is given, not the plan's: each line reports the micro-batch, checkpointing and logits
-    chunk it was asked for."""
+def test_the_step_phases_benchmark_runs_each_asked_configuration(tiny_model):
+    """bench/step_phases.py (README's sampling figures and loss-phase table) times sampling under
+    the plan's limit and without one, and the loss under the memory choices it is given, not the
+    plan's: each line reports the limit, micro-batch, checkpointing and logits chunk it was asked for."""
     import json
     import os
     import subprocess
@@ -546,13 +546,14 @@ def test_the_loss_phase_benchmark_runs_each_asked_configuration(tiny_model):
     from conftest import ROOT
 
     out = subprocess.run(
-        [sys.executable, "bench/loss_phase.py", str(tiny_model), "2,2,16", "--reps", "2",
+        [sys.executable, "bench/step_phases.py", str(tiny_model), "2,2,16", "--reps", "2", "--sampling",
          "--configs", "plan", "ckpt:2:16", "full:4:64@none", "ckpt:1:8@0.5"],
         cwd=ROOT, env={**os.environ, "MTQ_OPENBLAS": "0"}, capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [(line["phase"], line["limit"]) for line in lines[:2]] == [("sampling", "plan"), ("sampling", "none")]
     asked = [(line["config"], line["micro_batch_size"], line["gradient_checkpointing"], line["logits_chunk_tokens"], line["limit"])
-             for line in lines[1:]]
+             for line in lines[3:]]
     assert asked == [("ckpt:2:16", 2, True, 16, "plan"), ("full:4:64@none", 4, False, 64, "none"), ("ckpt:1:8@0.5", 1, True, 8, "0.5")]
-    assert lines[0]["config"] == "plan" and all(len(line["seconds"]) == 2 and line["peak_memory_gb"] > 0 for line in lines)
+    assert lines[2]["config"] == "plan" and all(len(line["seconds"]) == 2 and line["peak_memory_gb"] > 0 for line in lines)

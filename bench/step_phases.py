@@ -1,7 +1,9 @@
-"""The GRPO loss phase alone (forward, backward and gradient accumulation over micro-batches)
-under other memory choices than the plan's, on one batch sampled once, in one process:
+"""The phases of a GRPO step alone, in one process: the loss phase (forward, backward and
+gradient accumulation over micro-batches) under other memory choices than the plan's, on one
+batch sampled once; and with --sampling, the sampling phase under the plan's memory limit and
+without one.
 
-    python bench/loss_phase.py MODEL_DIR 16,4,256 --configs plan ckpt:16:64 ckpt:64:1024 full:64:16384@none [--reps 3]
+    python bench/step_phases.py MODEL_DIR 16,4,256 --configs plan ckpt:16:64 ckpt:64:1024 full:64:16384@none [--reps 3] [--sampling]
 
 A config is `plan` (the trainer's own choice) or CHECKPOINTING:MICRO_BATCH:LOGITS_CHUNK[@LIMIT]:
   CHECKPOINTING  `ckpt` (each layer keeps only its input) or `full` (every activation kept)
@@ -10,8 +12,9 @@ A config is `plan` (the trainer's own choice) or CHECKPOINTING:MICRO_BATCH:LOGIT
   LIMIT          MLX's memory limit: `plan` (the default: the plan's peak estimate, as the
                  trainer sets it), `none`, or a number of GB. MLX's limit is soft: above it,
                  allocations wait for queued work, and still proceed when nothing is queued.
-Prints one JSON line per config: the seconds of each repetition (the first one compiles) and
-the peak memory of the repetitions after the first. EOS is off: every row has L tokens.
+Prints one JSON line per config (and per sampling limit): the seconds of each repetition (the
+first one compiles) and the peak memory of the repetitions after the first. EOS is off: every
+row has L tokens.
 """
 
 import argparse
@@ -44,12 +47,27 @@ def parse_config(text: str) -> tuple[dict, str]:
     return {**overrides, "_chunk": int(chunk)}, limit or "plan"
 
 
+def timed(run, reps: int) -> tuple[list[float], float]:
+    """Seconds of each of `reps` runs, and the peak memory (GB) of the runs after the first."""
+    seconds, peaks = [], []
+    for _ in range(reps):
+        gc.collect()
+        mx.synchronize()
+        mx.reset_peak_memory()
+        t = time.perf_counter()
+        run()
+        seconds.append(round(time.perf_counter() - t, 3))
+        peaks.append(mx.get_peak_memory() / 1e9)
+    return seconds, round(max(peaks[1:] or peaks), 3)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir")
     ap.add_argument("shape", metavar="G,B,L")
     ap.add_argument("--configs", nargs="+", default=["plan"])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sampling", action="store_true", help="also time sample() under the plan's limit and without one")
     args = ap.parse_args()
     G, B, L = (int(x) for x in args.shape.split(","))
     model, tokenizer = mlx_lm.load(args.model_dir)
@@ -59,9 +77,22 @@ def main():
     _, trainer = grpo_step.make_trainer(model, tokenizer, args.model_dir, G, B, L, 1, {})
     plan = trainer.memory
     model.eval()
-    samples = sample(model, trainer.decode_step, trainer.prompt_ids[:B], G, trainer.sampling, trainer.eos_ids, mx.random.key(0))
+
+    prompt_ids = trainer.prompt_ids[:B]
+    sample_args = (model, trainer.decode_step, prompt_ids, G, trainer.sampling, trainer.eos_ids)
+
+    def sample_once():
+        return sample(*sample_args, mx.random.key(0))
+
+    for limit in (["plan", "none"] if args.sampling else []):
+        mx.set_memory_limit(int(plan.peak_gb * 1e9) if limit == "plan" else device_limit)
+        seconds, peaks = timed(lambda: mx.eval(sample_once().tokens), args.reps)
+        print(json.dumps({"phase": "sampling", "shape": args.shape, "device": str(mx.default_device()), "limit": limit,
+                          "seconds": seconds, "peak_memory_gb": peaks}), flush=True)
+    mx.set_memory_limit(device_limit)
+    samples = sample_once()
     advantages = np.random.default_rng(0).standard_normal(G * B).astype(np.float32)
-    batch = make_batch(trainer.prompt_ids[:B], samples, samples.mask, advantages, G)
+    batch = make_batch(prompt_ids, samples, samples.mask, advantages, G)
     del samples, trainer
     model.train()
 
@@ -72,22 +103,12 @@ def main():
         if chunk is not None:
             trainer.chunk_tokens = chunk  # read when the loss is first traced, below
         mx.set_memory_limit(device_limit if limit == "none" else int((plan.peak_gb if limit == "plan" else float(limit)) * 1e9))
-        seconds, peaks = [], []
-        for _ in range(args.reps):
-            gc.collect()
-            mx.synchronize()
-            mx.reset_peak_memory()
-            t = time.perf_counter()
-            loss, _, grad_norm, grads = trainer.loss_and_grads(batch, batch.old_logp)
-            mx.eval(loss, grad_norm, grads)
-            seconds.append(round(time.perf_counter() - t, 3))
-            peaks.append(mx.get_peak_memory() / 1e9)
-            del loss, grad_norm, grads
+        seconds, peaks = timed(lambda t=trainer: mx.eval(t.loss_and_grads(batch, batch.old_logp)), args.reps)
         print(json.dumps({
-            "config": text, "shape": args.shape, "device": str(mx.default_device()),
+            "phase": "loss", "config": text, "shape": args.shape, "device": str(mx.default_device()),
             "micro_batch_size": trainer.memory.micro_batch_size, "gradient_checkpointing": trainer.memory.gradient_checkpointing,
             "logits_chunk_tokens": trainer.chunk_tokens, "limit": limit, "seconds": seconds,
-            "peak_memory_gb": round(max(peaks[1:] or peaks), 3), "plan_peak_estimate_gb": round(plan.peak_gb, 3),
+            "peak_memory_gb": peaks, "plan_peak_estimate_gb": round(plan.peak_gb, 3),
         }), flush=True)
         del trainer
         mx.set_memory_limit(device_limit)
