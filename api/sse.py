@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared import jobstore
+from shared import jobstore, lifecycle
 from shared.keys import events_key, job_key
 
 TERMINAL_TYPES = ("done", "failed", "cancelled")
@@ -95,7 +95,7 @@ async def job_events(r: redis.asyncio.Redis, job_id: str, after: str) -> AsyncIt
             status = _s(await r.hget(job_key(job_id), "status"))
             if status is None:
                 return  # deleted while we were streaming
-            finished = jobstore.is_finished(status)
+            finished = status in lifecycle.FINISHED
             events = jobstore.decode_events(
                 await r.xread({events_key(job_id): after}, count=100, block=None if finished else BLOCK_MS)
             )

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.datasets import DatasetRef, PreferencePair, rows_errors, sft_format
-from shared.schemas import DEFAULT_LANE, LANE_PATTERN, MODEL_ID_RE, SEED_MAX, WAITING_DOC, JobCreate, check_json_values
+from shared.schemas import DEFAULT_LANE, LANE_PATTERN, MODEL_ID_RE, SEED_MAX, JobRecord, check_json_values
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 SCHEDULES = ("cosine_decay", "linear_schedule", "exponential_decay", "step_decay")
@@ -154,39 +154,10 @@ class RewardJobCreate(_PreferenceSpec):
     config: RewardConfig = Field(default_factory=RewardConfig)
 
 
-SPECS: dict[str, type[_JobSpec]] = {"sft": SFTJobCreate, "dpo": DPOJobCreate, "orpo": ORPOJobCreate,
-                                    "reward": RewardJobCreate}
+class TrainJob(JobRecord):
+    """The job object of the supervised kinds: the spec as sent, plus the lifecycle's fields."""
 
-
-def spec_model(kind: str | None) -> type[BaseModel]:
-    """The spec model of a job record's kind (GRPO's JobCreate for "grpo" and old records without a kind)."""
-    return SPECS.get(kind or "grpo", JobCreate)
-
-
-class TrainJob(BaseModel):
-    """The job object of the supervised kinds: the spec as sent, plus the lifecycle's fields
-    (the same as a GRPO job's; times 0.0 and error "" until set, progress {} before the first step)."""
-
-    job_id: str
-    kind: str
-    model_id: str
-    adapter_name: str
     dataset: Any = None
     valid_dataset: Any = None
     preference_pairs: list[PreferencePair] | None = None
     config: dict[str, Any]
-    adapter_path: str | None = None
-    status: str
-    created_at: float
-    started_at: float = 0.0
-    finished_at: float = 0.0
-    error: str = ""
-    progress: dict[str, Any] = Field(default_factory=dict)
-    waiting_for_worker: str | None = Field(None, description=WAITING_DOC)
-    worker: str | None = None
-    checkpoint_step: int | None = None
-    attempts: int = 0
-    failed_attempts: int = 0
-    max_attempts: int = 3
-    resumed_from: int | None = None
-    owner: str | None = None

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared import jobstore, lifecycle
+from shared import fenced_writes, jobstore, lifecycle
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -293,7 +293,7 @@ def test_stream_of_a_resumed_job_goes_on_past_the_earlier_terminal_event(stack, 
     finish(stack.redis, job_id, status="failed", event={"type": "failed", "error": "non-finite loss"})
     assert client.post(f"{JOBS}/{job_id}/resume").status_code == 200
     epoch = lifecycle.start(stack.redis, job_id, "test-worker", lease_ttl_s=60)
-    lifecycle.write(stack.redis, job_id, epoch, {"type": "resumed", "from_step": 1})
+    fenced_writes.write(stack.redis, job_id, epoch, {"type": "resumed", "from_step": 1})
 
     with client.stream("GET", f"{JOBS}/{job_id}/stream") as res:
         received = []

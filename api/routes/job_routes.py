@@ -1,4 +1,4 @@
-"""The routes of every job kind, built once from the kind's store (JobKind): create, list, get,
+"""The routes of every job kind (shared/kinds.py), one router per kind: create, list, get,
 cancel, delete, stream, resume, history and the job's adapter, with the seed server's shapes
 and messages:
 
@@ -19,7 +19,6 @@ changes); a trainer's token sees only the jobs it created (others' are 404).
 """
 
 import re
-from dataclasses import dataclass
 from typing import Annotated, Any, Callable
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
@@ -33,8 +32,10 @@ from api.auth import Principal
 from api.deps import ADMIN_ERRORS, PrincipalDep, RedisDep, SettingsDep, WriterDep, get_async_redis, get_settings, require_token
 from api.json_body import JSONBodyRoute
 from api.routes.adapters import archive_response
+from api.submission import check_datasets, check_spec
 from shared import adapters, jobstore, lifecycle
 from shared.keys import job_key
+from shared.kinds import KINDS, Kind
 from shared.schemas import ErrorBody, JobStatus, UnreadableJob, check_json_values
 
 # Job ids are uuid4 hex; anything with a ':' would name another of the job's keys (mtq:job:<id>:events).
@@ -77,22 +78,11 @@ class SeedErrorsRoute(JSONBodyRoute):
         return answer_400
 
 
-@dataclass(frozen=True)
-class JobKind:
-    """One job kind as its routes see it: its paths, its models, and its store's functions."""
-
-    kind: str  # the record's `kind` (worker/training_process.py KINDS)
-    prefix: str
-    tag: str
-    what: str  # "a GRPO job", for the docs
-    spec_model: type[BaseModel]  # the create body
-    job_model: type[BaseModel]  # the job object
-    create: Callable[..., BaseModel]  # (r, spec, owner) -> the job, queued
-    from_hash: Callable[[str, dict], BaseModel]  # (job_id, record hash) -> the job, or an UnreadableJob
-    with_overrides: Callable[[Any, dict], Any]  # (spec, config overrides) -> spec; pydantic's ValidationError
-    resume: Callable[..., bool]  # (r, job_id, spec, overrides) -> re-queued?; ValueError: does not fit the checkpoint
-    check: Callable[..., None]  # (r, spec, settings, loc): what the schema cannot see; raises RequestValidationError / HTTPException 400
-    route_class: type[APIRoute] = SeedErrorsRoute  # how invalid input is answered
+# How a family's routes (shared/kinds.py) check a spec beyond its schema, and answer invalid input.
+FAMILIES: dict[str, tuple[Callable[..., None], type[APIRoute]]] = {
+    "grpo": (check_spec, JSONBodyRoute),  # the app's handler: the seed's GRPO messages (api/main.py `readable`)
+    "supervised": (check_datasets, SeedErrorsRoute),
+}
 
 
 class ResumeRequest(BaseModel):
@@ -111,12 +101,9 @@ class JobHistory(BaseModel):
                                           "also across resumes: {step, loss, ...}.")
 
 
-def record_kind(raw: bytes | None) -> str:
-    return (raw or b"grpo").decode()  # records from before job kinds are GRPO's
-
-
-def job_router(k: JobKind) -> APIRouter:
-    router = APIRouter(prefix=k.prefix, tags=[k.tag], dependencies=[Depends(require_token)], route_class=k.route_class,
+def job_router(k: Kind) -> APIRouter:
+    check, route_class = FAMILIES[k.family]
+    router = APIRouter(prefix=k.prefix, tags=[k.tag], dependencies=[Depends(require_token)], route_class=route_class,
                        responses={code: ERRORS[code] for code in (400, 401, 413, 503)})
 
     def only(*codes: int) -> dict:
@@ -125,9 +112,9 @@ def job_router(k: JobKind) -> APIRouter:
     def entry(r, job_id: str, who: Principal):
         """The job (or its unreadable record), if it is of this kind and this principal may see it."""
         h = r.hgetall(job_key(job_id)) if JOB_ID.match(job_id) else {}
-        if not h or record_kind(h.get(b"kind")) != k.kind:
+        if not h or jobstore.of_kind(h.get(b"kind")) != k.name:
             return None
-        found = k.from_hash(job_id, h)
+        found = jobstore.job_or_unreadable(job_id, h)
         return found if who.sees(found.owner) else None
 
     def not_found(job_id: str, what: str = "Job not found") -> HTTPException:
@@ -149,8 +136,8 @@ def job_router(k: JobKind) -> APIRouter:
 
     @router.post("", response_model=k.job_model, responses=only(403), summary=f"Create {k.what} (queued)")
     def create_job(spec: k.spec_model, r: RedisDep, settings: SettingsDep, who: WriterDep):  # type: ignore[valid-type]
-        k.check(r, spec, settings, ("body",))
-        return k.create(r, spec, owner=who.name)
+        check(r, spec, settings, ("body",))
+        return jobstore.create_job(r, spec, owner=who.name)
 
     @router.get("", response_model=list[k.job_model | UnreadableJob],  # type: ignore[name-defined]
                 summary="List jobs, newest first (a trainer token: its own): a plain array, as the seed server",
@@ -166,8 +153,7 @@ def job_router(k: JobKind) -> APIRouter:
     ) -> list:
         owner = who.name if who.role == "trainer" else None
         try:
-            jobs, has_more = jobstore.list_jobs(r, status=status_, limit=limit, after=after, owner=owner, kind=k.kind,
-                                                load=k.from_hash)
+            jobs, has_more = jobstore.list_jobs(r, status=status_, limit=limit, after=after, owner=owner, kind=k)
         except KeyError:
             raise HTTPException(status.HTTP_400_BAD_REQUEST, f"unknown job id in 'after': {after}") from None
         response.headers["X-Has-More"] = "true" if has_more else "false"
@@ -205,8 +191,8 @@ def job_router(k: JobKind) -> APIRouter:
         overrides = (body or ResumeRequest()).config
         spec = jobstore.get_spec(r, job_id)
         try:
-            k.check(r, k.with_overrides(spec, overrides), settings, ("body", "config"))
-            resumed = k.resume(r, job_id, spec, overrides)
+            check(r, jobstore.with_config_overrides(spec, overrides), settings, ("body", "config"))
+            resumed = jobstore.resume_job(r, job_id, spec, overrides)
         except ValidationError as e:
             raise RequestValidationError([{**err, "loc": ("body", "config", *err["loc"])} for err in e.errors()]) from None
         except ValueError as e:  # a change that does not fit the checkpoint
@@ -247,7 +233,7 @@ def job_router(k: JobKind) -> APIRouter:
         # Everything here runs on the event loop (no sync dependency: those take a pool thread).
         r, settings = get_async_redis(), get_settings()
         job_status, owner = None, None
-        if JOB_ID.match(job_id) and record_kind(await r.hget(job_key(job_id), "kind")) == k.kind:
+        if JOB_ID.match(job_id) and jobstore.of_kind(await r.hget(job_key(job_id), "kind")) == k.name:
             job_status, owner = await sse.status_and_owner(r, job_id)
         if job_status is None or not who.sees(owner):  # before the stream starts: afterwards no 404 can be sent
             raise not_found(job_id)
@@ -259,3 +245,6 @@ def job_router(k: JobKind) -> APIRouter:
         return sse.CountedStream(sse.job_events(r, job_id, after=last_event_id or "0-0"), who.name)
 
     return router
+
+
+ROUTERS = [job_router(kind) for kind in KINDS.values()]

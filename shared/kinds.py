@@ -1,0 +1,78 @@
+"""The job kinds: the one registry of what varies by kind. The API's routes, the job records,
+the lifecycle, routing and the worker read it; everything else is the same for every kind.
+
+    kind    routes                               spec            worker module            family
+    grpo    /admin/api/fine-tune/grpo/jobs       JobCreate       worker.grpo_job          grpo
+    sft     /admin/api/fine-tune/jobs            SFTJobCreate    worker.sft_job           supervised
+    dpo     /admin/api/fine-tune/dpo/jobs        DPOJobCreate    worker.dpo_job           supervised
+    orpo    /admin/api/fine-tune/orpo/jobs       ORPOJobCreate   worker.dpo_job           supervised
+    reward  /admin/api/fine-tune/reward/jobs     RewardJobCreate worker.reward_model_job  supervised
+
+A job record without a `kind` (written before there were kinds) is GRPO's (`of_record`).
+
+The family says how a kind's jobs are checked, estimated and answered: GRPO samples its own
+completions from prompts (its memory estimate reads the prompts and group_size; its invalid
+input gets the seed server's GRPO messages); the supervised kinds train on rows given as
+datasets (the estimate reads batch_size x rows_per_example rows of max_seq_length).
+
+A kind's step events are `<kind>_step`; their `iter` counts from `first_step`: the seed
+server's GRPO numbers a step's event by its 0-based index, mlx_lm reports completed steps.
+"""
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from shared.schemas import Job, JobCreate
+from shared.train_specs import DPOJobCreate, ORPOJobCreate, RewardJobCreate, SFTJobCreate, TrainJob
+
+LORA_SHAPE = ("lora_rank", "lora_layers", "lora_alpha")
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str  # the job record's `kind`
+    prefix: str  # its routes (api/routes/job_routes.py)
+    tag: str  # its routes' OpenAPI tag
+    what: str  # "a GRPO job", in its routes' summaries
+    spec_model: type[BaseModel]  # the create body, and the spec stored in the record
+    job_model: type[BaseModel]  # the job object the API answers with
+    shape_fields: tuple[str, ...]  # config fields that fix the adapter's shape: a resume cannot change them
+    worker_module: str  # where its `load` is (worker/job_loop.py)
+    family: str  # "grpo" or "supervised" (above)
+    rows_per_example: int = 1  # supervised: token rows a training example takes in a step (a pair: 2)
+    first_step: int = 1  # the `iter` of its first step event
+
+    @property
+    def step_event(self) -> str:
+        return f"{self.name}_step"
+
+
+def _supervised(spec_model: type[BaseModel], prefix: str, tag: str, what: str, worker_module: str,
+                rows_per_example: int, shape_fields: tuple[str, ...] = LORA_SHAPE) -> Kind:
+    return Kind(spec_model.kind, prefix, tag, what, spec_model, TrainJob, shape_fields, worker_module, "supervised",
+                rows_per_example)
+
+
+# Each spec model names its kind (its `kind` ClassVar); this is the list of them.
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind(JobCreate.kind, "/admin/api/fine-tune/grpo/jobs", "GRPO jobs", "a GRPO job", JobCreate, Job, LORA_SHAPE,
+         "worker.grpo_job", "grpo", first_step=0),
+    _supervised(SFTJobCreate, "/admin/api/fine-tune/jobs", "SFT jobs", "an SFT job", "worker.sft_job", 1,
+                (*LORA_SHAPE, "fine_tune_type", "quantize_base", "quant_bits")),
+    _supervised(DPOJobCreate, "/admin/api/fine-tune/dpo/jobs", "DPO jobs", "a DPO job", "worker.dpo_job", 2),
+    _supervised(ORPOJobCreate, "/admin/api/fine-tune/orpo/jobs", "ORPO jobs", "an ORPO job", "worker.dpo_job", 2),
+    _supervised(RewardJobCreate, "/admin/api/fine-tune/reward/jobs", "Reward-model jobs", "a reward-model job",
+                "worker.reward_model_job", 2),
+)}
+DEFAULT = KINDS[JobCreate.kind]  # of a record written before there were kinds
+
+
+def of_record(kind: bytes | str | None) -> Kind:
+    """The kind of a job record's `kind` field (bytes as Redis returns it; None: DEFAULT).
+    ValueError for a kind this version does not know (a record it cannot read)."""
+    if isinstance(kind, bytes):
+        kind = kind.decode()
+    if kind and kind not in KINDS:
+        raise ValueError(f"unknown job kind {kind!r}")
+    return KINDS[kind] if kind else DEFAULT
