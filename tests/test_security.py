@@ -475,7 +475,7 @@ def test_a_job_that_does_not_fit_the_model_fails_before_its_first_step(stack, cl
 
 def scorer_for(source: dict, **settings):
     from shared.schemas import JobCreate
-    from worker.rewards import build_scorer
+    from worker.rewards.scorer import build_scorer
 
     spec = JobCreate(model_id="tiny", prompts=["p"], reward=[source])
     return lambda resolver=None: build_scorer(
@@ -488,7 +488,7 @@ def test_rebinding_the_name_to_another_address_is_refused_at_call_time():
     """The name passes the check; at call time it resolves (our resolver) to an address the
     allow-list does not have: refused without connecting. While it resolves to an allowed
     address, the connection goes to exactly that address."""
-    from worker.rewards import RewardError
+    from worker.rewards.batch import RewardError
 
     with serving(lambda body, k: {"rewards": [1.0] * len(body["completions"])}) as server:
         port = int(server.url.split(":")[2].split("/")[0])
@@ -516,7 +516,8 @@ def scorer_item():
 
 
 def test_a_remote_ref_is_never_fetched_by_the_worker():
-    from worker.rewards import RewardError, json_valid_rewards, make_json_validator
+    from worker.rewards.batch import RewardError
+    from worker.rewards.functions import json_valid_rewards, make_json_validator
 
     with serving(lambda body, k: {}) as server:
         schema = {"type": "object", "properties": {"a": {"$ref": server.url}}}
@@ -531,7 +532,8 @@ def test_a_remote_ref_is_never_fetched_by_the_worker():
 def test_a_module_that_exits_on_import_is_a_reward_error(tmp_path, monkeypatch):
     """Like unittest.__main__ (SystemExit on import), were an operator to allow one: the job
     fails with a message instead of taking the worker down (and being re-queued forever)."""
-    from worker.rewards import RewardError, load_reward_function
+    from worker.rewards.batch import RewardError
+    from worker.rewards.sandbox import load_reward_function
 
     (tmp_path / "exits_on_import.py").write_text("raise SystemExit(2)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -548,7 +550,7 @@ def test_unbounded_numbers_and_strings_are_400(stack, client, config):
 
 
 def test_prompt_fields_reach_only_the_parameters_a_function_declares():
-    from worker.rewards import declared_fields
+    from worker.rewards.sandbox import declared_fields
 
     fields = {"answer": [1], "force": [True], "filename": ["/tmp/x"], "prompts": ["evil"]}
 

@@ -12,11 +12,12 @@ from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 
 from shared.train_specs import DPOJobCreate, SFTJobCreate
+from worker.adapters import attach_adapter, remove_adapter_layers
 from worker.dpo_job import DPOTrainer, sequence_logps
-from worker.grpo import TrainState
-from worker.sft_job import SFTTrainer
+from worker.logprobs import token_logps
 from worker.models import gradient_checkpointing
-from worker.supervised import attach_adapter, remove_adapter_layers, token_logps
+from worker.sft_job import SFTTrainer
+from worker.train_core import TrainState
 
 ROWS = [{"prompt": "Q0?", "completion": "red apple"}, {"prompt": "Q1?", "completion": "blue stone"}]
 BASE = dict(lora_layers=-1, lora_rank=4, lora_alpha=4, learning_rate=1e-2, batch_size=2, iters=3, mask_prompt=True)
@@ -108,7 +109,7 @@ def test_full_fine_tuning_is_bounded_and_quantized_bases_are_refused(tiny_model,
     a model above MTQ_FULL_FINETUNE_MAX_GB for full, and a base quantized already."""
     from shared.settings import load_settings
     from worker.make_model import make_model
-    from worker.supervised import UnsupportedBase, private_base
+    from worker.models import UnsupportedBase, private_base
 
     quantized = make_model(tmp_path / "tiny-q8", size="tiny", quantize=8)
     monkeypatch.setenv("MTQ_MODELS_DIR", str(tiny_model.parent))

@@ -23,9 +23,11 @@ from mlx.utils import tree_flatten
 from shared.schemas import JobCreate, PromptItem
 from mlx.utils import tree_map
 
-from worker.grpo import Batch, Cancelled, GRPOTrainer, TrainState, completion_text, prompt_token_ids
-from worker.models import attach_lora
-from worker.rewards import build_scorer
+from worker.adapters import attach_adapter as attach_lora
+from worker.grpo import Batch, GRPOTrainer, completion_text
+from worker.logprobs import prompt_token_ids
+from worker.rewards.scorer import build_scorer
+from worker.train_core import Cancelled, TrainState
 
 PROMPTS = ["What is 2+2?", "Say hello.", "Count to five.", "Name a color.", "Write a word.", "Tell me a story."]
 SHARE_OF_E = [{"type": "python", "function": "reward_fns:share_of_e"}]
