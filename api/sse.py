@@ -20,7 +20,8 @@ from fastapi.responses import StreamingResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared import jobstore, lifecycle
+from shared import lifecycle
+from shared.events import decode_events
 from shared.keys import events_key, job_key
 
 TERMINAL_TYPES = ("done", "failed", "cancelled")
@@ -96,7 +97,7 @@ async def job_events(r: redis.asyncio.Redis, job_id: str, after: str) -> AsyncIt
             if status is None:
                 return  # deleted while we were streaming
             finished = status in lifecycle.FINISHED
-            events = jobstore.decode_events(
+            events = decode_events(
                 await r.xread({events_key(job_id): after}, count=100, block=None if finished else BLOCK_MS)
             )
             for event_id, event in events:

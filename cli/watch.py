@@ -11,7 +11,7 @@ import threading
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from cli.client import ApiClient, ApiError
+from cli.client import ApiClient
 
 SPARK = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 30
@@ -104,13 +104,3 @@ def watch(client: ApiClient, job_id: str, console: Console | None = None) -> int
     else:
         console.print(f"[yellow]{job['status']}[/]")
     return EXIT_CODES.get(job["status"], 1)
-
-
-def watch_or_error(client: ApiClient, job_id: str) -> int:
-    try:
-        return watch(client, job_id)
-    except KeyboardInterrupt:
-        return 130
-    except ApiError as e:
-        Console(stderr=True).print(f"[red]error[/]: {e}")
-        return 1

@@ -1,5 +1,4 @@
-"""Job records in Redis, of every kind: creating, reading, listing and resuming them, and their
-event streams.
+"""Job records in Redis, of every kind: creating, reading, listing and resuming them.
 
 A job is a hash (shared.keys.job_key) plus an event stream (shared.keys.events_key). Every
 status change goes through shared/lifecycle.py; this module reads records and turns API
@@ -16,7 +15,7 @@ from pydantic import AliasChoices, BaseModel
 
 from shared import kinds, lifecycle
 from shared.adapters import adapter_dir
-from shared.keys import EVENTS_MAXLEN, JOBS_INDEX, events_key, job_key
+from shared.keys import JOBS_INDEX, job_key
 from shared.schemas import JobStatus, UnreadableJob
 from shared.settings import load_settings
 
@@ -101,11 +100,6 @@ def job_or_unreadable(job_id: str, h: dict[bytes, bytes]) -> BaseModel:
                              owner=None if owner is None else owner.decode())
 
 
-def get_job(r: redis.Redis, job_id: str) -> BaseModel | None:
-    h = r.hgetall(job_key(job_id))
-    return job_from_hash(job_id, h) if h else None
-
-
 def get_status(r: redis.Redis, job_id: str) -> JobStatus | None:
     status = r.hget(job_key(job_id), "status")
     return None if status is None else status.decode()  # type: ignore[return-value]
@@ -159,24 +153,6 @@ def get_history(r: redis.Redis, job_id: str) -> list[dict[str, Any]]:
     """The per-step metrics a completed job recorded ([] before it completes)."""
     raw = r.hget(job_key(job_id), "history")
     return [] if raw is None else json.loads(raw)
-
-
-def append_event(r: redis.Redis, job_id: str, event: dict[str, Any]) -> None:
-    r.xadd(events_key(job_id), {"data": json.dumps(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
-
-
-def read_events(
-    r: redis.Redis, job_id: str, after_id: str = "0-0", block_ms: int | None = None, count: int = 100
-) -> list[tuple[str, dict[str, Any]]]:
-    """Events after `after_id` (a stream id); blocks up to block_ms for new ones when given."""
-    return decode_events(r.xread({events_key(job_id): after_id}, count=count, block=block_ms))
-
-
-def decode_events(xread_result: list) -> list[tuple[str, dict[str, Any]]]:
-    """(id, event) pairs from XREAD's answer for one stream (also read by api/sse.py's async client)."""
-    if not xread_result:
-        return []
-    return [(eid.decode(), json.loads(fields[b"data"])) for eid, fields in xread_result[0][1]]
 
 
 def with_config_overrides(spec, overrides: dict[str, Any]):

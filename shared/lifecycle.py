@@ -42,10 +42,10 @@ import redis
 from rq import Queue
 
 from shared import kinds, routing, workers
+from shared.events import append_event
 from shared.fenced_writes import LeaseLost, encode
 from shared.keys import (
     ADAPTERS_INDEX,
-    EVENTS_MAXLEN,
     JOBS_INDEX,
     QUEUED_JOBS,
     RUNNING_JOBS,
@@ -335,7 +335,7 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
     if to_delete:
         p.hdel(job_key(job_id), *to_delete)
     if change.event is not None:
-        p.xadd(events_key(job_id), {"data": json.dumps(change.event)}, maxlen=EVENTS_MAXLEN, approximate=True)
+        append_event(p, job_id, change.event)
     if change.adapter_ref is not None:
         p.hset(ADAPTERS_INDEX, change.adapter_ref, job_id)
     if change.lease is not None:

@@ -44,7 +44,7 @@ def json_value_error(value: Any, where: str = "body") -> str | None:
 
 
 def check_json_values(data: Any) -> Any:
-    """A `mode="before"` model validator: json_value_error as a ValueError (a 422)."""
+    """A `mode="before"` model validator: json_value_error as a ValueError (the API answers 400)."""
     error = json_value_error(data)
     if error:
         raise ValueError(error)

@@ -9,7 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared import fenced_writes, jobstore, lifecycle
+from conftest import read_events
+from shared import fenced_writes, lifecycle
+from shared.events import append_event
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -248,8 +250,8 @@ def finish(r, job_id, status="completed", event=DONE, **fields):
 
 def test_stream_replays_follows_and_ends_after_the_terminal_event(stack, client):
     job_id = create(client)["job_id"]
-    jobstore.append_event(stack.redis, job_id, {"type": "started"})
-    jobstore.append_event(stack.redis, job_id, STEP)
+    append_event(stack.redis, job_id, {"type": "started"})
+    append_event(stack.redis, job_id, STEP)
 
     with client.stream("GET", f"{JOBS}/{job_id}/stream") as res:
         assert res.status_code == 200
@@ -260,7 +262,7 @@ def test_stream_replays_follows_and_ends_after_the_terminal_event(stack, client)
             if line.startswith("data:"):
                 received.append(json.loads(line.removeprefix("data:")))
                 if len(received) == 2:
-                    jobstore.append_event(stack.redis, job_id, {**STEP, "iter": 2})
+                    append_event(stack.redis, job_id, {**STEP, "iter": 2})
                     finish(stack.redis, job_id)
         # The loop ended: the server closed the response after "done".
     assert [e["type"] for e in received] == ["started", "grpo_step", "grpo_step", "done"]
@@ -270,9 +272,9 @@ def test_stream_replays_follows_and_ends_after_the_terminal_event(stack, client)
 def test_stream_ids_are_the_stream_ids_and_last_event_id_resumes(stack, client):
     job_id = create(client)["job_id"]
     for event in ({"type": "started"}, STEP, {**STEP, "iter": 2}):
-        jobstore.append_event(stack.redis, job_id, event)
+        append_event(stack.redis, job_id, event)
     finish(stack.redis, job_id)
-    stream_ids = [eid for eid, _ in jobstore.read_events(stack.redis, job_id)]
+    stream_ids = [eid for eid, _ in read_events(stack.redis, job_id)]
 
     with client.stream("GET", f"{JOBS}/{job_id}/stream") as res:
         events = read_sse(res)
@@ -289,7 +291,7 @@ def test_stream_ids_are_the_stream_ids_and_last_event_id_resumes(stack, client):
 
 def test_stream_of_a_resumed_job_goes_on_past_the_earlier_terminal_event(stack, client):
     job_id = create(client)["job_id"]
-    jobstore.append_event(stack.redis, job_id, STEP)
+    append_event(stack.redis, job_id, STEP)
     finish(stack.redis, job_id, status="failed", event={"type": "failed", "error": "non-finite loss"})
     assert client.post(f"{JOBS}/{job_id}/resume").status_code == 200
     epoch = lifecycle.start(stack.redis, job_id, "test-worker", lease_ttl_s=60)
@@ -301,7 +303,7 @@ def test_stream_of_a_resumed_job_goes_on_past_the_earlier_terminal_event(stack, 
             if line.startswith("data:"):
                 received.append(json.loads(line.removeprefix("data:"))["type"])
                 if received[-1] == "resumed":
-                    jobstore.append_event(stack.redis, job_id, {**STEP, "iter": 2})
+                    append_event(stack.redis, job_id, {**STEP, "iter": 2})
                     finish(stack.redis, job_id)
     assert received == ["grpo_step", "failed", "resume_requested", "resumed", "grpo_step", "done"]
 
@@ -316,10 +318,10 @@ def test_stream_of_a_cancelled_job_ends_with_cancelled(client):
 
 def test_stream_synthesizes_the_terminal_event_of_a_finished_job_without_one(stack, client):
     job_id = create(client)["job_id"]
-    jobstore.append_event(stack.redis, job_id, {"type": "started"})
+    append_event(stack.redis, job_id, {"type": "started"})
     # Finished, but the terminal event is not in the stream (trimmed, or never written).
     finish(stack.redis, job_id, status="failed", event={"type": "failed", "error": "boom"}, error="boom")
-    stack.redis.xdel(f"mtq:job:{job_id}:events", jobstore.read_events(stack.redis, job_id)[-1][0])
+    stack.redis.xdel(f"mtq:job:{job_id}:events", read_events(stack.redis, job_id)[-1][0])
     with client.stream("GET", f"{JOBS}/{job_id}/stream") as res:
         events = [json.loads(e["data"]) for e in read_sse(res)]
     assert events[0] == {"type": "started"}

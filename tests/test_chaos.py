@@ -13,8 +13,7 @@ import time
 import pytest
 import redis
 
-from conftest import wait_for
-from shared.jobstore import read_events
+from conftest import read_events, wait_for
 
 pytestmark = pytest.mark.slow
 

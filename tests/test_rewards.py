@@ -204,7 +204,7 @@ def test_json_valid_source_with_schema_alias():
 
 
 # ----------------------------------------------------------------------------------------
-# Validation at submission (a 422 from the API)
+# Validation at submission (a 400 from the API)
 # ----------------------------------------------------------------------------------------
 
 

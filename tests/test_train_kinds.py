@@ -18,8 +18,7 @@ import time
 
 import pytest
 
-from conftest import Stack, wait_for, running
-from shared.jobstore import read_events
+from conftest import Stack, read_events, running, wait_for
 
 SFT, DPO, ORPO, REWARD = ("/admin/api/fine-tune/jobs", "/admin/api/fine-tune/dpo/jobs", "/admin/api/fine-tune/orpo/jobs",
                           "/admin/api/fine-tune/reward/jobs")

@@ -500,7 +500,7 @@ JOBS = "/admin/api/fine-tune/grpo/jobs"
 
 
 def test_second_job_on_a_worker_reuses_the_loaded_model(stack, workers):
-    from shared.jobstore import read_events
+    from conftest import read_events
 
     workers()
     body = {"model_id": stack.tiny_model.name, "prompts": ["What is 2+2?", "Say hello."],

@@ -94,7 +94,7 @@ def test_page_logs_in_lists_jobs_draws_live_curves_and_cancels(stack, worker, br
 
 
 def stack_events(stack, job_id: str) -> list[dict]:
-    from shared.jobstore import read_events
+    from conftest import read_events
 
     return [e for _, e in read_events(stack.redis, job_id)]
 

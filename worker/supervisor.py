@@ -6,7 +6,7 @@ the same process down with it. So `mtq worker` is two processes:
 
 - the supervisor (this module): an rq SimpleWorker. It dequeues jobs, takes each job's lease
   (worker/lease.py), and from a heartbeat thread renews the lease and rq's heartbeats and runs
-  the reconciler (shared/lifecycle.py). It never imports MLX, so it always answers.
+  the reconciler (shared/reconciler.py). It never imports MLX, so it always answers.
 - the training process (worker/training_process.py): a long-lived child whose main thread
   owns MLX, keeps models loaded between jobs and runs one job at a time.
 
