@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from cli.client import ApiClient, ApiError
+from cli.plot import plot
+from cli.watch import watch
 
 console = Console(highlight=False)
 
@@ -62,8 +64,6 @@ def cmd_submit(client: ApiClient, args: argparse.Namespace) -> int:
     job = client.submit(build_spec(args))
     console.print(f"submitted job [bold]{job['job_id']}[/] ({job['status']})")
     if args.watch:
-        from cli.watch import watch
-
         return watch(client, job["job_id"], console)
     return 0
 
@@ -122,8 +122,6 @@ def cmd_resume(client: ApiClient, args: argparse.Namespace) -> int:
 
 
 def cmd_watch(client: ApiClient, args: argparse.Namespace) -> int:
-    from cli.watch import watch
-
     return watch(client, args.job_id, console)
 
 
@@ -134,8 +132,6 @@ def cmd_download(client: ApiClient, args: argparse.Namespace) -> int:
 
 
 def cmd_plot(client: ApiClient, args: argparse.Namespace) -> int:
-    from cli.plot import plot
-
     steps = client.step_metrics(args.job_id)
     if not steps:
         raise ApiError(0, f"job {args.job_id} has no steps yet")

@@ -20,7 +20,7 @@ def source_keys(steps: list[dict]) -> list[str]:
 
 
 def plot(steps: list[dict], out: Path, title: str) -> Path:
-    import matplotlib
+    import matplotlib  # here: the other client commands start without it (it takes a while to import)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
