@@ -305,7 +305,7 @@ class Rollout:
 
 
 class GRPOTrainer:
-    """Runs the steps of one job on a model with LoRA attached (worker/models.py)."""
+    """Runs the steps of one job on a model with LoRA attached (worker/adapters.py)."""
 
     def __init__(self, model: nn.Module, tokenizer, spec: JobCreate, scorer):
         self.model, self.tokenizer, self.spec, self.cfg, self.scorer = model, tokenizer, spec, spec.config, scorer
