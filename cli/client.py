@@ -83,13 +83,14 @@ class ApiClient:
         """(event id, event) of the job's stream, from the start (or after `after`).
 
         follow: until the stream ends (the job finished), reconnecting with Last-Event-ID
-        after a dropped connection or an API restart. Otherwise only the events there are
-        now: it stops once the server has sent nothing for a moment.
+        after a dropped connection or an API restart; keep-alive comments are skipped.
+        Otherwise only the events there are now: it stops at the first keep-alive or once
+        the server has sent nothing for a moment.
         """
         last_id, last_type, failures, down_since = after, None, 0, None
         while True:
             headers = {"Last-Event-ID": last_id} if last_id else {}
-            # follow: no read timeout (the server sends a keep-alive every 15 s while waiting).
+            # follow: no read timeout (the server sends a keep-alive comment while the job is quiet).
             timeout = httpx.Timeout(10.0, read=None if follow else 2.0)
             try:
                 with connect_sse(self.http, "GET", f"{JOBS}/{job_id}/stream", headers=headers,
@@ -103,6 +104,12 @@ class ApiClient:
                         failures, down_since = 0, None
                         if sse.id:
                             last_id = sse.id
+                        if not sse.data:
+                            # A keep-alive comment: the job is quiet (httpx-sse hands the comment
+                            # on as an event without data, with the previous id).
+                            if not follow:
+                                return  # caught up
+                            continue
                         event = sse.json()
                         last_type = event.get("type")
                         yield last_id, event

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from cli.client import ApiClient, ApiError
 from cli.plot import plot
@@ -69,12 +69,13 @@ def cmd_submit(client: ApiClient, args: argparse.Namespace) -> int:
 
 
 def _when(ts: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else ""
+    return time.strftime("%m-%d %H:%M", time.localtime(ts)) if ts else ""
 
 
 def cmd_jobs(client: ApiClient, args: argparse.Namespace) -> int:
     jobs = client.list_jobs(status=args.status, limit=args.limit)
-    table = Table("job", "status", "phase", "step", "reward", "model", "created", box=None)
+    # The id whole, however narrow the terminal: it is what the other commands take.
+    table = Table(Column("job", no_wrap=True, min_width=32), Column("status", no_wrap=True), "phase", "step", "reward", "model", "created", box=None)
     for job in jobs:
         p = job.get("progress") or {}
         reward = p.get("reward", p.get("mean_reward"))

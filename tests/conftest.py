@@ -62,7 +62,7 @@ class RedisServer:
 
     def start(self):
         exe = shutil.which("redis-server")
-        assert exe, "redis-server is not installed (see README: make test installs it)"
+        assert exe, "redis-server is not installed (scripts/test.sh installs it)"
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", *self.bind.split(), "--dir", str(self.dir),
              "--appendonly", "yes", "--save", "", "--daemonize", "no",

@@ -19,12 +19,20 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import ROOT, TOKEN, wait_for
+from conftest import ROOT, TOKEN, Stack, running, wait_for
 from reward_server import closed_port_url, serving, slow_rewards
 
 CONFIG = {"group_size": 2, "batch_size": 1, "max_completion_len": 8, "lora_layers": 2, "lora_rank": 4,
           "lora_alpha": 8.0, "temperature": 1.0}
 PROMPTS = ["What is 2+2?", "Say hello."]
+KEEPALIVE_S = 0.3  # the API's keep-alive comments (MTQ_SSE_KEEPALIVE_S): quiet stretches are short here
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    s = Stack(tmp_path_factory.mktemp("stack"), tiny_model)
+    s.env["MTQ_SSE_KEEPALIVE_S"] = str(KEEPALIVE_S)
+    yield from running(s)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +159,40 @@ def test_watch_exits_nonzero_when_the_job_fails(stack, worker):
     term = InPty(stack, "watch", job["job_id"])
     assert term.wait(120) == 1, term.text
     assert "failed: " in term.text and "raises" in term.text, term.text
+
+
+def test_watch_and_logs_follow_a_job_through_quiet_stretches(stack, worker, tmp_path):
+    """A reward server slower than the keep-alive period after the first events (as a first
+    step compiling kernels, or a slow reward function): the stream carries keep-alive comments
+    between events, and `mtq watch` and `mtq logs --follow` skip them and follow to the end."""
+    iters = 4
+    with serving(slow_rewards(6 * KEEPALIVE_S)) as server:
+        job_file = write_job(tmp_path, stack, iters=iters, reward=[{"type": "endpoint", "url": server.url}])
+        job_id = re.search(r"submitted job ([0-9a-f]{32})", mtq(stack, "submit", str(job_file)).stdout).group(1)
+        term = InPty(stack, "watch", job_id)
+        follow = subprocess.Popen([sys.executable, "-m", "cli.main", "logs", job_id, "--follow"], cwd=ROOT,
+                                  env=mtq_env(stack), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+        def drew_a_step():
+            text = term.read()
+            assert term.proc.poll() is None, f"mtq watch exited early:\n{term.text}"
+            return re.search(rf" [1-9]/{iters}", text)
+
+        wait_for(drew_a_step, 120, "watch to draw a step")
+        # Without --follow: the events there are now; the first keep-alive means caught up.
+        now = mtq(stack, "logs", job_id)
+        assert now.returncode == 0 and " grpo_step " in now.stdout and " done " not in now.stdout, now
+        with stack.client() as c:  # the stream as sent: keep-alive comments between the events
+            with c.stream("GET", f"/admin/api/fine-tune/grpo/jobs/{job_id}/stream", timeout=120) as res:
+                lines = list(res.iter_lines())
+        assert term.wait(120) == 0, term.text
+        out, err = follow.communicate(timeout=60)
+        assert follow.returncode == 0, err
+    first_step = next(i for i, line in enumerate(lines) if '"grpo_step"' in line)
+    assert ": keep-alive" in lines[first_step:], lines
+    assert f"{iters}/{iters}" in term.text and "completed" in term.text, term.text
+    kinds = [line.split()[1] for line in out.splitlines()]
+    assert kinds.count("grpo_step") == iters and kinds[0] == "started" and kinds[-1] == "done", out
 
 
 def test_watch_and_logs_follow_across_an_api_restart(stack, worker, tmp_path):

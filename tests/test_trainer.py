@@ -537,7 +537,7 @@ def test_job_that_cannot_fit_one_row_fails_at_start_with_the_estimate(stack, wor
 
 
 def test_the_step_phases_benchmark_runs_each_asked_configuration(tiny_model):
-    """bench/step_phases.py (README's sampling figures and loss-phase table) times sampling under
+    """bench/step_phases.py (docs/performance.md's sampling figures and loss-phase table) times sampling under
     the plan's limit and without one, and the loss under the memory choices it is given, not the
     plan's: each line reports the limit, micro-batch, checkpointing and logits chunk it was asked for."""
     import json

@@ -242,7 +242,7 @@ def job_router(k: Kind) -> APIRouter:
         if sse.open_streams[who.name] >= settings.max_streams_per_token:
             raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS,
                                 f"token {who.name!r} has {settings.max_streams_per_token} event streams open (MTQ_MAX_STREAMS_PER_TOKEN)")
-        return sse.CountedStream(sse.job_events(r, job_id, after=last_event_id or "0-0"), who.name)
+        return sse.CountedStream(sse.job_events(r, job_id, after=last_event_id or "0-0", keepalive_s=settings.sse_keepalive_s), who.name)
 
     return router
 
