@@ -28,8 +28,6 @@ app = FastAPI(
     redirect_slashes=False,
 )
 app.include_router(health.router)
-for router in JOB_ROUTERS:  # one per job kind (shared/kinds.py)
-    app.include_router(router)
 app.include_router(logprob.router)
 app.include_router(models.router)
 app.include_router(adapters.router)
@@ -37,6 +35,10 @@ app.include_router(metrics.router)
 app.include_router(ui.router)
 app.include_router(files.router)
 app.include_router(reward_score.router)
+# One per job kind (shared/kinds.py), last: SFT's /admin/api/fine-tune/jobs/{job_id} would take
+# the fixed paths below it (e.g. /admin/api/fine-tune/jobs/models) for job ids.
+for router in JOB_ROUTERS:
+    app.include_router(router)
 
 
 def _printable(text: str) -> str:
