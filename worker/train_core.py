@@ -146,7 +146,7 @@ class Run:
     # on_finite_loss() is called once the weights before the update gave a finite loss and gradient.
     step: Step
     save: Callable[[Path], None]  # the artefact's files (adapter or model directory), into a directory
-    phase: str  # the phase a step starts in (worker/training_process.py PHASES)
+    phase: str  # the phase a step starts in (worker/marks.py PHASES)
     history_metrics: tuple[str, ...]  # the metrics of every step kept in the job's history
     steps_per_save: int  # a checkpoint every N steps (and every checkpoint_interval_s)
     steps_per_report: int = 1  # a step event every N steps (and at the last); progress every step
