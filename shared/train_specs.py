@@ -11,7 +11,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.datasets import DatasetRef, PreferencePair, rows_errors, sft_format
-from shared.schemas import DEFAULT_LANE, LANE_PATTERN, MODEL_ID_RE, SEED_MAX, JobRecord, check_json_values
+from shared.model_ids import MODEL_ID_RE
+from shared.schemas import DEFAULT_LANE, LANE_PATTERN, SEED_MAX, JobRecord, check_json_values
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 SCHEDULES = ("cosine_decay", "linear_schedule", "exponential_decay", "step_decay")
