@@ -49,11 +49,16 @@ def get_async_redis() -> redis.asyncio.Redis:
     return _async_client(get_settings().redis_timeout_s)
 
 
+STREAM_TIMEOUT_S = 30.0  # beyond XREAD BLOCK's wait: hundreds of open streams share one event loop
+
+
 @lru_cache
 def get_stream_redis() -> redis.asyncio.Redis:
     """The event streams' client: each open stream borrows a pooled connection while it waits
-    in XREAD BLOCK (sse.BLOCK_MS), so its timeout is that wait's and the short one together."""
-    return _async_client(sse.BLOCK_MS / 1000 + get_settings().redis_timeout_s)
+    in XREAD BLOCK (sse.BLOCK_MS). The route's own checks before the stream starts use the
+    quick client; once it has started, a Redis that stops answering ends it with an error
+    event after STREAM_TIMEOUT_S more."""
+    return _async_client(sse.BLOCK_MS / 1000 + STREAM_TIMEOUT_S)
 
 
 def redis_trouble(exc: Exception) -> str:

@@ -8,7 +8,8 @@ serves adapters from there, so a client never needs the worker's disk.
 An adapter name (of a model) belongs to one owner at a time: the owner of the jobs that use
 it (claim_name, when a job is created). Another owner's job of that name is refused (409), so
 no one overwrites another's adapter, on disk or in the index. The name is free again once
-every job that used it is gone (deleted, or expired after MTQ_JOB_RETENTION_S).
+every job that used it is gone (deleted, or expired after MTQ_JOB_RETENTION_S: the claim
+expires with the last job of the name to finish, shared/lifecycle.py).
 """
 
 from __future__ import annotations

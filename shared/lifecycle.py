@@ -350,6 +350,12 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
     elif rec.get("status") in FINISHED:  # resumed: keep everything again
         for key in keys:
             p.persist(key)
+    # Its claim on the adapter name (shared/adapters.py claim_name) lasts while it is queued or
+    # running, and as long as its other keys once it has finished (its last job's, of a name).
+    ref = fields.get("adapter_ref") or rec.get("adapter_ref")
+    if ref:
+        (p.expire(adapter_name_key(ref), _retention_s()) if change.status in FINISHED
+         else p.persist(adapter_name_key(ref)))
     return written
 
 

@@ -112,7 +112,7 @@ class JobRun:
     def between_steps(self, model_id: str) -> None:
         """Answer waiting log-prob requests for the model this job trains (worker/scoring.py)."""
         self.marks.mark()
-        scoring.serve_waiting(self.lease.r, load_settings(), model_id)
+        retrying(lambda: scoring.serve_waiting(self.lease.r, load_settings(), model_id), "scoring")
         self.marks.mark()
 
     def publish_loaded(self) -> None:
