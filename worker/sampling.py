@@ -20,6 +20,18 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 CHUNK = 16  # decode steps between host checks (early stop when all rows ended, cancel)
 
 
+class Slots:
+    """Where one forward pass of n new tokens goes in the fixed-size KV buffers, computed once
+    for every layer: RoPE offsets, the attention mask, and (for one token) the slot it is
+    written to. The graph of a decode step then holds these once, not once per layer."""
+
+    def __init__(self, capacity: int, write_pos: mx.array, left_pad: mx.array, n: int):
+        self.write_pos = write_pos  # () int32: buffer slot of the first new token (same for all rows)
+        self.offset = write_pos - left_pad  # (rows,) RoPE position of the first new token
+        self.mask = attention_mask(write_pos + mx.arange(n), mx.arange(capacity), left_pad)
+        self.one = (mx.arange(capacity) == write_pos)[None, None, :, None] if n == 1 else None
+
+
 class StaticKVCache:
     """One layer's KV cache in a fixed-size buffer shared by left-padded rows.
 
@@ -27,38 +39,31 @@ class StaticKVCache:
     token, per row), `update_and_fetch`, `make_mask`.
     """
 
-    def __init__(self, capacity: int, write_pos: mx.array, left_pad: mx.array, keys=None, values=None):
-        self.capacity = capacity
+    def __init__(self, capacity: int, slots: Slots, keys=None, values=None):
+        self.capacity, self.slots = capacity, slots
         self.keys, self.values = keys, values  # (rows, kv_heads, capacity, head_dim); made on first write
-        self.write_pos = write_pos  # () int32: buffer slot of the next token (same for all rows)
-        self.left_pad = left_pad  # (rows,) int32: padding slots at the start of each row
 
     @property
     def offset(self) -> mx.array:
-        return self.write_pos - self.left_pad
+        return self.slots.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self.keys is None:
             rows, heads, _, _ = keys.shape
             self.keys = mx.zeros((rows, heads, self.capacity, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((rows, heads, self.capacity, values.shape[3]), values.dtype)
-        n = keys.shape[2]
-        if n == 1:
+        if self.slots.one is not None:
             # A select, not slice_update: a pure op, safe to reuse buffers inside mx.compile.
-            slot = (mx.arange(self.capacity) == self.write_pos)[None, None, :, None]
-            self.keys = mx.where(slot, keys.astype(self.keys.dtype), self.keys)
-            self.values = mx.where(slot, values.astype(self.values.dtype), self.values)
+            self.keys = mx.where(self.slots.one, keys.astype(self.keys.dtype), self.keys)
+            self.values = mx.where(self.slots.one, values.astype(self.values.dtype), self.values)
         else:
-            start = self.write_pos.reshape(1)
+            start = self.slots.write_pos.reshape(1)
             self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), start, axes=(2,))
             self.values = mx.slice_update(self.values, values.astype(self.values.dtype), start, axes=(2,))
-        self.write_pos = self.write_pos + keys.shape[2]
         return self.keys, self.values
 
     def make_mask(self, n: int, return_array: bool = False, window_size=None) -> mx.array:
-        q_pos = self.write_pos + mx.arange(n)
-        k_pos = mx.arange(self.capacity)
-        return attention_mask(q_pos, k_pos, self.left_pad)
+        return self.slots.mask
 
 
 class PaddingMaskCache:
@@ -143,7 +148,8 @@ def make_decode_step(model: nn.Module, params: SamplingParams, eos_ids: list[int
     """One compiled decode step for all rows: forward one token, pick the next, track EOS."""
     def step(tokens, keys, values, write_pos, left_pad, finished, key):
         capacity = keys[0].shape[2]
-        caches = [StaticKVCache(capacity, write_pos, left_pad, k, v) for k, v in zip(keys, values)]
+        slots = Slots(capacity, write_pos, left_pad, 1)
+        caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
         logits = model(tokens[:, None], cache=caches)[:, -1, :]
         nxt = _choose(logits, key, params).astype(mx.int32)
         logp, ent = token_logprobs(logits, nxt, params.temperature)
@@ -184,8 +190,9 @@ def sample(
     width = prompt_tokens.shape[1]
 
     # Prefill each distinct prompt once, into buffers sized for the whole completion.
-    start = mx.array(0, dtype=mx.int32)
-    caches = [StaticKVCache(width + params.max_tokens, start, pad) for _ in model.layers]
+    capacity = width + params.max_tokens
+    slots = Slots(capacity, mx.array(0, dtype=mx.int32), pad, width)
+    caches = [StaticKVCache(capacity, slots) for _ in model.layers]
     logits = lm_head(model)(model.model(prompt_tokens, cache=caches)[:, -1, :])  # last position's logits only
 
     # Repeat to group_size rows per prompt.
