@@ -117,31 +117,42 @@ class Samples:
     steps: int  # decode steps actually run
 
 
+def log_softmax(logits: mx.array, temperature: float) -> mx.array:
+    """log softmax(logits / temperature) in float32 (temperature 0, greedy, counts as 1)."""
+    logits = logits.astype(mx.float32) / (temperature if temperature > 0 else 1.0)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def pick(logp_all: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+    """log p(token) and the entropy of the distribution, from log_softmax's output."""
+    logp = mx.take_along_axis(logp_all, tokens[..., None], axis=-1)[..., 0]
+    return logp, -(mx.exp(logp_all) * logp_all).sum(-1)
+
+
 def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> tuple[mx.array, mx.array]:
     """log p(token) and entropy of softmax(logits / temperature), in float32.
 
     Shared by sampling (pi_old) and the loss (pi_theta) so both see the same distribution.
     """
-    t = temperature if temperature > 0 else 1.0
-    logits = logits.astype(mx.float32) / t
-    logp_all = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    logp = mx.take_along_axis(logp_all, tokens[..., None], axis=-1)[..., 0]
-    entropy = -(mx.exp(logp_all) * logp_all).sum(-1)
-    return logp, entropy
+    return pick(log_softmax(logits, temperature), tokens)
 
 
-def _choose(logits: mx.array, key: mx.array, p: SamplingParams) -> mx.array:
+def draw(logits: mx.array, key: mx.array, p: SamplingParams) -> tuple[mx.array, mx.array, mx.array]:
+    """The next token of every row, its log-prob and the entropy (one log-softmax for all three)."""
+    logp_all = log_softmax(logits, p.temperature)
     if p.temperature == 0:
-        return mx.argmax(logits, axis=-1)
-    logp = logits.astype(mx.float32) / p.temperature
-    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-    if p.top_k > 0:
-        logp = apply_top_k(logp, p.top_k)
-    if p.top_p < 1.0:
-        logp = apply_top_p(logp, p.top_p)
-    if p.min_p > 0.0:
-        logp = apply_min_p(logp, p.min_p)
-    return mx.random.categorical(logp, key=key)
+        tokens = mx.argmax(logits, axis=-1)
+    else:
+        filtered = logp_all
+        if p.top_k > 0:
+            filtered = apply_top_k(filtered, p.top_k)
+        if p.top_p < 1.0:
+            filtered = apply_top_p(filtered, p.top_p)
+        if p.min_p > 0.0:
+            filtered = apply_min_p(filtered, p.min_p)
+        tokens = mx.random.categorical(filtered, key=key)
+    tokens = tokens.astype(mx.int32)
+    return (tokens, *pick(logp_all, tokens))
 
 
 def make_decode_step(model: nn.Module, params: SamplingParams, eos_ids: list[int], pad_id: int) -> Callable:
@@ -151,8 +162,7 @@ def make_decode_step(model: nn.Module, params: SamplingParams, eos_ids: list[int
         slots = Slots(capacity, write_pos, left_pad, 1)
         caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
         logits = model(tokens[:, None], cache=caches)[:, -1, :]
-        nxt = _choose(logits, key, params).astype(mx.int32)
-        logp, ent = token_logprobs(logits, nxt, params.temperature)
+        nxt, logp, ent = draw(logits, key, params)
         nxt = mx.where(finished, pad_id, nxt)
         valid = ~finished
         finished = finished | is_eos(nxt, eos_ids)
@@ -204,8 +214,7 @@ def sample(
     write_pos = mx.array(width, dtype=mx.int32)
 
     step_keys = mx.random.split(key, params.max_tokens + 1)
-    first = _choose(logits, step_keys[0], params).astype(mx.int32)
-    first_logp, first_ent = token_logprobs(logits, first, params.temperature)
+    first, first_logp, first_ent = draw(logits, step_keys[0], params)
 
     out_tokens, out_logp, out_ent, out_valid = [first], [first_logp], [first_ent], [mx.ones((rows,), dtype=mx.bool_)]
     finished = is_eos(first, eos_ids)
@@ -223,7 +232,9 @@ def sample(
             out_valid.append(valid)
             finished = finished_next
             write_pos = write_pos + 1
-            mx.async_eval(tokens, finished)
+            # All of it now: a step's log-prob and entropy left lazy would keep its
+            # full-vocabulary log-probs alive until the end of sampling.
+            mx.async_eval(tokens, logp, ent, valid, finished)
         steps += n
         if should_stop():
             return None
