@@ -1,14 +1,15 @@
 """Decode speed of the GRPO sampler (worker/sampling.py) beside mlx_lm's own decoders, in one run.
 
     python3 bench/decode.py MODEL_DIR --rows 8 32 64 --tokens 128 [--group-size 8] [--prompt-len 24]
-                            [--reps 3] [--sampling FILE ...] [--count-only] [--json OUT]
+                            [--reps 3] [--sampling FILE ...] [--queries 1 2] [--count-only] [--json OUT]
 
 For each row count R, one after the other in this process (B = R / group size prompts of
 slightly different lengths, so rows are left-padded; temperature 1; EOS off everywhere, so
 every row decodes --tokens tokens):
 
   ours      sample() of worker/sampling.py (or of each --sampling FILE: an older copy of
-            that module, to compare versions in one sitting)
+            that module, to compare versions in one sitting); with --queries 1 2, once with
+            each number of queries per row make_decode_step can be given (see fused_queries)
   batch     mlx_lm's batch_generate of the same R rows (completion and prefill batch = R)
   single    mlx_lm's generate_step of one row (its own single-sequence decode)
 
@@ -34,6 +35,7 @@ import argparse
 import collections
 import contextlib
 import importlib.util
+import inspect
 import json
 import re
 import statistics
@@ -123,10 +125,14 @@ class _Counted(Exception):
     pass
 
 
-def ours_counts(S, model, prompts, group_size) -> collections.Counter:
+def make_step(S, model, p, queries):
+    return S.make_decode_step(model, p, [], 0, *([queries] if queries else []))
+
+
+def ours_counts(S, model, prompts, group_size, queries) -> collections.Counter:
     """The graph of our second decode step (the first one's inputs still hold the prefill)."""
     p = S.SamplingParams(max_tokens=4, temperature=1.0)  # the step's graph does not depend on the length
-    step = S.make_decode_step(model, p, [], 0)
+    step = make_step(S, model, p, queries)
     calls = []
 
     def counted(*args):
@@ -143,9 +149,9 @@ def ours_counts(S, model, prompts, group_size) -> collections.Counter:
     raise RuntimeError("sample() made fewer than two decode steps")
 
 
-def ours_time(S, model, prompts, group_size, tokens, reps) -> list[float]:
+def ours_time(S, model, prompts, group_size, queries, tokens, reps) -> list[float]:
     p = S.SamplingParams(max_tokens=tokens, temperature=1.0)
-    step = S.make_decode_step(model, p, [], 0)
+    step = make_step(S, model, p, queries)
     times = []
     for i in range(reps + 1):  # the first run compiles
         t0 = time.perf_counter()
@@ -221,6 +227,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sampling", type=Path, nargs="+", default=[ROOT / "worker" / "sampling.py"],
                     help="copies of worker/sampling.py to measure (e.g. an older commit's)")
+    ap.add_argument("--queries", type=int, nargs="+", choices=[1, 2], default=[None],
+                    help="also force make_decode_step's queries per row (versions that have it; default: its own choice)")
     ap.add_argument("--count-only", action="store_true", help="primitive counts only, no timings")
     ap.add_argument("--json", type=Path, help="write the records here as a JSON list")
     args = ap.parse_args()
@@ -262,9 +270,12 @@ def main():
 
         ours = []
         for name, S in versions.items():
-            counts = both(lambda: ours_counts(S, model, prompts, G))
-            times = None if args.count_only else ours_time(S, model, prompts, G, args.tokens, args.reps)
-            ours.append(record(f"ours {Path(name).name if len(versions) == 1 else name}", R, *counts, times))
+            has_queries = "queries" in inspect.signature(S.make_decode_step).parameters
+            for q in args.queries if has_queries else [None]:
+                counts = both(lambda: ours_counts(S, model, prompts, G, q))
+                times = None if args.count_only else ours_time(S, model, prompts, G, q, args.tokens, args.reps)
+                label = f"ours {Path(name).name if len(versions) == 1 else name}" + (f" queries={q}" if q else "")
+                ours.append(record(label, R, *counts, times))
         counts = both(lambda: batch_counts(model, rows))
         batch = record("mlx_lm batch_generate", R, *counts,
                        None if args.count_only else batch_time(model, tokenizer, rows, args.tokens, args.reps))

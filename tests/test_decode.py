@@ -71,13 +71,14 @@ CASES = {
 EOS = list(range(0, 1024, 24))  # about 4% of the vocabulary: rows end at different steps
 
 
+@pytest.mark.parametrize("queries", [1, 2])  # 2: the decode step CUDA gets (fused_queries)
 @pytest.mark.parametrize("case", CASES)
-def test_batched_decode_equals_row_by_row_decode(model, case):
+def test_batched_decode_equals_row_by_row_decode(model, case, queries):
     params, prompts, group_size = CASES[case]
     p = SamplingParams(**params)
     key = mx.random.key(3)
     want = reference_decode(model, prompts, group_size, p, EOS, key)
-    got = sample(model, make_decode_step(model, p, EOS, PAD), prompts, group_size, p, EOS, key)
+    got = sample(model, make_decode_step(model, p, EOS, PAD, queries), prompts, group_size, p, EOS, key)
     tokens, logprobs, entropy, mask, ended = want
     np.testing.assert_array_equal(np.array(got.mask), mask)
     np.testing.assert_array_equal(np.where(mask, np.array(got.tokens), -1), np.where(mask, tokens, -1))

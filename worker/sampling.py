@@ -7,6 +7,11 @@ change while decoding, and the whole decode step (model forward, filtering, samp
 EOS bookkeeping) is one `mx.compile`d function. The host looks at the rows only once per
 chunk of tokens (all finished? cancelled?).
 
+On a GPU a decode step costs about its number of MLX primitives (host work per primitive,
+not arithmetic), so the step keeps that number down: what all layers share (positions,
+mask, write slot) is computed once (`Slots`), and on CUDA each row feeds its token twice
+so that MLX fuses the masked attention (`fused_queries`). bench/decode.py counts them.
+
 The prompt of each group is prefilled once and its cache repeated group_size times.
 """
 
@@ -53,7 +58,10 @@ class StaticKVCache:
             self.keys = mx.zeros((rows, heads, self.capacity, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((rows, heads, self.capacity, values.shape[3]), values.dtype)
         if self.slots.one is not None:
-            # A select, not slice_update: a pure op, safe to reuse buffers inside mx.compile.
+            if keys.shape[2] > 1:  # a decode step's second query (make_decode_step): not written
+                keys, values = keys[:, :, :1], values[:, :, :1]
+            # A select, not slice_update: one kernel, a pure op inside mx.compile (slice_update
+            # copies the buffer unless it can donate it, then computes the offset, then writes).
             self.keys = mx.where(self.slots.one, keys.astype(self.keys.dtype), self.keys)
             self.values = mx.where(self.slots.one, values.astype(self.values.dtype), self.values)
         else:
@@ -155,13 +163,34 @@ def draw(logits: mx.array, key: mx.array, p: SamplingParams) -> tuple[mx.array, 
     return (tokens, *pick(logp_all, tokens))
 
 
-def make_decode_step(model: nn.Module, params: SamplingParams, eos_ids: list[int], pad_id: int) -> Callable:
-    """One compiled decode step for all rows: forward one token, pick the next, track EOS."""
+def fused_queries(keys: mx.array) -> int:
+    """Queries per row that let MLX fuse a decode step's masked attention (MLX 0.32): its CUDA
+    backend runs attention with an array mask as five unfused kernels for one query (the
+    vector kernel takes no mask) but hands it to cuDNN from two queries on (half precision,
+    head dim a multiple of 8 up to 128). Metal's vector kernel takes the mask for one query;
+    the CPU has no fused attention."""
+    cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    d = keys.shape[-1]
+    return 2 if cuda and keys.dtype in (mx.float16, mx.bfloat16) and d % 8 == 0 and d <= 128 else 1
+
+
+def make_decode_step(
+    model: nn.Module, params: SamplingParams, eos_ids: list[int], pad_id: int, queries: int | None = None,
+) -> Callable:
+    """One compiled decode step for all rows: forward one token, pick the next, track EOS.
+
+    queries=2 feeds every row's token twice, the copy one position further: it is masked
+    like the token (sees the same keys), its keys and values are never written and its
+    output is dropped, so the results are those of one query; it is there only for MLX to
+    fuse the attention (fused_queries, the default when queries is None)."""
+    head = lm_head(model)
+
     def step(tokens, keys, values, write_pos, left_pad, finished, key):
-        capacity = keys[0].shape[2]
+        rows, capacity = tokens.shape[0], keys[0].shape[2]
         slots = Slots(capacity, write_pos, left_pad, 1)
         caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
-        logits = model(tokens[:, None], cache=caches)[:, -1, :]
+        x = mx.broadcast_to(tokens[:, None], (rows, queries or fused_queries(keys[0])))
+        logits = head(model.model(x, cache=caches)[:, 0])
         nxt, logp, ent = draw(logits, key, params)
         nxt = mx.where(finished, pad_id, nxt)
         valid = ~finished
