@@ -40,13 +40,10 @@ def reference_decode(model, prompts, group_size, p: SamplingParams, eos_ids, key
         if p.temperature == 0:
             nxt = mx.argmax(mx.stack(logits), axis=-1)
         else:
-            filtered = logp
-            if p.top_k > 0:
-                filtered = apply_top_k(filtered, p.top_k)
-            if p.top_p < 1.0:
-                filtered = apply_top_p(filtered, p.top_p)
-            if p.min_p > 0.0:
-                filtered = apply_min_p(filtered, p.min_p)
+            filtered = logp  # the job's filters, in this order, on log softmax(logits / T)
+            for used, apply, value in ((p.top_k > 0, apply_top_k, p.top_k), (p.top_p < 1, apply_top_p, p.top_p),
+                                       (p.min_p > 0, apply_min_p, p.min_p)):
+                filtered = apply(filtered, value) if used else filtered
             nxt = mx.random.categorical(filtered, key=keys[t])
         ent = -(mx.exp(logp) * logp).sum(-1)
         for r in range(n):
