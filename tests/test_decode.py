@@ -9,12 +9,19 @@ the completion mask and the EOS flags must come out the same: tokens exactly, fl
 float32 rounding (the tiny model is float32).
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from conftest import ROOT
 
 from worker.sampling import SamplingParams, make_decode_step, sample
 
@@ -85,3 +92,19 @@ def test_batched_decode_equals_row_by_row_decode(model, case, queries):
     assert got.steps >= mask.sum(axis=1).max()
     if case == "categorical":  # the case exercises what it is meant to
         assert 0 < ended.sum() < len(ended) and mask.sum(axis=1).min() < p.max_tokens
+
+
+def test_bench_decode_runs_and_counts(tiny_model, tmp_path):
+    """bench/decode.py (the decode figures' command): every decoder timed and counted; the count
+    as a CUDA GPU runs it is below the CPU's own, where MLX expands RMSNorm and RoPE."""
+    out = tmp_path / "decode.json"
+    subprocess.run(
+        [sys.executable, "bench/decode.py", str(tiny_model), "--rows", "4", "--tokens", "4", "--group-size", "2",
+         "--reps", "1", "--queries", "1", "2", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "MTQ_OPENBLAS": "0"}, check=True, timeout=300,
+    )
+    records = json.loads(out.read_text())
+    assert [r["decoder"] for r in records] == [
+        "ours sampling.py queries=1", "ours sampling.py queries=2", "mlx_lm batch_generate", "mlx_lm generate_step (1 row)"]
+    for r in records:
+        assert r["ms_per_position"] > 0 and 0 < r["primitives_gpu"] < r["primitives"]
