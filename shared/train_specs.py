@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.datasets import DatasetRef, PreferencePair, rows_errors, sft_format
+from shared.datasets import PREFERENCE_ROWS, SFT_ROWS, DatasetRef, PreferencePair, RowFormat, rows_errors, sft_format
 from shared.schemas import DEFAULT_LANE, LANE_PATTERN, MODEL_ID_RE, SEED_MAX, JobRecord, check_json_values
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -93,6 +93,9 @@ class RewardConfig(TrainConfig):
 
 
 class _JobSpec(BaseModel):
+    """A supervised kind's spec; each sets `kind` and `row_format` (shared/datasets.py: how its rows look)."""
+
+    row_format: ClassVar[RowFormat]
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model_id: str = Field(..., min_length=1, max_length=512, pattern=MODEL_ID_RE.pattern)
@@ -115,7 +118,7 @@ class _JobSpec(BaseModel):
 
 class SFTJobCreate(_JobSpec):
     kind: ClassVar[str] = "sft"
-    row_format: ClassVar[str] = "sft"
+    row_format: ClassVar[RowFormat] = SFT_ROWS
     config: SFTConfig = Field(default_factory=SFTConfig)
 
     @model_validator(mode="after")
@@ -129,7 +132,7 @@ class SFTJobCreate(_JobSpec):
 
 
 class _PreferenceSpec(_JobSpec):
-    row_format: ClassVar[str] = "preference"
+    row_format: ClassVar[RowFormat] = PREFERENCE_ROWS
     preference_pairs: list[PreferencePair] | None = Field(None, min_length=1, max_length=1_000_000)
 
     @model_validator(mode="after")
