@@ -17,10 +17,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker.dpo_job import dpo_loss, orpo_loss, sequence_logps
+from worker.dpo_job import dpo_loss, orpo_loss
 from worker.reward_model_job import bradley_terry_loss
 from worker.sft_job import sft_loss
-from worker.logprobs import token_logps
+from worker.logprobs import sequence_logps, token_logps
 from worker.train_core import Rows, pad_rows
 
 RTOL, ATOL = 1e-4, 1e-5

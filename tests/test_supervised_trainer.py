@@ -13,8 +13,8 @@ from mlx_lm.tuner.lora import LoRALinear
 
 from shared.train_specs import DPOJobCreate, SFTJobCreate
 from worker.adapters import attach_adapter, remove_adapter_layers
-from worker.dpo_job import DPOTrainer, sequence_logps
-from worker.logprobs import token_logps
+from worker.dpo_job import DPOTrainer
+from worker.logprobs import sequence_logps, token_logps
 from worker.models import gradient_checkpointing
 from worker.sft_job import SFTTrainer
 from worker.train_core import TrainState
