@@ -6,6 +6,7 @@ the lifecycle, routing and the worker read it; everything else is the same for e
     sft     /admin/api/fine-tune/jobs            SFTJobCreate    worker.sft_job           supervised
     dpo     /admin/api/fine-tune/dpo/jobs        DPOJobCreate    worker.dpo_job           supervised
     orpo    /admin/api/fine-tune/orpo/jobs       ORPOJobCreate   worker.dpo_job           supervised
+    kto     /admin/api/fine-tune/kto/jobs        KTOJobCreate    worker.kto_job           supervised
     reward  /admin/api/fine-tune/reward/jobs     RewardJobCreate worker.reward_model_job  supervised
 
 A job record without a `kind` (written before there were kinds) is GRPO's (`of_record`).
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from shared.schemas import Job, JobCreate
-from shared.train_specs import DPOJobCreate, ORPOJobCreate, RewardJobCreate, SFTJobCreate, TrainJob
+from shared.train_specs import DPOJobCreate, KTOJobCreate, ORPOJobCreate, RewardJobCreate, SFTJobCreate, TrainJob
 
 LORA_SHAPE = ("lora_rank", "lora_layers", "lora_alpha")
 
@@ -59,6 +60,7 @@ DPO_CHARTS = (LOSS, MARGINS, Chart("reward accuracy", ("rewards/accuracies", "va
               LOGPS, *OPTIMIZER)
 ORPO_CHARTS = (*DPO_CHARTS[:4], Chart("log odds ratio", ("log_odds_ratio", "log_odds_chosen")),
                Chart("NLL", ("nll_loss", "val_nll_loss")), *OPTIMIZER)
+KTO_CHARTS = (LOSS, MARGINS, REWARDS, Chart("KL estimate", ("kl", "val_kl")), LOGPS, *OPTIMIZER)
 REWARD_MODEL_CHARTS = (LOSS, Chart("accuracy", ("accuracy", "val_accuracy")), Chart("margin", ("margin", "val_margin")),
                        *OPTIMIZER)
 
@@ -102,6 +104,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     _supervised(DPOJobCreate, "/admin/api/fine-tune/dpo/jobs", "DPO jobs", "a DPO job", "worker.dpo_job", DPO_CHARTS, 2),
     _supervised(ORPOJobCreate, "/admin/api/fine-tune/orpo/jobs", "ORPO jobs", "an ORPO job", "worker.dpo_job",
                 ORPO_CHARTS, 2),
+    _supervised(KTOJobCreate, "/admin/api/fine-tune/kto/jobs", "KTO jobs", "a KTO job", "worker.kto_job", KTO_CHARTS, 1),
     _supervised(RewardJobCreate, "/admin/api/fine-tune/reward/jobs", "Reward-model jobs", "a reward-model job",
                 "worker.reward_model_job", REWARD_MODEL_CHARTS, 2),
 )}

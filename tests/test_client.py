@@ -182,10 +182,14 @@ def kind_files(tmp_path: Path, kind: str) -> list[str]:
                 "--dataset", write("train.jsonl", "\n".join(json.dumps(r) for r in SFT_ROWS))]
     if kind == "orpo":
         return ["--pairs", write("pairs.json", json.dumps(PAIRS))]
+    if kind == "kto":  # the pairs unpaired: {prompt, completion, label}
+        return ["--dataset", write("kto.jsonl", "\n".join(
+            json.dumps({"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"})
+            for p in PAIRS for side in ("chosen", "rejected")))]
     return ["--pairs", write("pairs.jsonl", "\n".join(json.dumps(r) for r in PAIRS))]
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo", "orpo", "reward"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "orpo", "reward", "kto"])
 def test_every_kind_submits_watches_lists_downloads_and_plots_by_its_id(stack, worker, tmp_path, kind):
     """`mtq submit --kind K ... --watch` follows the job to completed (its kind's step events
     and headline metric), `mtq jobs` lists it with its kind, `mtq download` yields an adapter
