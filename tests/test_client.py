@@ -192,8 +192,9 @@ def kind_files(tmp_path: Path, kind: str) -> list[str]:
 @pytest.mark.parametrize("kind", ["sft", "dpo", "orpo", "reward", "kto"])
 def test_every_kind_submits_watches_lists_downloads_and_plots_by_its_id(stack, worker, tmp_path, kind):
     """`mtq submit --kind K ... --watch` follows the job to completed (its kind's step events
-    and headline metric), `mtq jobs` lists it with its kind, `mtq download` yields an adapter
-    mlx_lm loads, and `mtq plot` draws its kind's curves (SFT: with the validation loss)."""
+    and headline metric), `mtq jobs` lists it with its kind, `mtq logs` prints its step events,
+    `mtq download` yields an adapter mlx_lm loads, and `mtq plot` draws its kind's curves (SFT:
+    with the validation loss)."""
     done = mtq(stack, "submit", "--kind", kind, *kind_files(tmp_path, kind), "--model", stack.tiny_model.name,
                "--set", *KIND_SETS, "--watch")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -203,6 +204,8 @@ def test_every_kind_submits_watches_lists_downloads_and_plots_by_its_id(stack, w
 
     row = next(line for line in mtq(stack, "jobs").stdout.splitlines() if job_id in line)
     assert re.search(rf"{job_id} +{kind} +completed +{KIND_ITERS}/{KIND_ITERS} +loss \d", row), row
+    logged = [line.split()[1] for line in mtq(stack, "logs", job_id).stdout.splitlines()]
+    assert logged.count(f"{kind}_step") == KIND_ITERS and logged[-1] == "done", logged
 
     out_dir = tmp_path / "downloaded"
     assert mtq(stack, "download", job_id, str(out_dir)).returncode == 0
@@ -222,6 +225,24 @@ def test_every_kind_submits_watches_lists_downloads_and_plots_by_its_id(stack, w
         assert [n > 50 for n in lines] == [True] * charts + [False] * (8 - charts), lines
         if kind == "sft":  # val_loss (eval events: before the first step and at the last) beside the loss
             assert panel_pixels(png, SECOND_COLOUR)[0] > 20
+
+
+def test_show_cancel_and_resume_a_job_of_another_kind_by_its_id(stack, worker, tmp_path):
+    created = mtq(stack, "submit", "--kind", "kto", *kind_files(tmp_path, "kto"), "--model", stack.tiny_model.name,
+                  "--set", "iters=100000", "batch_size=2", "lora_layers=1")
+    job_id = re.search(r"submitted job ([0-9a-f]{32}) \(kto, queued\)", created.stdout).group(1)
+    path = f"{KINDS['kto'].prefix}/{job_id}"
+    with stack.client() as c:
+        wait_for(lambda: c.get(path).json()["status"] == "running", 120, "running")
+        assert mtq(stack, "cancel", job_id).returncode == 0
+        wait_for(lambda: c.get(path).json()["status"] == "cancelled", 60, "cancelled")
+        resumed = mtq(stack, "resume", job_id, "--set", "iters=2")
+        assert resumed.returncode == 0, resumed.stderr
+        wait_for(lambda: c.get(path).json()["status"] == "completed", 120, "completed")
+    shown = json.loads(mtq(stack, "show", job_id).stdout)
+    assert shown["kind"] == "kto" and shown["status"] == "completed" and shown["config"]["iters"] == 2
+    wrong = mtq(stack, "submit", "--kind", "kto", "--pairs", str(tmp_path / "kto.jsonl"), "--model", "tiny")
+    assert wrong.returncode == 1 and "--pairs: not for kto jobs (they take --dataset)" in wrong.stderr
 
 
 def test_watch_exits_nonzero_when_the_job_fails(stack, worker):
