@@ -2,7 +2,7 @@
 
 (Size is bounded before parsing: FastAPI's max_body_size, MTQ_MAX_BODY_BYTES, answers 413
 while the body is being read. Non-finite numbers and lone surrogates parse, and are then
-refused by the models' validation: 422, shared/schemas.py.)
+refused by the models' validation: 400, shared/schemas.py.)
 """
 
 import json

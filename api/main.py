@@ -11,8 +11,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.deps import get_settings, get_tokens
-from api.routes import adapters, files, grpo_jobs, health, logprob, metrics, models, reward_score, ui
-from api.routes.train_jobs import ROUTERS as TRAIN_JOB_ROUTERS
+from api.routes import adapters, files, health, logprob, metrics, models, reward_score, ui
+from api.routes.job_routes import ROUTERS as JOB_ROUTERS
 
 get_tokens()  # a broken MTQ_TOKENS_FILE stops the API at start, not at its first request
 
@@ -28,7 +28,6 @@ app = FastAPI(
     redirect_slashes=False,
 )
 app.include_router(health.router)
-app.include_router(grpo_jobs.router)
 app.include_router(logprob.router)
 app.include_router(models.router)
 app.include_router(adapters.router)
@@ -36,7 +35,9 @@ app.include_router(metrics.router)
 app.include_router(ui.router)
 app.include_router(files.router)
 app.include_router(reward_score.router)
-for router in TRAIN_JOB_ROUTERS:
+# One per job kind (shared/kinds.py), last: SFT's /admin/api/fine-tune/jobs/{job_id} would take
+# the fixed paths below it (e.g. /admin/api/fine-tune/jobs/models) for job ids.
+for router in JOB_ROUTERS:
     app.include_router(router)
 
 

@@ -20,12 +20,12 @@ from fastapi.responses import StreamingResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared import jobstore
+from shared import lifecycle
+from shared.events import decode_events
 from shared.keys import events_key, job_key
 
 TERMINAL_TYPES = ("done", "failed", "cancelled")
-BLOCK_MS = 5_000  # one XREAD BLOCK; also how late we notice a client that went away
-KEEPALIVE_S = 15.0  # a comment line after this much silence keeps proxies from closing the stream
+BLOCK_MS = 5_000  # one XREAD BLOCK at most; also how late we notice a client that went away
 # A Redis stream id: <ms>-<seq>, each an unsigned 64-bit number.
 STREAM_ID = re.compile(r"^(\d{1,20})(?:-(\d{1,20}))?$")
 
@@ -81,8 +81,11 @@ async def status_and_owner(r: redis.asyncio.Redis, job_id: str) -> tuple[str | N
     return _s(status), _s(owner)
 
 
-async def job_events(r: redis.asyncio.Redis, job_id: str, after: str) -> AsyncIterator[str]:
-    """Replay the job's events after `after`, then follow new ones until a terminal event."""
+async def job_events(r: redis.asyncio.Redis, job_id: str, after: str, keepalive_s: float) -> AsyncIterator[str]:
+    """Replay the job's events after `after`, then follow new ones until a terminal event.
+    After keepalive_s (MTQ_SSE_KEEPALIVE_S) without an event, a comment (`: keep-alive`) keeps
+    proxies from closing the stream; clients must skip it (it carries no data)."""
+    block_ms = min(BLOCK_MS, max(1, int(keepalive_s * 1000)))
     try:
         last_sent = time.monotonic()
         last_type = None
@@ -95,9 +98,9 @@ async def job_events(r: redis.asyncio.Redis, job_id: str, after: str) -> AsyncIt
             status = _s(await r.hget(job_key(job_id), "status"))
             if status is None:
                 return  # deleted while we were streaming
-            finished = jobstore.is_finished(status)
-            events = jobstore.decode_events(
-                await r.xread({events_key(job_id): after}, count=100, block=None if finished else BLOCK_MS)
+            finished = status in lifecycle.FINISHED
+            events = decode_events(
+                await r.xread({events_key(job_id): after}, count=100, block=None if finished else block_ms)
             )
             for event_id, event in events:
                 yield format_event(event, event_id)
@@ -109,7 +112,7 @@ async def job_events(r: redis.asyncio.Redis, job_id: str, after: str) -> AsyncIt
                 if status is not None and last_type not in TERMINAL_TYPES:
                     yield format_event(terminal_event(status, error, adapter_path))
                 return
-            elif time.monotonic() - last_sent >= KEEPALIVE_S:
+            elif time.monotonic() - last_sent >= keepalive_s:
                 yield ": keep-alive\n\n"
                 last_sent = time.monotonic()
     except (RedisConnectionError, RedisTimeoutError) as exc:

@@ -40,9 +40,11 @@ import mlx_lm  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 from shared.schemas import JobCreate  # noqa: E402
-from worker.grpo import GRPOTrainer, TrainState, as_item, prompt_token_ids  # noqa: E402
-from worker.models import attach_lora  # noqa: E402
-from worker.rewards import build_scorer  # noqa: E402
+from worker.adapters import attach_adapter  # noqa: E402
+from worker.grpo import GRPOTrainer  # noqa: E402
+from worker.logprobs import as_item, prompt_token_ids  # noqa: E402
+from worker.rewards.scorer import build_scorer  # noqa: E402
+from worker.train_core import TrainState  # noqa: E402
 
 PROMPTS = ["What is 2+2?", "Say hello.", "Name a prime number.", "Write a haiku about rain.",
            "Count to five.", "What colour is the sky?", "Spell 'queue'.", "Translate 'cat' to French."]
@@ -84,7 +86,7 @@ def make_trainer(model, tokenizer, model_dir, group_size, batch_size, length, it
     config.update(overrides)
     spec = JobCreate.model_validate({"model_id": model_dir, "prompts": (PROMPTS * 64)[:batch_size], "config": config})
     mx.random.seed(spec.config.seed)
-    attach_lora(model, spec.config)
+    attach_adapter(model, spec.config)
     return spec, GRPOTrainer(model, tokenizer, spec, build_scorer(spec, "bench"))
 
 

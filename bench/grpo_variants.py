@@ -1,5 +1,5 @@
 """The trainer's step under alternatives to its memory choices, in one process (kernels compile
-once), for README's account of where the memory plan's time goes:
+once), for docs/performance.md's account of where the memory plan's time goes:
 
     python bench/grpo_variants.py MODEL_DIR 16,4,256 8,4,128 --variants plan unlimited-sampling in-place-kv [--steps 5 --warmup 2] [--set k=v ...]
 

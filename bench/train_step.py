@@ -7,7 +7,7 @@ Each kind's trainer (worker/sft_job.py, worker/dpo_job.py, worker/reward_model_j
 on rows of --length tokens (SFT: batch_size rows; the preference kinds: batch_size pairs =
 2 x batch_size rows, chosen and rejected in one padded batch). `sft` is LoRA on the model as
 loaded; `sft-full` trains every transformer block's weights and `sft-qlora` LoRA on a copy
-quantized to --quant-bits, each on a fresh copy made as a job makes it (worker/supervised.py
+quantized to --quant-bits, each on a fresh copy made as a job makes it (worker/models.py
 prepare_private). Prints one JSON line per kind (and writes them all to --json):
   step_s          median seconds of a whole trainer step (batch, loss, gradient, update, metrics)
   lower_bound_s   median seconds of mlx_lm's default_loss forward+backward of the same padded
@@ -37,12 +37,13 @@ import mlx.nn as nn  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 
-from shared.train_specs import SPECS  # noqa: E402
+from shared.kinds import KINDS  # noqa: E402
+from worker.adapters import attach_adapter, remove_adapter_layers  # noqa: E402
 from worker.dpo_job import DPOTrainer  # noqa: E402
-from worker.grpo import TrainState  # noqa: E402
+from worker.models import prepare_private  # noqa: E402
 from worker.reward_model_job import RewardTrainer  # noqa: E402
 from worker.sft_job import SFTTrainer  # noqa: E402
-from worker.supervised import attach_adapter, prepare_private, remove_adapter_layers  # noqa: E402
+from worker.train_core import TrainState  # noqa: E402
 
 # name -> (job kind, its trainer, SFT fine_tune_type)
 VARIANTS = {"sft": ("sft", SFTTrainer, "lora"), "sft-full": ("sft", SFTTrainer, "full"),
@@ -84,7 +85,7 @@ def bench(name: str, shared, args) -> dict:
     config = {"batch_size": args.batch_size, "iters": args.warmup + args.steps, "lora_layers": -1}
     if fine_tune_type:
         config.update(fine_tune_type=fine_tune_type, quant_bits=args.quant_bits)
-    spec = SPECS[kind].model_validate({"model_id": "bench", "dataset": rows, "config": config})
+    spec = KINDS[kind].spec_model.model_validate({"model_id": "bench", "dataset": rows, "config": config})
     mx.random.seed(0)
     attach_adapter(model, spec.config, fine_tune_type or "lora")
     trainer = trainer_class(model, tokenizer, spec, rows, None)

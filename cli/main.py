@@ -3,6 +3,7 @@ it needs when it runs, so that `mtq api` never loads the worker (or mlx). The cl
 commands (submit, jobs, watch...) are in cli/commands.py."""
 
 import argparse
+import os
 import re
 import sys
 
@@ -138,7 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `mtq logs ID | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":

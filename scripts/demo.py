@@ -4,6 +4,10 @@ Starts `mtq up` (private redis-server, API, one worker) with its state under .mt
 generates the `small` random-weight model, posts the seed bug report's GRPO job over HTTP
 (only model_id changed), follows it live with `mtq watch` (server-sent events), prints the final job,
 checks that mlx_lm loads the adapter and generates with it, and stops the stack.
+
+Ends with one summary line (`demo: ...`: job id, steps, final reward, adapter path, the first
+step's time and the whole run's); exits 0 only when the job completed and mlx_lm loaded the
+adapter and generated with it. `.ci/run` runs it on an empty MLX kernel cache (TMPDIR).
 """
 
 import json
@@ -18,6 +22,8 @@ from pathlib import Path
 
 import httpx
 
+from cli.client import ApiClient
+
 ROOT = Path(__file__).resolve().parents[1]
 HOME = ROOT / ".mtq" / "demo"
 JOBS = "/admin/api/fine-tune/grpo/jobs"
@@ -31,7 +37,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stream_seconds(event_id: str) -> float:
+    return int(event_id.split("-")[0]) / 1000
+
+
+def summary(client: ApiClient, job: dict, t0: float, generated: bool) -> str:
+    """The run in one line; the first step's time runs from the job's start on the worker to
+    its first step event (on a cold kernel cache, mostly kernel compilation)."""
+    events = list(client.events(job["job_id"], follow=False))
+    started = next((stream_seconds(i) for i, e in events if e["type"] == "started"), None)
+    first = next((stream_seconds(i) for i, e in events if e["type"] == "grpo_step"), None)
+    progress = job.get("progress") or {}
+    first_step = f"{first - started:.1f} s" if started and first else "-"
+    reward = progress.get("mean_reward")
+    return (f"demo: job {job['job_id']} {job['status']}, {progress.get('iter', 0)}/{job['config']['iters']} steps, "
+            f"final reward {'-' if reward is None else f'{reward:.4f}'}, adapter {job['adapter_path']}, "
+            f"{'generated with it' if generated else 'NOT generated'}, first step {first_step}, "
+            f"{time.monotonic() - t0:.1f} s in all")
+
+
 def main() -> int:
+    t0 = time.monotonic()
     env = dict(os.environ, MTQ_HOME=str(HOME), MTQ_API_TOKEN=os.environ.get("MTQ_API_TOKEN") or secrets.token_urlsafe(16),
                MTQ_API_PORT=str(free_port()), PYTHONUNBUFFERED="1")
     env.pop("REDIS_URL", None)  # `mtq up` starts its own redis-server
@@ -66,18 +92,19 @@ def main() -> int:
         print(f"submitted job {job_id}: POST {base_url}{JOBS}")
         # The live progress bar: `mtq watch`, the client command, over the same API.
         watch_env = dict(env, MTQ_API_URL=base_url)
-        subprocess.run([*mtq, "watch", job_id], env=watch_env, cwd=ROOT)
+        watched = subprocess.run([*mtq, "watch", job_id], env=watch_env, cwd=ROOT)
         job = client.get(f"{JOBS}/{job_id}").json()
         print(json.dumps(job, indent=2))
-        if job["status"] != "completed":
-            return 1
+        generated = False
+        if job["status"] == "completed":
+            import mlx_lm
 
-        import mlx_lm
-
-        model, tokenizer = mlx_lm.load(str(model_dir), adapter_path=job["adapter_path"])
-        text = mlx_lm.generate(model, tokenizer, "What is 2+2?", max_tokens=12)
-        print(f"mlx_lm.load(..., adapter_path={job['adapter_path']!r}) generates: {text!r}")
-        return 0
+            model, tokenizer = mlx_lm.load(str(model_dir), adapter_path=job["adapter_path"])
+            text = mlx_lm.generate(model, tokenizer, "What is 2+2?", max_tokens=12)
+            print(f"mlx_lm.load(..., adapter_path={job['adapter_path']!r}) generates: {text!r}")
+            generated = isinstance(text, str)
+        print(summary(ApiClient(base_url, env["MTQ_API_TOKEN"]), job, t0, generated))
+        return 0 if generated and watched.returncode == 0 else 1
     finally:
         stack.send_signal(signal.SIGTERM)
         stack.wait(60)

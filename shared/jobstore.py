@@ -1,8 +1,9 @@
-"""Job records in Redis: reading them, and the GRPO-specific parts of creating and resuming.
+"""Job records in Redis, of every kind: creating, reading, listing and resuming them.
 
 A job is a hash (shared.keys.job_key) plus an event stream (shared.keys.events_key). Every
 status change goes through shared/lifecycle.py; this module reads records and turns API
-requests into lifecycle calls.
+requests into lifecycle calls. What differs by kind (its spec and job models, the config
+fields a resume cannot change) is the kind's entry in shared/kinds.py.
 """
 
 import json
@@ -10,17 +11,13 @@ import uuid
 from typing import Any
 
 import redis
+from pydantic import AliasChoices, BaseModel
 
-from shared import lifecycle
-from shared.keys import JOBS_INDEX, events_key, job_key
+from shared import kinds, lifecycle
 from shared.adapters import adapter_dir
-from shared.schemas import FINISHED_STATUSES, GRPOConfig, Job, JobCreate, JobStatus, UnreadableJob
+from shared.keys import JOBS_INDEX, job_key
+from shared.schemas import JobStatus, UnreadableJob
 from shared.settings import load_settings
-
-EVENTS_MAXLEN = lifecycle.EVENTS_MAXLEN
-RESUMABLE_STATUSES = lifecycle.RESUMABLE
-# Changing these on resume would not fit the checkpoint's LoRA (shape, placement or scale).
-LORA_SHAPE_FIELDS = ("lora_rank", "lora_layers", "lora_alpha")
 
 
 def connect(url: str) -> redis.Redis:
@@ -28,117 +25,99 @@ def connect(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30)
 
 
-def _s(value: bytes | None) -> str | None:
-    return None if value is None else value.decode()
-
-
-def _f(value: bytes | None) -> float | None:
-    return None if value in (None, b"") else float(value)
-
-
-def max_attempts(config: GRPOConfig) -> int:
+def max_attempts(config) -> int:
     return min(config.max_attempts, load_settings().max_attempts_cap)
 
 
-def create_job(r: redis.Redis, spec: JobCreate, owner: str | None = None) -> Job:
-    """Store a new job as queued and put it on its rq queue (one atomic step). owner: the name
-    of the token that created it (api/auth.py)."""
+def create_job(r: redis.Redis, spec, owner: str | None = None) -> BaseModel:
+    """Store a new job of the spec's kind as queued and put it on its rq queue (one atomic
+    step); the job as created (a worker may have started it already: that is the next GET's
+    news). owner: the name of the token that created it (api/auth.py)."""
+    kind = kinds.KINDS[spec.kind]
     job_id = uuid.uuid4().hex
-    spec = spec.model_copy(update={"adapter_name": spec.adapter_name or f"grpo-{job_id[:8]}"})
+    spec = spec.model_copy(update={"adapter_name": spec.adapter_name or f"{kind.name}-{job_id[:8]}"})
     # As the seed server: the adapter's path is known from the start, progress is {} until a step.
     path = adapter_dir(load_settings(), spec.model_id, spec.adapter_name)
-    lifecycle.create(r, job_id, "grpo", spec.model_dump_json(by_alias=True),
-                     progress="{}", adapter_path=str(path), max_attempts=max_attempts(spec.config),
-                     **({"owner": owner} if owner else {}))
-    return get_job(r, job_id)  # type: ignore[return-value]
+    record = lifecycle.create(r, job_id, kind.name, spec, progress="{}", adapter_path=str(path),
+                              max_attempts=max_attempts(spec.config), **({"owner": owner} if owner else {}))
+    return job_from_record(job_id, spec, record)
 
 
-def get_spec(r: redis.Redis, job_id: str) -> JobCreate | None:
-    """The job's spec, as its kind's model (GRPO: JobCreate; others: shared/train_specs.py)."""
-    from shared.train_specs import spec_model
-
+def get_spec(r: redis.Redis, job_id: str):
+    """The job's spec, as its kind's model; None if there is no such job."""
     kind, raw = r.hmget(job_key(job_id), "kind", "spec")
-    if raw is None:
-        return None
-    return spec_model(kind and kind.decode()).model_validate_json(raw)  # type: ignore[return-value]
+    return None if raw is None else lifecycle.read_spec({"kind": kind and kind.decode(), "spec": raw})
 
 
-def _job_from_hash(job_id: str, h: dict[bytes, bytes]) -> Job:
-    spec = JobCreate.model_validate_json(h[b"spec"])
-    checkpoint = h.get(b"checkpoint_step")
-    phase, phase_note = _phase(h)
-    return Job(
-        job_id=job_id,
-        model_id=spec.model_id,
-        prompts=spec.prompts,
-        config=spec.config,
-        reward=spec.reward,
-        adapter_name=spec.adapter_name or "",
-        adapter_path=_s(h.get(b"adapter_path")) or str(adapter_dir(load_settings(), spec.model_id, spec.adapter_name or "")),
-        status=h[b"status"].decode(),  # type: ignore[arg-type]
-        created_at=float(h[b"created_at"]),
-        started_at=_f(h.get(b"started_at")) or 0.0,
-        finished_at=_f(h.get(b"finished_at")) or 0.0,
-        error=_s(h.get(b"error")) or "",
-        progress=json.loads(h.get(b"progress") or b"{}"),
-        phase=phase,
-        phase_note=phase_note,
-        waiting_for_worker=_s(h.get(b"waiting_for_worker")),
-        worker=_s(h.get(b"worker")),
-        checkpoint_step=None if checkpoint is None else int(checkpoint),
-        attempts=int(h.get(b"attempts", 0)),
-        failed_attempts=int(h.get(b"failed_attempts", 0)),
-        max_attempts=int(h.get(b"max_attempts", 0)) or spec.config.max_attempts,
-        resumed_from=None if h.get(b"resumed_from") is None else int(h[b"resumed_from"]),
-        owner=_s(h.get(b"owner")),
+def job_from_record(job_id: str, spec, rec: dict[str, str]) -> BaseModel:
+    """The job object (its kind's job model): the spec and the record's lifecycle fields."""
+    kind = kinds.of_record(rec.get("kind"))
+
+    def num(name: str, cast=float, default=None):
+        return cast(rec[name]) if rec.get(name) else default
+
+    phase, phase_note = _phase(rec)
+    spec_fields = {name: getattr(spec, name) for name in type(spec).model_fields if name not in ("config", "adapter_name")}
+    return kind.job_model(
+        job_id=job_id, kind=kind.name, **spec_fields, config=spec.config.model_dump(), adapter_name=spec.adapter_name or "",
+        adapter_path=rec.get("adapter_path") or str(adapter_dir(load_settings(), spec.model_id, spec.adapter_name or "")),
+        status=rec["status"], created_at=float(rec["created_at"]), started_at=num("started_at", default=0.0),
+        finished_at=num("finished_at", default=0.0), error=rec.get("error") or "",
+        progress=json.loads(rec.get("progress") or "{}"), phase=phase, phase_note=phase_note,
+        waiting_for_worker=rec.get("waiting_for_worker"), worker=rec.get("worker"),
+        checkpoint_step=num("checkpoint_step", int), attempts=num("attempts", int, 0),
+        failed_attempts=num("failed_attempts", int, 0), max_attempts=num("max_attempts", int) or spec.config.max_attempts,
+        resumed_from=num("resumed_from", int), owner=rec.get("owner"),
     )
 
 
-def _phase(h: dict[bytes, bytes]) -> tuple[str | None, str | None]:
+def job_from_hash(job_id: str, h: dict[bytes, bytes]) -> BaseModel:
+    """The job object of a record as Redis returns it. ValueError / KeyError for a record this
+    version cannot read (another version's, say)."""
+    rec = {k.decode(): v.decode() for k, v in h.items() if k != b"history"}
+    return job_from_record(job_id, lifecycle.read_spec(rec), rec)
+
+
+def _phase(rec: dict[str, str]) -> tuple[str | None, str | None]:
     """(phase, note): a queued job waits for a worker (the note says why none could run it, if
     so); a running one is in the phase its training process last wrote (record fields of their
     own: not rewritten per step); a finished one is in none."""
-    if h[b"status"] == b"queued":
-        return "waiting_for_worker", _s(h.get(b"waiting_for_worker"))
-    if h[b"status"] == b"running":
-        return _s(h.get(b"phase")) or "starting", _s(h.get(b"phase_note"))
+    if rec["status"] == "queued":
+        return "waiting_for_worker", rec.get("waiting_for_worker")
+    if rec["status"] == "running":
+        return rec.get("phase") or "starting", rec.get("phase_note")
     return None, None
 
 
-def job_or_unreadable(job_id: str, h: dict[bytes, bytes], load=None) -> Job | UnreadableJob:
-    """The job (made by load(job_id, h); default: a GRPO job), or an entry saying its stored
-    record cannot be loaded (written by another version, say): one bad record must not break
-    listing the others."""
+def job_or_unreadable(job_id: str, h: dict[bytes, bytes]) -> BaseModel:
+    """The job, or an entry saying its stored record cannot be loaded (written by another
+    version, say): one bad record must not break listing the others."""
     try:
-        return (load or _job_from_hash)(job_id, h)
+        return job_from_hash(job_id, h)
     except (ValueError, KeyError) as e:  # pydantic's ValidationError is a ValueError
+        owner = h.get(b"owner")
         return UnreadableJob(job_id=job_id, error=f"stored record cannot be loaded: {type(e).__name__}: {e}"[:500],
-                             owner=_s(h.get(b"owner")))
-
-
-def get_job(r: redis.Redis, job_id: str) -> Job | None:
-    h = r.hgetall(job_key(job_id))
-    return _job_from_hash(job_id, h) if h else None
+                             owner=None if owner is None else owner.decode())
 
 
 def get_status(r: redis.Redis, job_id: str) -> JobStatus | None:
-    return _s(r.hget(job_key(job_id), "status"))  # type: ignore[return-value]
+    status = r.hget(job_key(job_id), "status")
+    return None if status is None else status.decode()  # type: ignore[return-value]
 
 
 def list_jobs(
     r: redis.Redis, status: JobStatus | None = None, limit: int = 20, after: str | None = None,
-    owner: str | None = None, kind: str = "grpo", load=None,
-) -> tuple[list[Job | UnreadableJob], bool]:
-    """Newest first. `after` is the last job_id of the previous page; `owner`: only the jobs
-    of that token name; `kind`: only jobs of that kind, each made by load(job_id, hash)."""
-    load = load or job_or_unreadable
+    owner: str | None = None, kind: kinds.Kind | None = None,
+) -> tuple[list[BaseModel], bool]:
+    """Jobs newest first, each its job object or an UnreadableJob. `after` is the last job_id of
+    the previous page; `owner`: only the jobs of that token name; `kind`: only that kind's."""
     start = 0
     if after is not None:
         rank = r.zrevrank(JOBS_INDEX, after)
         if rank is None:
             raise KeyError(after)
         start = rank + 1
-    jobs: list[Job | UnreadableJob] = []
+    jobs: list[BaseModel] = []
     chunk = max(limit * 2, 50)
     while True:
         ids = [i.decode() for i in r.zrevrange(JOBS_INDEX, start, start + chunk - 1)]
@@ -157,12 +136,17 @@ def list_jobs(
                 continue
             if owner is not None and h.get(b"owner") != owner.encode():
                 continue
-            if h.get(b"kind", b"grpo") != kind.encode():
+            if kind is not None and of_kind(h.get(b"kind")) != kind.name:
                 continue
             if len(jobs) == limit:
                 return jobs, True
-            jobs.append(load(job_id, h))
+            jobs.append(job_or_unreadable(job_id, h))
         start += chunk
+
+
+def of_kind(raw: bytes | None) -> str:
+    """A record's kind's name (a kind this version does not know: as stored)."""
+    return kinds.DEFAULT.name if raw is None else raw.decode()
 
 
 def get_history(r: redis.Redis, job_id: str) -> list[dict[str, Any]]:
@@ -171,51 +155,30 @@ def get_history(r: redis.Redis, job_id: str) -> list[dict[str, Any]]:
     return [] if raw is None else json.loads(raw)
 
 
-def append_event(r: redis.Redis, job_id: str, event: dict[str, Any]) -> None:
-    r.xadd(events_key(job_id), {"data": json.dumps(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
-
-
-def read_events(
-    r: redis.Redis, job_id: str, after_id: str = "0-0", block_ms: int | None = None, count: int = 100
-) -> list[tuple[str, dict[str, Any]]]:
-    """Events after `after_id` (a stream id); blocks up to block_ms for new ones when given."""
-    return decode_events(r.xread({events_key(job_id): after_id}, count=count, block=block_ms))
-
-
-def decode_events(xread_result: list) -> list[tuple[str, dict[str, Any]]]:
-    """(id, event) pairs from XREAD's answer for one stream (also read by api/sse.py's async client)."""
-    if not xread_result:
-        return []
-    return [(eid.decode(), json.loads(fields[b"data"])) for eid, fields in xread_result[0][1]]
-
-
-def resume_job(r: redis.Redis, job_id: str, config_overrides: dict[str, Any]) -> bool:
-    """Re-queue a failed or cancelled job, optionally with changed config fields; the worker
-    continues from its last checkpoint. Raises pydantic's ValidationError for bad overrides and
-    ValueError for overrides that would not fit the checkpoint; False if the job is not (or no
-    longer) resumable."""
-    spec = get_spec(r, job_id)
-    if spec is None:
-        return False
-    new = with_config_overrides(spec, config_overrides)
-    changed = [name for name in LORA_SHAPE_FIELDS if getattr(new.config, name) != getattr(spec.config, name)]
+def with_config_overrides(spec, overrides: dict[str, Any]):
+    """The spec with some config fields changed, a field's other name (GRPO's `epsilon` for
+    clip_ratio) counting as the field. pydantic's ValidationError if invalid; ValueError for a
+    change that the checkpoint's adapter cannot take (its kind's shape_fields)."""
+    config_model = type(spec.config)
+    names = {alias: name for name, info in config_model.model_fields.items()
+             if isinstance(info.validation_alias, AliasChoices) for alias in info.validation_alias.choices}
+    overrides = {names.get(k, k): v for k, v in overrides.items()}
+    new = spec.model_copy(update={"config": config_model.model_validate({**spec.config.model_dump(), **overrides})})
+    shape_fields = kinds.KINDS[spec.kind].shape_fields
+    changed = [f for f in shape_fields if getattr(new.config, f) != getattr(spec.config, f)]
     if changed:
-        raise ValueError(f"cannot change {', '.join(changed)} on resume: the checkpoint's LoRA has another "
+        raise ValueError(f"cannot change {', '.join(changed)} on resume: the checkpoint's adapter has another "
                          "shape or scale (only optimisation and sampling settings may change)")
-    return lifecycle.resume(r, job_id, new.model_dump_json(by_alias=True), new.config.iters, config_overrides,
-                            max_attempts=max_attempts(new.config))
+    return new
+
+
+def resume_job(r: redis.Redis, job_id: str, spec, overrides: dict[str, Any]) -> bool:
+    """Re-queue a failed or cancelled job, optionally with changed config fields; the worker
+    continues from its last checkpoint. Raises as with_config_overrides; False if the job is
+    not (or no longer) resumable."""
+    new = with_config_overrides(spec, overrides)
+    return lifecycle.resume(r, job_id, new, overrides, max_attempts=max_attempts(new.config))
 
 
 def cancel_requested(r: redis.Redis, job_id: str) -> bool:
     return r.hget(job_key(job_id), "cancel_requested") == b"1"
-
-
-def with_config_overrides(spec: JobCreate, overrides: dict[str, Any]) -> JobCreate:
-    """The spec with some config fields changed (validated: pydantic's ValidationError)."""
-    overrides = {("clip_ratio" if k == "epsilon" else k): v for k, v in overrides.items()}
-    config = GRPOConfig.model_validate({**spec.config.model_dump(), **overrides})
-    return spec.model_copy(update={"config": config})
-
-
-def is_finished(status: str | None) -> bool:
-    return status in FINISHED_STATUSES

@@ -9,8 +9,11 @@ def job_key(job_id: str) -> str:
     return f"mtq:job:{job_id}"
 
 
+EVENTS_MAXLEN = 10_000  # entries an event stream keeps (about: XADD MAXLEN ~)
+
+
 def events_key(job_id: str) -> str:
-    """Stream: one entry per step plus a terminal one; field `data` holds JSON."""
+    """Stream: one entry per step plus a terminal one; field `data` holds JSON; EVENTS_MAXLEN entries at most."""
     return f"mtq:job:{job_id}:events"
 
 

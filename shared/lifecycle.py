@@ -22,19 +22,14 @@
 
 "Fenced": only the worker holding the job's current `lease_epoch` may do it; a worker that
 lost the job (paused past its lease, then resumed) changes nothing. Progress, checkpoints
-and the adapter copy are fenced writes that change no status (`write`, with `blobs` for the
-checkpoint and adapter hashes).
+and the adapter copy are fenced writes that change no status (shared/fenced_writes.py).
 
 Every transition reads the record under WATCH and commits in one MULTI/EXEC together with
 its rq enqueue (rq's `enqueue_call(..., pipeline=...)`), so there is no moment where a job
 is `queued` without an rq job, whoever dies when. Each enqueue routes the job again
 (shared/routing.py: its model, memory need and lane, against the live workers) and records
 its rq queue (`queue`) and, when no live worker can run it, `waiting_for_worker`. The
-reconciler (`Reconciler`, run by every worker's heartbeat) repairs what a lost worker leaves:
-a `running` job whose lease expired, a `queued` job whose rq job is gone (its worker died
-between dequeuing it and starting), and a job left on a gone or busy worker's own queue; and
-when the live workers change, it routes again the jobs that wait on the hub queue or for a
-worker (`follow_workers`).
+reconciler (shared/reconciler.py) repairs what a lost worker leaves through these transitions.
 Nothing else in the project writes a job's status.
 """
 
@@ -46,7 +41,9 @@ from typing import Any, Callable
 import redis
 from rq import Queue
 
-from shared import routing, workers
+from shared import kinds, routing, workers
+from shared.events import append_event
+from shared.fenced_writes import LeaseLost, encode
 from shared.keys import (
     ADAPTERS_INDEX,
     JOBS_INDEX,
@@ -59,11 +56,9 @@ from shared.keys import (
     lease_key,
 )
 from shared.settings import load_settings
-from shared.train_specs import spec_model
 
 FINISHED = ("completed", "failed", "cancelled")
 RESUMABLE = ("failed", "cancelled")
-EVENTS_MAXLEN = 10_000
 RUN_JOB_FUNC = "worker.jobs.run_job"  # a string, so enqueuing never imports the worker (or mlx)
 RQ_JOB_PREFIX = "rq:job:"
 
@@ -82,10 +77,6 @@ TABLE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
-class LeaseLost(Exception):
-    """Another worker owns the job now (or it ended); this one must stop touching it."""
-
-
 @dataclass
 class Change:
     """What one transition writes. fields: None deletes a field."""
@@ -101,16 +92,18 @@ class Change:
 # --------------------------------------------------------------------------- transitions
 
 
-def create(r: redis.Redis, job_id: str, kind: str, spec_json: str, *, max_attempts: int, **fields: Any) -> None:
-    """Store a new job as queued and push its rq job on the queue it is routed to, atomically."""
+def create(r: redis.Redis, job_id: str, kind: str, spec, *, max_attempts: int, **fields: Any) -> dict[str, str]:
+    """Store a new job as queued and push its rq job on the queue it is routed to, atomically.
+    Returns the record as written."""
     now = time.time()
-    record = {"kind": kind, "spec": spec_json, "created_at": repr(now), "attempts": 0,
+    record = {"kind": kind, "spec": spec.model_dump_json(by_alias=True), "created_at": repr(now), "attempts": 0,
               "failed_attempts": 0, "max_attempts": max_attempts, **fields}
     with r.pipeline() as p:
         p.multi()
         p.zadd(JOBS_INDEX, {job_id: now})
-        _write(p, r, job_id, {}, Change("queued", record, enqueue=True))
+        written = _write(p, r, job_id, {}, Change("queued", record, enqueue=True), spec=spec)
         p.execute()
+    return written
 
 
 def start(r: redis.Redis, job_id: str, worker: str, lease_ttl_s: float) -> int | None:
@@ -188,18 +181,17 @@ def lose(r: redis.Redis, job_id: str, reason: str, epoch: int | None = None) -> 
     return None if change is None else change.status
 
 
-def resume(r: redis.Redis, job_id: str, spec_json: str, total_iters: int, overrides: dict, *,
-           max_attempts: int) -> bool:
+def resume(r: redis.Redis, job_id: str, spec, overrides: dict, *, max_attempts: int) -> bool:
     """Re-queue a failed or cancelled job with its (possibly changed) spec; its worker continues
     from the last checkpoint. False if it is not (or no longer) resumable."""
     def decide(rec):
-        progress = {**json.loads(rec.get("progress") or "{}"), "total_iters": total_iters}
-        fields = {"spec": spec_json, "error": None, "finished_at": None, "cancel_requested": None, "need_gb": None,
+        progress = {**json.loads(rec.get("progress") or "{}"), "total_iters": spec.config.iters}
+        fields = {"spec": spec.model_dump_json(by_alias=True), "error": None, "finished_at": None, "cancel_requested": None, "need_gb": None,
                   "failed_attempts": 0, "max_attempts": max_attempts, "progress": json.dumps(progress)}
         event = {"type": "resume_requested", "config_overrides": overrides}
         return Change("queued", fields, event, enqueue=True)
 
-    return _commit(r, job_id, "resume", decide) is not None
+    return _commit(r, job_id, "resume", decide, spec=spec) is not None
 
 
 def delete(r: redis.Redis, job_id: str) -> bool:
@@ -242,10 +234,11 @@ def refresh_route(r: redis.Redis, job_id: str, rq_job_id: str, live: list[dict])
     def decide(rec):
         if rec.get("rq_job") != rq_job_id:
             return None  # routed or started meanwhile
-        where = _route(r, rec, live, warm=False)
+        spec = read_spec(rec)
+        where = _route(r, rec, spec, live, warm=False)
         queue = rec.get("queue") or ""
         if routing.is_hub_queue(where.queue) != routing.is_hub_queue(queue):
-            model = spec_model(rec.get("kind")).model_validate_json(rec["spec"]).model_id
+            model = spec.model_id
             reason = (f"no live worker has model {model!r} any more" if routing.is_hub_queue(where.queue)
                       else f"a live worker now has model {model!r}")
             outcome["done"] = "moved"
@@ -258,174 +251,11 @@ def refresh_route(r: redis.Redis, job_id: str, rq_job_id: str, live: list[dict])
     return outcome["done"] if _commit(r, job_id, "reroute", decide) is not None else None
 
 
-# --------------------------------------------------------------------------- fenced writes (no status change)
-
-# KEYS: job, events, blobs (or ''). ARGV: epoch, event json ('' none), maxlen, nblobs, blob pairs..., field pairs...
-_FENCED_WRITE = """
-if redis.call('HGET', KEYS[1], 'lease_epoch') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'status') ~= 'running' then
-  return 0
-end
-local n = tonumber(ARGV[4])
-if n > 0 then
-  redis.call('DEL', KEYS[3])
-  for i = 5, 4 + 2 * n, 2 do redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
-end
-for i = 5 + 2 * n, #ARGV, 2 do
-  if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i]) else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-end
-if ARGV[2] ~= '' then return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'data', ARGV[2]) end
-return 1
-"""
-
-# KEYS: job, lease. ARGV: epoch, ttl_ms.
-_RENEW = """
-if redis.call('HGET', KEYS[1], 'lease_epoch') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'status') ~= 'running' then
-  return 0
-end
-redis.call('SET', KEYS[2], redis.call('HGET', KEYS[1], 'worker') .. ':' .. ARGV[1], 'PX', ARGV[2])
-return 1
-"""
-
-
-def write(r: redis.Redis, job_id: str, epoch: int, event: dict | None = None, blobs_key: str | None = None,
-          blobs: dict[str, bytes] | None = None, **fields: Any) -> str | None:
-    """Set job fields, append an event, replace a blob hash (checkpoint, adapter): all or
-    nothing, and only while `epoch` holds the job. Raises LeaseLost otherwise. Returns the
-    event's stream id (None without an event)."""
-    blobs = blobs or {}
-    args: list = [epoch, json.dumps(event) if event else "", EVENTS_MAXLEN, len(blobs)]
-    for name, blob in blobs.items():
-        args += [name, blob]
-    args += field_args(fields)
-    keys = (job_key(job_id), events_key(job_id), blobs_key or job_key(job_id) + ":none")
-    written = r.eval(_FENCED_WRITE, 3, *keys, *args)
-    if written == 0:
-        raise LeaseLost(f"job {job_id}: lease epoch {epoch} is no longer current")
-    if isinstance(written, int):
-        return None  # no event
-    return written.decode() if isinstance(written, bytes) else written
-
-
-def renew(r: redis.Redis, job_id: str, epoch: int, lease_ttl_s: float) -> bool:
-    """Heartbeat: extend the lease. False once the job belongs to someone else (or ended)."""
-    return r.eval(_RENEW, 2, job_key(job_id), lease_key(job_id), epoch, int(lease_ttl_s * 1000)) == 1
-
-
-# --------------------------------------------------------------------------- the reconciler
-
-
-@dataclass
-class Reconciler:
-    """Run every few seconds by every worker: re-queues running jobs whose lease has been gone
-    for `grace_s` (so a live owner can renew after, say, a Redis restart), queued jobs
-    whose rq job is gone or was abandoned by a dead worker, and routes again jobs that wait on
-    a worker's own queue while that worker is gone or busy, and, when the live workers change,
-    jobs on the hub queue or waiting for a worker."""
-
-    r: redis.Redis
-    grace_s: float
-    missing_since: dict[str, float] = field(default_factory=dict)
-    workers_seen: tuple | None = None  # what the live workers offered at the last follow_workers
-
-    def scan(self) -> list[str]:
-        return self.scan_running() + self.scan_queued()
-
-    def scan_running(self) -> list[str]:
-        running = [j.decode() for j in self.r.smembers(RUNNING_JOBS)]
-        with self.r.pipeline(transaction=False) as p:
-            for job_id in running:
-                p.exists(lease_key(job_id))
-            alive = p.execute()
-        now = time.monotonic()
-        self.missing_since = {j: self.missing_since.get(j, now) for j, a in zip(running, alive) if not a}
-        reaped = []
-        for job_id, since in list(self.missing_since.items()):
-            if now - since >= self.grace_s:
-                del self.missing_since[job_id]
-                if lose(self.r, job_id, "worker lost (its lease expired)"):
-                    reaped.append(job_id)
-        return reaped
-
-    def scan_queued(self) -> list[str]:
-        queued = [j.decode() for j in self.r.smembers(QUEUED_JOBS)]
-        with self.r.pipeline(transaction=False) as p:
-            for job_id in queued:
-                p.hmget(job_key(job_id), "rq_job", "queue", "enqueued_at", "waiting_for_worker")
-            recs = [[None if v is None else v.decode() for v in values] for values in p.execute()]
-        rq_ids = [rq_id for rq_id, _, _, _ in recs]
-        with self.r.pipeline(transaction=False) as p:
-            for rq_id in rq_ids:
-                p.hmget(RQ_JOB_PREFIX + (rq_id or "-"), "status", "worker_name")
-            rq_states = p.execute()
-        with self.r.pipeline(transaction=False) as p:
-            for status, worker in rq_states:
-                p.exists(f"rq:worker:{(worker or b'-').decode()}")
-            workers_alive = p.execute()
-        repaired = []
-        for job_id, rq_id, (status, _), worker_alive in zip(queued, rq_ids, rq_states, workers_alive):
-            if rq_id is None:
-                continue  # the record is gone (expired or deleted)
-            status = None if status is None else status.decode()
-            if status in ("queued", "scheduled", "deferred") or (status == "started" and worker_alive):
-                continue
-            if requeue_if_orphaned(self.r, job_id, rq_id):
-                repaired.append(job_id)
-        waiting = [(job_id, rq_id, queue) for job_id, (rq_id, queue, at, _), (status, _) in zip(queued, recs, rq_states)
-                   if status == b"queued" and queue and routing.queue_owner(queue)
-                   and time.time() - float(at or 0) > routing.WARM_WAIT_S]
-        unserved = [(job_id, rq_id) for job_id, (rq_id, queue, _, why), (status, _) in zip(queued, recs, rq_states)
-                    if status == b"queued" and queue and (why or routing.is_hub_queue(queue))]
-        return repaired + self.leave_own_queues(waiting) + self.follow_workers(unserved)
-
-    def leave_own_queues(self, waiting: list[tuple[str, str, str]]) -> list[str]:
-        """Jobs waiting on a worker's own queue (warm-model preference) while that worker is
-        gone or busy with another job go to the shared queue (routed again)."""
-        if not waiting:
-            return []
-        live = {w["name"]: w for w in workers.live_workers(self.r)}
-        moved = []
-        for job_id, rq_id, queue in waiting:
-            owner = routing.queue_owner(queue)
-            current = live.get(owner, {}).get("current_job")
-            if owner not in live:
-                reason = f"worker {owner} is gone"
-            elif current not in (None, job_id) and self.r.hget(job_key(current), "status") == b"running":
-                reason = f"worker {owner} is busy with job {current}"
-            else:
-                continue
-            if reroute(self.r, job_id, rq_id, reason):
-                moved.append(job_id)
-        return moved
-
-    def follow_workers(self, unserved: list[tuple[str, str]]) -> list[str]:
-        """When what the live workers offer (models, memory, lanes, hub access) has changed
-        since the last scan: jobs on the hub queue or waiting for a worker are routed again
-        (refresh_route), so a job for a Hugging Face id leaves the hub queue once a worker
-        with the model joins, and waiting_for_worker says what is missing now. With nothing
-        waiting there is nothing to read (a job queued later is routed against the workers of then)."""
-        if not unserved:
-            return []
-        live = workers.live_workers(self.r)
-        offered = tuple(sorted((w["name"], tuple(sorted(routing.served_models(w))), w.get("memory_gb"),
-                                tuple(w.get("lanes", [])), bool(w.get("hub"))) for w in live))
-        if offered == self.workers_seen:
-            return []
-        self.workers_seen = offered
-        moved = []
-        for job_id, rq_id in unserved:
-            try:
-                if refresh_route(self.r, job_id, rq_id, live) == "moved":
-                    moved.append(job_id)
-            except ValueError:  # a record this version cannot read (listed as unreadable): it stays
-                continue
-        return moved
-
-
 # --------------------------------------------------------------------------- the one place that commits
 
 
 def _commit(r: redis.Redis, job_id: str, name: str, decide: Callable[[dict], Change | None], *,
-            lease_ttl_s: float | None = None, check_lease: bool = False) -> Change | None:
+            lease_ttl_s: float | None = None, check_lease: bool = False, spec=None) -> Change | None:
     """Read the record under WATCH; if its status allows event `name`, write decide(record)
     and everything that goes with it in one MULTI/EXEC. None when nothing was written."""
     from_statuses, to_statuses = TABLE[name]
@@ -443,7 +273,7 @@ def _commit(r: redis.Redis, job_id: str, name: str, decide: Callable[[dict], Cha
                     return None
                 assert (change.status in to_statuses) or (change.status is None and not to_statuses), (name, change)
                 p.multi()
-                _write(p, r, job_id, rec, change, lease_ttl_s)
+                _write(p, r, job_id, rec, change, lease_ttl_s, spec)
                 p.execute()
                 return change
             except redis.WatchError:
@@ -460,9 +290,12 @@ def _fenced_commit(r: redis.Redis, job_id: str, name: str, epoch: int, decide: C
         raise LeaseLost(f"job {job_id}: lease epoch {epoch} is no longer current")
 
 
-def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_s: float | None = None) -> None:
+def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_s: float | None = None,
+           spec=None) -> dict[str, str]:
     """Queue on pipeline `p` every write of `change`: status, fields, event, the sets the
-    reconciler scans, the lease, the rq job, and retention."""
+    reconciler scans, the lease, the rq job, and retention. spec: the job's spec as the
+    change leaves it, when the caller has it (else an enqueue reads the record's). Returns
+    the record's fields as written."""
     keys = [job_key(job_id), events_key(job_id), checkpoint_key(job_id), adapter_key(job_id)]
     if change.status is None:  # delete
         if _unqueue(p, rec):
@@ -471,7 +304,7 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
         p.zrem(JOBS_INDEX, job_id)
         p.srem(QUEUED_JOBS, job_id)
         p.srem(RUNNING_JOBS, job_id)
-        return
+        return {}
     fields = {"status": change.status, **change.fields}
     if change.status in FINISHED:
         fields["finished_at"] = repr(time.time())
@@ -484,10 +317,11 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
         # job_timeout -1: training runs as long as it takes; liveness is the supervisor's business.
         # rq's own record of the attempt lives no longer than ours.
         record = {**rec, **change.fields}
-        where = _route(r, record)
+        spec = spec or read_spec(record)
+        where = _route(r, record, spec)
         fields.update(queue=where.queue, waiting_for_worker=where.waiting_for_worker, enqueued_at=repr(time.time()))
         _unqueue(p, rec)  # re-queued while queued (rerouted, repaired): its old rq job leaves its queue
-        description = f"{record['kind']} job {job_id} on {json.loads(record['spec'])['model_id']} (run {attempt + 1})"
+        description = f"{record['kind']} job {job_id} on {spec.model_id} (run {attempt + 1})"
         Queue(where.queue, connection=r).enqueue_call(
             RUN_JOB_FUNC, args=(job_id,), job_id=rq_id, timeout=-1, pipeline=p, description=description,
             result_ttl=min(3600, _retention_s()), failure_ttl=min(7 * 86400, _retention_s()),
@@ -495,13 +329,13 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
     sets = {"queued": QUEUED_JOBS, "running": RUNNING_JOBS}
     for status, key in sets.items():
         (p.sadd if change.status == status else p.srem)(key, job_id)
-    to_set = {k: v for k, v in fields.items() if v is not None}
-    p.hset(job_key(job_id), mapping={k: v if isinstance(v, str) else _encode(v) for k, v in to_set.items()})
+    written = {k: v if isinstance(v, str) else encode(v) for k, v in fields.items() if v is not None}
+    p.hset(job_key(job_id), mapping=written)
     to_delete = [k for k, v in fields.items() if v is None]
     if to_delete:
         p.hdel(job_key(job_id), *to_delete)
     if change.event is not None:
-        p.xadd(events_key(job_id), {"data": json.dumps(change.event)}, maxlen=EVENTS_MAXLEN, approximate=True)
+        append_event(p, job_id, change.event)
     if change.adapter_ref is not None:
         p.hset(ADAPTERS_INDEX, change.adapter_ref, job_id)
     if change.lease is not None:
@@ -516,6 +350,7 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
     elif rec.get("status") in FINISHED:  # resumed: keep everything again
         for key in keys:
             p.persist(key)
+    return written
 
 
 def _unqueue(p, rec: dict) -> bool:
@@ -526,32 +361,19 @@ def _unqueue(p, rec: dict) -> bool:
     return True
 
 
-def _route(r: redis.Redis, rec: dict, live: list[dict] | None = None, warm: bool = True) -> routing.Route:
+def read_spec(rec: dict):
+    """The spec of a job record (decoded fields), as its kind's model. ValueError if this
+    version cannot read it (pydantic's ValidationError is one)."""
+    return kinds.of_record(rec.get("kind")).spec_model.model_validate_json(rec["spec"])
+
+
+def _route(r: redis.Redis, rec: dict, spec, live: list[dict] | None = None, warm: bool = True) -> routing.Route:
     """Where the job goes now: its spec against the live workers (shared/routing.py)."""
-    spec = spec_model(rec.get("kind")).model_validate_json(rec["spec"])
     floor = float(rec.get("need_gb") or 0) or None
-    return routing.route(rec.get("kind") or "grpo", spec, workers.live_workers(r) if live is None else live,
+    return routing.route(kinds.of_record(rec.get("kind")).name, spec, workers.live_workers(r) if live is None else live,
                          floor_gb=floor, warm=warm,
                          finished=lambda job_id: r.hget(job_key(job_id), "status") != b"running")
 
 
 def _retention_s() -> int:
     return load_settings().job_retention_s
-
-
-def field_args(fields: dict[str, Any]) -> list[str]:
-    """Hash fields as the Lua script takes them: name, value, ...; '' means delete the field."""
-    args: list[str] = []
-    for name, value in fields.items():
-        args += [name, "" if value is None else value if isinstance(value, str) else _encode(value)]
-    return args
-
-
-def _encode(value: Any) -> str:
-    if hasattr(value, "model_dump_json"):
-        return value.model_dump_json()
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, (dict, list)):
-        return json.dumps(value)
-    return str(value)

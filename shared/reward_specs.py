@@ -1,7 +1,7 @@
-"""Reward sources a job can name (validated by the API, computed by worker/rewards.py).
+"""Reward sources a job can name (validated by the API, computed by worker/rewards/).
 
 Validation that can be done without running anything happens here, so that a bad spec
-is a 422 at submission rather than a failed job: an invalid regular expression (RE2
+is a 400 at submission rather than a failed job: an invalid regular expression (RE2
 syntax), an invalid JSON schema or one that refers outside itself, a malformed URL.
 
 The operator's allow-lists are checked here too, by both sides (the API at submission,

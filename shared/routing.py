@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from shared import kinds
 from shared.memory_estimate import GB, ModelShape, loss_bytes, min_need_bytes
 from shared.schemas import DEFAULT_LANE, MODEL_NAME, prompt_chars
 
@@ -117,19 +118,21 @@ def served_models(worker: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def job_need_gb(kind: str, spec, model: dict[str, Any], device: str = "gpu") -> float | None:
-    """Estimated memory (GB) of the job's step, from its config and the model's advertised
-    shape and size; None when the model's shape is not known."""
+    """Estimated memory (GB) of the step of a job of `kind` (shared/kinds.py: its family says
+    how), from its config and the model's advertised shape and size; None when the model's
+    shape is not known."""
     if not model.get("shape") or model.get("size_bytes") is None:
         return None
     s, weights, cfg = ModelShape(**model["shape"]), int(model["size_bytes"]), spec.config
-    if kind == "grpo":
+    entry = kinds.KINDS[kind]
+    if entry.family == "grpo":
         chars = max(prompt_chars(p) for p in spec.prompts)
         chat = cfg.use_chat_template or any(isinstance(p, list) for p in spec.prompts)
         width = math.ceil(chars / CHARS_PER_TOKEN) + (CHAT_TEMPLATE_TOKENS if chat else 0) + cfg.max_completion_len
         checkpointing = cfg.use_gradient_checkpointing is not False  # None: the plan may turn it on
         need = min_need_bytes(s, weights, cfg.batch_size * cfg.group_size, width, checkpointing, device)
-    else:  # supervised kinds: a batch of rows of max_seq_length; preference pairs are two rows each
-        rows = cfg.batch_size * (1 if kind == "sft" else 2)
+    else:  # supervised kinds: a batch of rows of max_seq_length (a preference pair is two rows)
+        rows = cfg.batch_size * entry.rows_per_example
         need = weights + loss_bytes(s, rows, cfg.max_seq_length, cfg.gradient_checkpointing)
     return need / GB
 
@@ -146,7 +149,7 @@ class Route:
 
 def route(kind: str, spec, live: list[dict[str, Any]], floor_gb: float | None = None, warm: bool = True,
           finished=lambda job_id: True) -> Route:
-    """The queue for a job, given the live workers' advertisements (shared/workers.py).
+    """The queue for a job of `kind` (shared/kinds.py), given the live workers' advertisements (shared/workers.py).
     floor_gb: a need measured by a worker that could not fit the job. warm: prefer the own
     queue of a capable worker that holds the model loaded and is free (finished(job_id) says
     whether the job a worker advertises as its current one has ended meanwhile)."""

@@ -6,7 +6,7 @@ clients work unchanged; the extra knobs follow Hugging Face TRL's GRPOTrainer.
 
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
@@ -44,14 +44,13 @@ def json_value_error(value: Any, where: str = "body") -> str | None:
 
 
 def check_json_values(data: Any) -> Any:
-    """A `mode="before"` model validator: json_value_error as a ValueError (a 422)."""
+    """A `mode="before"` model validator: json_value_error as a ValueError (the API answers 400)."""
     error = json_value_error(data)
     if error:
         raise ValueError(error)
     return data
 
-JobStatus = Literal["queued", "running", "completed", "failed", "cancelled"]
-FINISHED_STATUSES = ("completed", "failed", "cancelled")
+JobStatus = Literal["queued", "running", "completed", "failed", "cancelled"]  # the transitions: shared/lifecycle.py
 
 
 class ChatMessage(BaseModel):
@@ -177,6 +176,9 @@ class GRPOConfig(BaseModel):
 
 
 class JobCreate(BaseModel):
+    """A GRPO job's spec (the seed server's create body)."""
+
+    kind: ClassVar[str] = "grpo"
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model_id: str = Field(
@@ -201,27 +203,16 @@ class JobCreate(BaseModel):
         return self
 
 
-class Progress(BaseModel):
-    """The latest step's metrics (a job has `progress: {}` until its first step); TRL's
-    metric names (with '/') ride along as extra fields."""
-
-    model_config = ConfigDict(extra="allow")
-    iter: int = Field(0, description="Completed steps.")
-    total_iters: int = 0
-    loss: float | None = None
-    mean_reward: float | None = None
-
-
 WAITING_DOC = ("Why no live worker could run the queued job when it was queued (the model, or the memory it needs "
                "against the largest worker's); it starts as soon as a capable worker appears. null once it starts.")
 
 
-class Job(BaseModel):
+class JobRecord(BaseModel):
+    """What every kind's job object holds besides its spec: the lifecycle's fields (shared/lifecycle.py)."""
+
     job_id: str
+    kind: str = Field(description="The job's kind (shared/kinds.py).")
     model_id: str
-    prompts: list[Prompt]
-    config: GRPOConfig
-    reward: list[RewardSource] | None = None
     adapter_name: str
     adapter_path: str = Field(description="Where the worker writes the adapter: $MTQ_HOME/adapters/<model_id>/<adapter_name>.")
     status: JobStatus
@@ -229,8 +220,8 @@ class Job(BaseModel):
     started_at: float = Field(0.0, description="0.0 until a worker starts it (as the seed server).")
     finished_at: float = Field(0.0, description="0.0 until it finishes.")
     error: str = ""
-    progress: dict[str, Any] = Field(default_factory=dict, description="{} until the first step, then Progress: "
-                                     "{iter (completed steps), total_iters, loss, mean_reward, ...metrics}.")
+    progress: dict[str, Any] = Field(default_factory=dict, description="{} until the first step, then the last "
+                                     "step's: {iter (completed steps), total_iters, loss, ...metrics}.")
     phase: str | None = Field(None, description="What the job is doing now (null once finished): waiting_for_worker, "
                               "starting, loading_model, compiling (first step on a fresh machine), sampling, scoring, "
                               "updating, checkpointing, saving.")
@@ -243,6 +234,14 @@ class Job(BaseModel):
     max_attempts: int = Field(3, description="The job fails when failed_attempts reaches this.")
     resumed_from: int | None = Field(None, description="Step the current run resumed from, if it did.")
     owner: str | None = Field(None, description="Name of the token that created the job.")
+
+
+class Job(JobRecord):
+    """A GRPO job (the seed server's job object)."""
+
+    prompts: list[Prompt]
+    config: GRPOConfig
+    reward: list[RewardSource] | None = None
 
 
 class UnreadableJob(BaseModel):

@@ -1,7 +1,7 @@
 """Settings, read from the environment (the same variables for `mtq up`, docker-compose and tests).
 
 The limits bound what one token holder can make the service do; each is documented in
-README ("Security and limits") with its default.
+docs/security.md ("Limits") with its default.
 """
 
 import os
@@ -48,6 +48,8 @@ class Settings:
     # A GRPO job's `samples` events (every completion of a step) are the bulk of its event stream:
     # a run keeps only its last this many in Redis (every step's metrics stay).
     samples_events_kept: int = 200
+    # An event stream with nothing to send carries a comment this often, so proxies keep it open.
+    sse_keepalive_s: float = 15.0
 
     @property
     def adapters_dir(self) -> Path:
@@ -101,4 +103,5 @@ def load_settings() -> Settings:
         max_file_bytes=_int("MTQ_MAX_FILE_BYTES", Settings.max_file_bytes),
         full_finetune_max_gb=_float("MTQ_FULL_FINETUNE_MAX_GB", Settings.full_finetune_max_gb),
         samples_events_kept=max(1, _int("MTQ_SAMPLES_EVENTS_KEPT", Settings.samples_events_kept)),
+        sse_keepalive_s=max(0.1, _float("MTQ_SSE_KEEPALIVE_S", Settings.sse_keepalive_s)),
     )

@@ -27,6 +27,14 @@ ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR") or ROOT / "test-artifacts"
 os.environ.setdefault("MTQ_REWARD_MODULES", "reward_fns,tests.reward_fns")
 
 
+def read_events(r, job_id: str, after_id: str = "0-0", count: int = 100) -> list[tuple[str, dict]]:
+    """A job's events after `after_id` (a stream id), as (id, event) pairs."""
+    from shared.events import decode_events
+    from shared.keys import events_key
+
+    return decode_events(r.xread({events_key(job_id): after_id}, count=count))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,7 +62,7 @@ class RedisServer:
 
     def start(self):
         exe = shutil.which("redis-server")
-        assert exe, "redis-server is not installed (see README: make test installs it)"
+        assert exe, "redis-server is not installed (scripts/test.sh installs it)"
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", *self.bind.split(), "--dir", str(self.dir),
              "--appendonly", "yes", "--save", "", "--daemonize", "no",
@@ -175,7 +183,6 @@ class Stack:
 
     def events(self, job_id: str) -> list[tuple[float, dict]]:
         """(unix time, event) of every event in the job's Redis stream."""
-        from shared.jobstore import read_events
 
         return [(int(eid.split("-")[0]) / 1000, e) for eid, e in read_events(self.redis, job_id, count=100_000)]
 

@@ -9,7 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared import jobstore, lifecycle
+from conftest import read_events
+from shared import fenced_writes, lifecycle
+from shared.events import append_event
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -200,6 +202,40 @@ def test_list_rejects_bad_query(client, params, code):
     assert client.get(JOBS, params=params).status_code == code
 
 
+def test_jobs_of_every_kind_list_newest_first_and_answer_by_id_with_their_kind(stack, client):
+    """GET /admin/api/jobs pages every kind's jobs as each kind's list does; GET
+    /admin/api/jobs/{id} answers a job of any kind; /admin/api/kinds names each kind's routes."""
+    from shared.kinds import KINDS
+
+    stack.redis.flushdb()
+    pairs = [{"prompt": "p", "chosen": "a", "rejected": "b"}]
+    made = [create(client), client.post(KINDS["dpo"].prefix, json={"model_id": "tiny", "preference_pairs": pairs}).json(),
+            client.post(KINDS["sft"].prefix, json={"model_id": "tiny", "dataset": [{"text": "a"}]}).json()]
+    assert [j["kind"] for j in made] == ["grpo", "dpo", "sft"]
+    client.post(f"{JOBS}/{made[0]['job_id']}/cancel")
+
+    listed = client.get("/admin/api/jobs")
+    assert [(j["job_id"], j["kind"]) for j in listed.json()] == [(j["job_id"], j["kind"]) for j in made[::-1]]
+    assert listed.json()[1]["preference_pairs"] == pairs  # each its kind's job object
+    assert listed.headers["X-Has-More"] == "false"
+    first = client.get("/admin/api/jobs", params={"limit": 2})
+    assert first.headers["X-Has-More"] == "true" and first.headers["X-Next-After"] == made[1]["job_id"]
+    rest = client.get("/admin/api/jobs", params={"limit": 2, "after": first.headers["X-Next-After"]}).json()
+    assert [j["job_id"] for j in rest] == [made[0]["job_id"]]
+    assert [j["job_id"] for j in client.get("/admin/api/jobs", params={"status": "cancelled"}).json()] == [made[0]["job_id"]]
+    for job in made:
+        got = client.get(f"/admin/api/jobs/{job['job_id']}").json()
+        assert got == client.get(f"{KINDS[job['kind']].prefix}/{job['job_id']}").json()
+    assert client.get("/admin/api/jobs/no-such-job").json() == {"detail": "Job not found: no-such-job"}
+    assert client.get("/admin/api/jobs", params={"after": "no-such-job"}).status_code == 400
+
+    kinds = {k["name"]: k for k in client.get("/admin/api/kinds").json()}
+    assert set(kinds) == set(KINDS)
+    assert kinds["grpo"]["step_event"] == "grpo_step" and kinds["grpo"]["first_step"] == 0
+    assert kinds["sft"]["prefix"] == "/admin/api/fine-tune/jobs" and kinds["sft"]["headline"] == "loss"
+    assert {"title": "reward margin", "metrics": ["rewards/margins", "val_rewards/margins"]} in kinds["dpo"]["charts"]
+
+
 # --- cancel and delete --------------------------------------------------------------------
 
 def test_cancel_a_queued_job_then_again_is_404(client):
@@ -248,8 +284,8 @@ def finish(r, job_id, status="completed", event=DONE, **fields):
 
 def test_stream_replays_follows_and_ends_after_the_terminal_event(stack, client):
     job_id = create(client)["job_id"]
-    jobstore.append_event(stack.redis, job_id, {"type": "started"})
-    jobstore.append_event(stack.redis, job_id, STEP)
+    append_event(stack.redis, job_id, {"type": "started"})
+    append_event(stack.redis, job_id, STEP)
 
     with client.stream("GET", f"{JOBS}/{job_id}/stream") as res:
         assert res.status_code == 200
@@ -260,7 +296,7 @@ def test_stream_replays_follows_and_ends_after_the_terminal_event(stack, client)
             if line.startswith("data:"):
                 received.append(json.loads(line.removeprefix("data:")))
                 if len(received) == 2:
-                    jobstore.append_event(stack.redis, job_id, {**STEP, "iter": 2})
+                    append_event(stack.redis, job_id, {**STEP, "iter": 2})
                     finish(stack.redis, job_id)
         # The loop ended: the server closed the response after "done".
     assert [e["type"] for e in received] == ["started", "grpo_step", "grpo_step", "done"]
@@ -270,9 +306,9 @@ def test_stream_replays_follows_and_ends_after_the_terminal_event(stack, client)
 def test_stream_ids_are_the_stream_ids_and_last_event_id_resumes(stack, client):
     job_id = create(client)["job_id"]
     for event in ({"type": "started"}, STEP, {**STEP, "iter": 2}):
-        jobstore.append_event(stack.redis, job_id, event)
+        append_event(stack.redis, job_id, event)
     finish(stack.redis, job_id)
-    stream_ids = [eid for eid, _ in jobstore.read_events(stack.redis, job_id)]
+    stream_ids = [eid for eid, _ in read_events(stack.redis, job_id)]
 
     with client.stream("GET", f"{JOBS}/{job_id}/stream") as res:
         events = read_sse(res)
@@ -289,11 +325,11 @@ def test_stream_ids_are_the_stream_ids_and_last_event_id_resumes(stack, client):
 
 def test_stream_of_a_resumed_job_goes_on_past_the_earlier_terminal_event(stack, client):
     job_id = create(client)["job_id"]
-    jobstore.append_event(stack.redis, job_id, STEP)
+    append_event(stack.redis, job_id, STEP)
     finish(stack.redis, job_id, status="failed", event={"type": "failed", "error": "non-finite loss"})
     assert client.post(f"{JOBS}/{job_id}/resume").status_code == 200
     epoch = lifecycle.start(stack.redis, job_id, "test-worker", lease_ttl_s=60)
-    lifecycle.write(stack.redis, job_id, epoch, {"type": "resumed", "from_step": 1})
+    fenced_writes.write(stack.redis, job_id, epoch, {"type": "resumed", "from_step": 1})
 
     with client.stream("GET", f"{JOBS}/{job_id}/stream") as res:
         received = []
@@ -301,7 +337,7 @@ def test_stream_of_a_resumed_job_goes_on_past_the_earlier_terminal_event(stack, 
             if line.startswith("data:"):
                 received.append(json.loads(line.removeprefix("data:"))["type"])
                 if received[-1] == "resumed":
-                    jobstore.append_event(stack.redis, job_id, {**STEP, "iter": 2})
+                    append_event(stack.redis, job_id, {**STEP, "iter": 2})
                     finish(stack.redis, job_id)
     assert received == ["grpo_step", "failed", "resume_requested", "resumed", "grpo_step", "done"]
 
@@ -316,10 +352,10 @@ def test_stream_of_a_cancelled_job_ends_with_cancelled(client):
 
 def test_stream_synthesizes_the_terminal_event_of_a_finished_job_without_one(stack, client):
     job_id = create(client)["job_id"]
-    jobstore.append_event(stack.redis, job_id, {"type": "started"})
+    append_event(stack.redis, job_id, {"type": "started"})
     # Finished, but the terminal event is not in the stream (trimmed, or never written).
     finish(stack.redis, job_id, status="failed", event={"type": "failed", "error": "boom"}, error="boom")
-    stack.redis.xdel(f"mtq:job:{job_id}:events", jobstore.read_events(stack.redis, job_id)[-1][0])
+    stack.redis.xdel(f"mtq:job:{job_id}:events", read_events(stack.redis, job_id)[-1][0])
     with client.stream("GET", f"{JOBS}/{job_id}/stream") as res:
         events = [json.loads(e["data"]) for e in read_sse(res)]
     assert events[0] == {"type": "started"}

@@ -1,7 +1,7 @@
 """Chaos soak: 3 workers under a restarting supervisor, 12 jobs, and a seeded schedule of faults
 while they run — kill -9 of busy workers and of training processes, SIGSTOP past the lease,
 a Redis restart on its append-only file, an API restart. Every job must end completed with
-every step recorded exactly once. Prints one summary line (README quotes it)."""
+every step recorded exactly once. Prints one summary line (docs/durability.md quotes it)."""
 
 import json
 import os
@@ -13,8 +13,7 @@ import time
 import pytest
 import redis
 
-from conftest import wait_for
-from shared.jobstore import read_events
+from conftest import read_events, wait_for
 
 pytestmark = pytest.mark.slow
 

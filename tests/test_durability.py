@@ -179,8 +179,9 @@ def test_api_restart_changes_nothing_for_queued_and_running_jobs(stack, workers)
 
 
 def test_finished_jobs_expire_after_retention_and_leave_the_index(stack, workers):
-    from shared.jobstore import EVENTS_MAXLEN, append_event, list_jobs
-    from shared.keys import JOBS_INDEX, events_key, job_key
+    from shared.events import append_event
+    from shared.jobstore import list_jobs
+    from shared.keys import EVENTS_MAXLEN, JOBS_INDEX, events_key, job_key
 
     workers(env=dict(stack.env, MTQ_JOB_RETENTION_S="2"))
     job_id = stack.submit(body(stack, iters=1))

@@ -439,7 +439,7 @@ def test_first_updates_equal_pytorch_adamw():
     import mlx.nn as nn
 
     from shared.schemas import GRPOConfig
-    from worker.grpo import make_optimizer
+    from worker.grpo import trl_adamw as make_optimizer
 
     cfg = GRPOConfig(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6)
     rng = np.random.default_rng(0)

@@ -12,6 +12,7 @@ import redis
 from conftest import wait_for
 from shared import lifecycle
 from shared.keys import job_key, lease_key
+from shared.reconciler import Reconciler
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 TTL = "2"  # seconds: the lease, so lost workers and jobs are noticed within seconds
@@ -174,7 +175,7 @@ def test_reconciler_moves_hub_jobs_when_a_holder_appears_and_skips_unreadable_re
 
     assert {queue(good), queue(bad)} == {"default@hub@1gb"}
     stack.redis.hset(job_key(bad), "spec", "{not json")
-    reconciler = lifecycle.Reconciler(stack.redis, grace_s=60)
+    reconciler = Reconciler(stack.redis, grace_s=60)
     assert reconciler.scan_queued() == []  # no live worker has it: nothing to move
     ads.advertise(stack.redis, {"name": "holder", "lanes": ["default"], "memory_gb": 8, "hub": False, "queues": [],
                                 "models": [{"model_id": "org/held"}]}, ttl_s=60)
@@ -264,7 +265,8 @@ def test_resume_refuses_lora_shape_changes_and_a_mismatched_checkpoint_fails_lou
 
 def test_a_worker_that_lost_the_lease_writes_no_adapter_files(stack, tmp_path):
     from worker.lease import Lease
-    from worker.training_process import JobRun, Marks
+    from worker.marks import Marks
+    from worker.training_process import JobRun
     import multiprocessing
 
     r = stack.redis

@@ -7,8 +7,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from conftest import wait_for
-from shared.jobstore import read_events
+from conftest import read_events, wait_for
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 LOGPROB = "/admin/api/fine-tune/logprob"

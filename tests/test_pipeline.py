@@ -11,7 +11,7 @@ SEED_BODY = json.loads((Path(__file__).resolve().parents[1] / "examples" / "seed
 
 
 def events_of(stack, job_id) -> list[dict]:
-    from shared.jobstore import read_events
+    from conftest import read_events
     return [e for _, e in read_events(stack.redis, job_id)]
 
 

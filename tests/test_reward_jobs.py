@@ -71,7 +71,7 @@ def run_job(stack, worker, prompts=PROMPTS, reward=None, **config) -> tuple[dict
 
 
 def events_of(stack, job_id) -> list[dict]:
-    from shared.jobstore import read_events
+    from conftest import read_events
     return [e for _, e in read_events(stack.redis, job_id, count=10_000)]
 
 
@@ -243,4 +243,4 @@ def test_python_reward_that_does_not_load_fails_at_start(stack, worker, function
     assert of_type(events, "started") and not of_type(events, "grpo_step") and not of_type(events, "samples")
 
 # Submitting a job whose endpoint host is not allowed (400) is covered in tests/test_api.py
-# (test_disallowed_reward_host_is_422).
+# (test_disallowed_reward_host_is_400).

@@ -1,4 +1,4 @@
-"""Reward sources (worker/rewards.py): built-ins on hand-made completions, python sources,
+"""Reward sources (worker/rewards/): built-ins on hand-made completions, python sources,
 and HTTP endpoints against a real reward server on 127.0.0.1 (no mocks)."""
 
 import time
@@ -10,9 +10,8 @@ from pydantic import ValidationError
 
 from reward_server import closed_port_url, serving
 from shared.schemas import JobCreate, PromptItem
-from worker.rewards import (
-    RewardError,
-    build_scorer,
+from worker.rewards.batch import RewardError
+from worker.rewards.functions import (
     contains_rewards,
     exact_match_rewards,
     extract_math_answer,
@@ -22,6 +21,7 @@ from worker.rewards import (
     math_answer_rewards,
     regex_rewards,
 )
+from worker.rewards.scorer import build_scorer
 
 TESTS_DIR = Path(__file__).resolve().parent
 JOB_ID = "job-123"
@@ -204,7 +204,7 @@ def test_json_valid_source_with_schema_alias():
 
 
 # ----------------------------------------------------------------------------------------
-# Validation at submission (a 422 from the API)
+# Validation at submission (a 400 from the API)
 # ----------------------------------------------------------------------------------------
 
 

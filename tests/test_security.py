@@ -292,6 +292,31 @@ def test_trainers_see_only_their_jobs_viewers_only_read_admin_sees_all(stack):
         assert alice.post(f"{JOBS}/{job_id}/cancel").status_code in (200, 404)
 
 
+def test_the_any_kind_routes_keep_the_roles(stack):
+    """GET /admin/api/jobs and /admin/api/jobs/{id}: a trainer sees only its own jobs (others'
+    are 404), a viewer and the admin see every job, of every kind."""
+    pairs = [{"prompt": "p", "chosen": "a", "rejected": "b"}]
+    with stack.client(TRAINER_A) as alice, stack.client(TRAINER_B) as bob, \
+            stack.client(VIEWER) as victor, stack.client() as admin:
+        mine = [alice.post(JOBS, json=body(stack, model_id="no-such-model-roles")).json()["job_id"],
+                alice.post("/admin/api/fine-tune/dpo/jobs", json={"model_id": "no-such-model-roles",
+                                                                 "preference_pairs": pairs}).json()["job_id"]]
+        for job_id in mine:
+            assert bob.get(f"/admin/api/jobs/{job_id}").json() == {"detail": f"Job not found: {job_id}"}
+            assert alice.get(f"/admin/api/jobs/{job_id}").json()["owner"] == "alice"
+            for who in (victor, admin):
+                assert who.get(f"/admin/api/jobs/{job_id}").status_code == 200
+        assert not set(mine) & {j["job_id"] for j in bob.get("/admin/api/jobs", params={"limit": 1000}).json()}
+        alices = alice.get("/admin/api/jobs", params={"limit": 1000}).json()
+        assert set(mine) <= {j["job_id"] for j in alices} and all(j["owner"] == "alice" for j in alices)
+        assert {j["kind"] for j in alices} >= {"grpo", "dpo"}
+        for who in (victor, admin):
+            assert set(mine) <= {j["job_id"] for j in who.get("/admin/api/jobs", params={"limit": 1000}).json()}
+        for job_id in mine:
+            alice.post(f"{JOBS}/{job_id}/cancel")
+            alice.post(f"/admin/api/fine-tune/dpo/jobs/{job_id}/cancel")
+
+
 # --- event streams ---------------------------------------------------------------------------
 
 def test_bad_last_event_id_is_400_and_a_good_one_resumes(stack, client):
@@ -475,7 +500,7 @@ def test_a_job_that_does_not_fit_the_model_fails_before_its_first_step(stack, cl
 
 def scorer_for(source: dict, **settings):
     from shared.schemas import JobCreate
-    from worker.rewards import build_scorer
+    from worker.rewards.scorer import build_scorer
 
     spec = JobCreate(model_id="tiny", prompts=["p"], reward=[source])
     return lambda resolver=None: build_scorer(
@@ -488,7 +513,7 @@ def test_rebinding_the_name_to_another_address_is_refused_at_call_time():
     """The name passes the check; at call time it resolves (our resolver) to an address the
     allow-list does not have: refused without connecting. While it resolves to an allowed
     address, the connection goes to exactly that address."""
-    from worker.rewards import RewardError
+    from worker.rewards.batch import RewardError
 
     with serving(lambda body, k: {"rewards": [1.0] * len(body["completions"])}) as server:
         port = int(server.url.split(":")[2].split("/")[0])
@@ -516,7 +541,8 @@ def scorer_item():
 
 
 def test_a_remote_ref_is_never_fetched_by_the_worker():
-    from worker.rewards import RewardError, json_valid_rewards, make_json_validator
+    from worker.rewards.batch import RewardError
+    from worker.rewards.functions import json_valid_rewards, make_json_validator
 
     with serving(lambda body, k: {}) as server:
         schema = {"type": "object", "properties": {"a": {"$ref": server.url}}}
@@ -531,7 +557,8 @@ def test_a_remote_ref_is_never_fetched_by_the_worker():
 def test_a_module_that_exits_on_import_is_a_reward_error(tmp_path, monkeypatch):
     """Like unittest.__main__ (SystemExit on import), were an operator to allow one: the job
     fails with a message instead of taking the worker down (and being re-queued forever)."""
-    from worker.rewards import RewardError, load_reward_function
+    from worker.rewards.batch import RewardError
+    from worker.rewards.sandbox import load_reward_function
 
     (tmp_path / "exits_on_import.py").write_text("raise SystemExit(2)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -548,7 +575,7 @@ def test_unbounded_numbers_and_strings_are_400(stack, client, config):
 
 
 def test_prompt_fields_reach_only_the_parameters_a_function_declares():
-    from worker.rewards import declared_fields
+    from worker.rewards.sandbox import declared_fields
 
     fields = {"answer": [1], "force": [True], "filename": ["/tmp/x"], "prompts": ["evil"]}
 
@@ -667,7 +694,7 @@ def test_generated_requests_never_get_a_5xx_or_an_undocumented_code(stack, clien
         if "requestBody" in op:
             kwargs["content"] = json.dumps(payload).encode()
             kwargs["headers"] = {"Content-Type": "application/json"}
-        if method == "get" and "{" not in path and path == JOBS:
+        if method == "get" and "{" not in path and path in (JOBS, "/admin/api/jobs"):
             kwargs["params"] = {k: v.encode("utf-8", "surrogatepass").decode("utf-8", "replace") for k, v in query.items()}
         if last_event_id is not None and path.endswith("/stream"):
             kwargs.setdefault("headers", {})["Last-Event-ID"] = last_event_id

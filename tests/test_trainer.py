@@ -23,9 +23,11 @@ from mlx.utils import tree_flatten
 from shared.schemas import JobCreate, PromptItem
 from mlx.utils import tree_map
 
-from worker.grpo import Batch, Cancelled, GRPOTrainer, TrainState, completion_text, prompt_token_ids
-from worker.models import attach_lora
-from worker.rewards import build_scorer
+from worker.adapters import attach_adapter as attach_lora
+from worker.grpo import Batch, GRPOTrainer, completion_text
+from worker.logprobs import prompt_token_ids
+from worker.rewards.scorer import build_scorer
+from worker.train_core import Cancelled, TrainState
 
 PROMPTS = ["What is 2+2?", "Say hello.", "Count to five.", "Name a color.", "Write a word.", "Tell me a story."]
 SHARE_OF_E = [{"type": "python", "function": "reward_fns:share_of_e"}]
@@ -498,7 +500,7 @@ JOBS = "/admin/api/fine-tune/grpo/jobs"
 
 
 def test_second_job_on_a_worker_reuses_the_loaded_model(stack, workers):
-    from shared.jobstore import read_events
+    from conftest import read_events
 
     workers()
     body = {"model_id": stack.tiny_model.name, "prompts": ["What is 2+2?", "Say hello."],
@@ -535,7 +537,7 @@ def test_job_that_cannot_fit_one_row_fails_at_start_with_the_estimate(stack, wor
 
 
 def test_the_step_phases_benchmark_runs_each_asked_configuration(tiny_model):
-    """bench/step_phases.py (README's sampling figures and loss-phase table) times sampling under
+    """bench/step_phases.py (docs/performance.md's sampling figures and loss-phase table) times sampling under
     the plan's limit and without one, and the loss under the memory choices it is given, not the
     plan's: each line reports the limit, micro-batch, checkpointing and logits chunk it was asked for."""
     import json

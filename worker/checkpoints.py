@@ -16,8 +16,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from worker.grpo import TrainState
-from worker.models import lora_weights
+from worker.adapters import adapter_weights
+from worker.train_core import TrainState
 
 HISTORY_KEPT = 1000  # metric history entries carried in a checkpoint
 
@@ -43,7 +43,7 @@ def _from_bytes(blob: bytes) -> dict[str, mx.array]:
 def snapshot(model: nn.Module, optimizer: optim.Optimizer, state: TrainState) -> dict:
     """Cheap: MLX arrays are immutable, so holding references freezes this moment."""
     return {
-        "lora": lora_weights(model),
+        "lora": adapter_weights(model),
         "optimizer": dict(tree_flatten(optimizer.state)),
         "state": TrainState(state.step, state.num_tokens, state.history[-HISTORY_KEPT:]),
     }

@@ -2,7 +2,7 @@
 
 For a pair (x, y_w chosen, y_l rejected), with log pi(y | x) = sum_t log pi(y_t | x, y_<t)
 over the completion tokens (EOS included), pi_theta the policy (base + LoRA) and pi_ref the
-same weights with the LoRA off (worker/grpo.py lora_disabled: no second copy):
+same weights with the LoRA off (worker/adapters.py lora_disabled: no second copy):
 
 DPO (Rafailov et al. 2023), z = [log pi_theta(y_w) - log pi_ref(y_w)] - [log pi_theta(y_l) - log pi_ref(y_l)]:
     sigmoid: loss = -(1 - eps) log sigma(beta z) - eps log sigma(-beta z)     (eps = label_smoothing)
@@ -21,31 +21,16 @@ Chosen and rejected rows of a batch go through the model in one right-padded bat
 0..N-1 chosen, N..2N-1 rejected.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 import mlx.nn as nn
 
-from shared.train_specs import DPOJobCreate, ORPOJobCreate
 from worker import supervised
-from worker.grpo import Cancelled, lora_disabled  # noqa: F401  (Cancelled: the kind's, training_process catches it)
-from worker.supervised import Rows, Trainer, cut, pad_rows, pair_tokens, token_logps
-
-if TYPE_CHECKING:  # the job's handle; the trainers run without the worker (bench/train_step.py)
-    from worker.training_process import JobRun
-
-USER_ERRORS = supervised.USER_ERRORS
+from worker.adapters import lora_disabled
+from worker.logprobs import sequence_logps, token_logps
+from worker.supervised import PreferenceTrainer
 
 
 # --------------------------------------------------------------------------- the math
-
-
-def sequence_logps(logps: mx.array, mask: mx.array, average: bool = False) -> mx.array:
-    """Sum (or mean) over each row's masked tokens: (N, T) -> (N,)."""
-    total = (logps * mask).sum(axis=-1)
-    return total / mx.maximum(mask.sum(axis=-1), 1.0) if average else total
 
 
 def preference_metrics(chosen_reward: mx.array, rejected_reward: mx.array, chosen_logps: mx.array,
@@ -95,30 +80,6 @@ def orpo_loss(chosen_mean: mx.array, rejected_mean: mx.array, nll: mx.array, *,
 # --------------------------------------------------------------------------- the trainer
 
 
-def pair_rows(tokenizer, pairs: list[dict], max_len: int) -> tuple[Rows, Rows, int]:
-    """Chosen rows and rejected rows (cut to max_len), and how many rows were cut."""
-    chosen = [pair_tokens(tokenizer, p["prompt"], p["chosen"]) for p in pairs]
-    rejected = [pair_tokens(tokenizer, p["prompt"], p["rejected"]) for p in pairs]
-    c, n1 = cut(Rows([t for t, _ in chosen], [s for _, s in chosen]), max_len)
-    r, n2 = cut(Rows([t for t, _ in rejected], [s for _, s in rejected]), max_len)
-    return c, r, n1 + n2
-
-
-class PreferenceTrainer(Trainer):
-    """Rows of pairs: a batch is its pairs' chosen rows, then their rejected rows."""
-
-    def __init__(self, module, tokenizer, cfg, train: list[dict], valid: list[dict] | None):
-        self.train_tok = pair_rows(tokenizer, train, cfg.max_seq_length)
-        self.valid_tok = pair_rows(tokenizer, valid, cfg.max_seq_length) if valid else None
-        self.truncated = self.train_tok[2] + (self.valid_tok[2] if self.valid_tok else 0)
-        super().__init__(module, cfg, train, valid)
-
-    def padded(self, ids: list[int], rows: list[dict]):
-        chosen, rejected, _ = self.train_tok if rows is self.train_rows else self.valid_tok
-        return pad_rows(Rows([chosen.tokens[i] for i in ids] + [rejected.tokens[i] for i in ids],
-                             [chosen.starts[i] for i in ids] + [rejected.starts[i] for i in ids]))
-
-
 class DPOTrainer(PreferenceTrainer):
     def __init__(self, model, tokenizer, spec, train, valid):
         self.method = spec.kind
@@ -146,6 +107,6 @@ class DPOTrainer(PreferenceTrainer):
                         label_smoothing=cfg.label_smoothing)
 
 
-def run(job: JobRun, spec_json: str, method: str = "dpo") -> dict:
-    spec = (ORPOJobCreate if method == "orpo" else DPOJobCreate).model_validate_json(spec_json)
-    return supervised.run_job(job, spec, DPOTrainer)
+def load(job, spec, settings):
+    """The job's Run (worker/supervised.py load); the spec's kind says DPO or ORPO."""
+    return supervised.load(job, spec, settings, DPOTrainer)

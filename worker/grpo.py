@@ -1,17 +1,19 @@
 """GRPO with LoRA on an mlx_lm model, top to bottom.
 
-One step (= one `iter` of the job config):
+One step (= one `iter` of the job config), GRPOTrainer.step, in four phases:
 
-  1. take B = batch_size prompts; sample G = group_size completions each, all B*G rows
+  1. rollout: take B = batch_size prompts; sample G = group_size completions each, all B*G rows
      decoding together (worker/sampling.py). For every completion token t we keep
          old_logp_t = log pi_old(o_t | q, o_<t)      (logits / temperature, as sampled)
      The sampling KV cache is freed when sampling returns, before the loss step.
-  2. score each completion on its text decoded without special tokens: r_i
-     (worker/rewards.py; NaN when every reward source returned None), and turn rewards
-     into advantages, normalised inside each group of G over the scorable completions:
+     A completion ends at EOS, at max_completion_len, or just after the token that
+     completes a stop string (its text is cut before the stop string).
+  2. score: each completion on its text decoded without special tokens: r_i
+     (worker/rewards/; NaN when every reward source returned None).
+  3. advantages: the rewards normalised inside each group of G over the scorable completions:
          A_i = (r_i - nanmean_group(r)) / (nanstd(r) + 1e-4)    std: of the group, the batch, or 1
          A_i = 0 where r_i is NaN (or where the std is undefined: fewer than 2 scorable)
-  3. mu = num_iterations times: forward the B*G sequences under the current LoRA weights
+  4. update, mu = num_iterations times: forward the B*G sequences under the current LoRA weights
      theta, and minimise the clipped surrogate (TRL's GRPO):
          log_ratio_t = logp_t - old_logp_t                 token level
                      = mean_t(logp_t - old_logp_t)         sequence level (GSPO), one per row
@@ -37,7 +39,7 @@ One step (= one `iter` of the job config):
      chunk of positions at a time (full-vocabulary float32 logits of one chunk at once);
      with gradient checkpointing each layer keeps only its input and recomputes the rest
      in the backward pass (worker/memory.py estimates all this before the job starts).
-  4. AdamW on the LoRA weights only, bias-corrected as PyTorch's (TRL's numerics:
+     The optimizer step: AdamW on the LoRA weights only, bias-corrected as PyTorch's (TRL's numerics:
      betas adam_beta1/adam_beta2, eps adam_epsilon), gradients clipped to max_grad_norm:
          m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  theta *= 1 - lr * weight_decay
          theta -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
@@ -45,7 +47,7 @@ One step (= one `iter` of the job config):
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -55,11 +57,12 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from shared.schemas import GRPOConfig, JobCreate, PromptItem
+from worker.adapters import lora_disabled
+from worker.logprobs import as_item, completion_logprobs, prompt_token_ids
 from worker.memory import GB, logits_chunk_tokens, model_shape, plan_memory
-from worker.models import gradient_checkpointing
-from worker.sampling import (
-    PaddingMaskCache, Samples, SamplingParams, left_pad, lm_head, make_decode_step, sample, token_logprobs,
-)
+from worker.rewards.batch import RewardStopped
+from worker.sampling import SamplingParams, Samples, left_pad, make_decode_step, sample
+from worker.train_core import Cancelled, TrainState, batch_indices, check_finite, make_optimizer, step_seed
 
 ADV_EPS = 1e-4
 # The per-step `samples` event lives in Redis: each completion in it is cut to SAMPLE_TEXT_CHARS,
@@ -191,29 +194,6 @@ class Batch:
     ref_logp: mx.array | None = None
 
 
-def completion_logprobs(
-    model: nn.Module, inputs: mx.array, pad: mx.array, completion: mx.array, temperature: float,
-    chunk_tokens: int, checkpointing: bool = False,
-) -> mx.array:
-    """log pi(o_t) for every completion position: one forward pass of the transformer for
-    all rows, then the output head on completion positions only, chunk_tokens positions at
-    a time. Each chunk is an mx.checkpoint: its full-vocabulary logits are recomputed in the
-    backward pass rather than kept, so one chunk's logits exist at a time."""
-    caches = [PaddingMaskCache(pad) for _ in model.layers]
-    with gradient_checkpointing(model, checkpointing):
-        hidden = model.model(inputs, cache=caches)
-    rows, L = completion.shape
-    hidden = hidden[:, -L - 1 : -1].reshape(rows * L, -1)  # position t predicts token t + 1
-    tokens = completion.reshape(-1)
-    head = lm_head(model)
-
-    def chunk_logp(start):
-        return mx.checkpoint(lambda h: token_logprobs(head(h), tokens[start : start + chunk_tokens], temperature)[0])(
-            hidden[start : start + chunk_tokens]
-        )
-
-    return mx.concatenate([chunk_logp(i) for i in range(0, rows * L, chunk_tokens)]).reshape(rows, L)
-
 
 def make_batch(prompt_ids: list[list[int]], samples: Samples, mask: mx.array, advantages: np.ndarray, group_size: int) -> Batch:
     prompts, pad = left_pad([p for p in prompt_ids for _ in range(group_size)], pad_id=0)
@@ -230,35 +210,8 @@ def make_batch(prompt_ids: list[list[int]], samples: Samples, mask: mx.array, ad
     )
 
 
-# --------------------------------------------------------------------------- prompts
 
-
-def prompt_token_ids(tokenizer, item: PromptItem, use_chat_template: bool) -> list[int]:
-    """Raw text with `tokenizer.encode` (the seed server's way, and the default); the chat
-    template for string prompts only with use_chat_template, and always for chat messages
-    (a list of messages has no text of its own)."""
-    chat = use_chat_template or isinstance(item.prompt, list)
-    if chat and getattr(tokenizer, "chat_template", None):
-        messages = item.prompt if isinstance(item.prompt, list) else [{"role": "user", "content": item.prompt}]
-        messages = [m if isinstance(m, dict) else m.model_dump() for m in messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    text = item.prompt if isinstance(item.prompt, str) else "\n".join(m.content for m in item.prompt)
-    return list(tokenizer.encode(text))
-
-
-def as_item(prompt: Any) -> PromptItem:
-    return prompt if isinstance(prompt, PromptItem) else PromptItem(prompt=prompt)
-
-
-def batch_indices(n_prompts: int, batch_size: int, step: int, seed: int) -> list[int]:
-    """Prompts for step `step`: walk a seeded shuffle of all prompts, a new shuffle per epoch.
-    A pure function of (step, seed), so a resumed job sees the same batches."""
-    out = []
-    for k in range(step * batch_size, (step + 1) * batch_size):
-        epoch, pos = divmod(k, n_prompts)
-        out.append(int(np.random.RandomState((seed + 7919 * epoch) % 2**32).permutation(n_prompts)[pos]))  # RandomState takes < 2**32
-    return out
+# --------------------------------------------------------------------------- completions as text
 
 
 def completion_text(tokenizer, tokens: list[int]) -> str:
@@ -280,14 +233,7 @@ def cut_at_stop_strings(tokenizer, tokens: list[int], stops: list[str]) -> tuple
     return text[:cut], len(tokens), True
 
 
-# --------------------------------------------------------------------------- training
-
-
-@dataclass
-class TrainState:
-    step: int = 0  # completed iters
-    num_tokens: int = 0
-    history: list[dict] = field(default_factory=list)
+# --------------------------------------------------------------------------- the optimizer
 
 
 def learning_rate_schedule(cfg: GRPOConfig) -> Callable | float:
@@ -307,20 +253,13 @@ def learning_rate_schedule(cfg: GRPOConfig) -> Callable | float:
     return optim.join_schedules([optim.linear_schedule(0.0, cfg.learning_rate, warm), main], [warm])
 
 
-def make_optimizer(cfg: GRPOConfig) -> optim.Optimizer:
+def trl_adamw(cfg: GRPOConfig) -> optim.Optimizer:
     """AdamW as PyTorch's (and so TRL's): bias-corrected (MLX's default is not)."""
-    return optim.AdamW(
-        learning_rate=learning_rate_schedule(cfg), betas=[cfg.adam_beta1, cfg.adam_beta2], eps=cfg.adam_epsilon,
-        weight_decay=cfg.weight_decay, bias_correction=True,
-    )
+    return make_optimizer("adamw", learning_rate_schedule(cfg), weight_decay=cfg.weight_decay,
+                          betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, bias_correction=True)
 
 
-class Cancelled(Exception):
-    pass
-
-
-class NonFiniteLoss(Exception):
-    pass
+# --------------------------------------------------------------------------- the trainer
 
 
 class JobDoesNotFitModel(ValueError):
@@ -344,8 +283,29 @@ def check_fits_model(model: nn.Module, prompt_ids: list[list[int]], cfg: GRPOCon
         raise JobDoesNotFitModel(f"top_k {cfg.top_k} is larger than the model's vocabulary ({vocab} tokens)")
 
 
+@dataclass
+class Rollout:
+    """Phase 1's result: the step's prompts and their B*G sampled completions, group by group."""
+
+    indices: list[int]  # the step's prompts
+    items: list[PromptItem]
+    prompt_ids: list[list[int]]
+    samples: Samples
+    bodies: list[list[int]]  # each completion's tokens without its EOS (what its text decodes)
+    texts: list[str]  # each completion's text for the rewards (cut before a stop string)
+    lengths: list[int]  # each completion's tokens in the loss (its EOS, or the stop string's last token, included)
+    ended: list[bool]  # ended by EOS or a stop string (not cut at max_completion_len)
+    mask: mx.array  # (rows, L) bool: the completion tokens
+    seconds: float  # of sampling
+
+    def groups(self, per_row: list) -> list[list]:
+        """A per-row list as B groups of G."""
+        G = len(per_row) // len(self.items)
+        return [per_row[b * G:(b + 1) * G] for b in range(len(self.items))]
+
+
 class GRPOTrainer:
-    """Runs the steps of one job on a model with LoRA attached (worker/models.py)."""
+    """Runs the steps of one job on a model with LoRA attached (worker/adapters.py)."""
 
     def __init__(self, model: nn.Module, tokenizer, spec: JobCreate, scorer):
         self.model, self.tokenizer, self.spec, self.cfg, self.scorer = model, tokenizer, spec, spec.config, scorer
@@ -358,7 +318,7 @@ class GRPOTrainer:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
         self.decode_step = make_decode_step(model, self.sampling, self.eos_ids, pad_id)
-        self.optimizer = make_optimizer(cfg)
+        self.optimizer = trl_adamw(cfg)
         self.optimizer.init(model.trainable_parameters())
 
         # Memory: fails here, before anything runs, when even one row cannot fit.
@@ -431,41 +391,52 @@ class GRPOTrainer:
             grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
         return loss, stats, grad_norm, grads
 
-    # One iter: sample, score, update mu times. Returns the step's metrics and what was sampled.
     def step(
         self, state: TrainState, should_stop: Callable[[], bool], on_finite_loss: Callable[[], None] = lambda: None
     ) -> tuple[dict[str, float], dict]:
-        """on_finite_loss: called once the current weights gave a finite loss and gradient
-        (before they are updated): the moment they are known to be good to checkpoint."""
-        cfg, model, tok = self.cfg, self.model, self.tokenizer
+        """One iter, the module docstring's four phases: rollout, score, advantages, update. Returns
+        the step's metrics and its samples event. on_finite_loss: called once the current weights
+        gave a finite loss and gradient (before they are updated), the moment they are known to
+        be good to checkpoint."""
         t0 = time.perf_counter()
         mx.reset_peak_memory()
-        idx = batch_indices(len(self.items), cfg.batch_size, state.step, cfg.seed)
-        items = [self.items[i] for i in idx]
-        prompt_ids = [self.prompt_ids[i] for i in idx]
+        rollout = self.rollout(state.step, should_stop)
+        rewards, reward_metrics = self.score(rollout, state.step, should_stop)
+        advantages = advantages_from_rewards(rewards, self.cfg.scale_rewards)
+        loss, stats, grad_norm = self.update(rollout, advantages, state.step, should_stop, on_finite_loss)
 
-        # Every step's randomness (sampling, LoRA dropout) is a function of (seed, step):
-        # reproducible, and a job resumed from a checkpoint continues as it would have.
-        step_seed = cfg.seed * 1_000_003 + state.step
-        mx.random.seed(step_seed)
-        model.eval()
+        state.num_tokens += sum(rollout.lengths) + sum(len(p) for p in rollout.prompt_ids) * self.cfg.group_size
+        metrics = step_metrics(rollout, rewards, reward_metrics, loss, stats, grad_norm, self.optimizer, state.num_tokens)
+        metrics["step_time"] = time.perf_counter() - t0
+        state.step += 1
+        return metrics, samples_event(rollout, rewards)
+
+    def rollout(self, step: int, should_stop: Callable[[], bool]) -> Rollout:
+        """Phase 1: sample G completions for each of the step's B prompts; their texts, with
+        stop strings ending a completion early (host side)."""
+        cfg, tok = self.cfg, self.tokenizer
+        idx = batch_indices(len(self.items), cfg.batch_size, step, cfg.seed)
+        prompt_ids = [self.prompt_ids[i] for i in idx]
+        seed = step_seed(cfg.seed, step)  # sampling and LoRA dropout: reproducible, and as before on resume
+        mx.random.seed(seed)
+        self.model.eval()
+        t0 = time.perf_counter()
         samples = sample(
-            model, self.decode_step, prompt_ids, cfg.group_size, self.sampling, self.eos_ids,
-            mx.random.key(step_seed), should_stop,
+            self.model, self.decode_step, prompt_ids, cfg.group_size, self.sampling, self.eos_ids,
+            mx.random.key(seed), should_stop,
         )
         if samples is None:
             raise Cancelled()
-        t_sampled = time.perf_counter()
+        seconds = time.perf_counter() - t0
 
-        # Text for the rewards; stop strings end a completion early (host side).
         rows = samples.tokens.tolist()
         lengths = samples.mask.sum(axis=1).tolist()
         ended = samples.ended.tolist()
-        texts, mask = [], samples.mask
         # A row that ended has its EOS as last token: part of the loss, not of the text.
         bodies = [r[: n - 1] if e else r[:n] for r, n, e in zip(rows, lengths, ended)]
+        mask = samples.mask
         if cfg.stop:
-            cut = []
+            texts, cut = [], []
             for i, body in enumerate(bodies):
                 text, k, hit = cut_at_stop_strings(tok, body, cfg.stop)
                 texts.append(text)
@@ -475,22 +446,25 @@ class GRPOTrainer:
             mask = mx.arange(mask.shape[1])[None, :] < mx.array(cut)[:, None]
         else:
             texts = [completion_text(tok, body) for body in bodies]
-        G = cfg.group_size
-        completions = [texts[b * G : (b + 1) * G] for b in range(len(items))]
-        from worker.rewards import RewardStopped  # here: the supervised trainers import this module without HTTP/JSON-schema libraries
+        return Rollout(idx, [self.items[i] for i in idx], prompt_ids, samples, bodies, texts, lengths, ended, mask, seconds)
 
+    def score(self, rollout: Rollout, step: int, should_stop: Callable[[], bool]) -> tuple[np.ndarray, dict[str, float]]:
+        """Phase 2: the completions' rewards, (B, G) with NaN where unscorable, and the reward
+        sources' metrics (worker/rewards/scorer.py)."""
         try:
-            rewards, reward_metrics = self.scorer.score(
-                state.step, items, completions, token_counts=[lengths[b * G : (b + 1) * G] for b in range(len(items))],
-                should_stop=should_stop,
-            )
+            return self.scorer.score(step, rollout.items, rollout.groups(rollout.texts),
+                                     token_counts=rollout.groups(rollout.lengths), should_stop=should_stop)
         except RewardStopped:  # cancelled while waiting on a reward server
             raise Cancelled() from None
-        advantages = advantages_from_rewards(np.asarray(rewards, dtype=np.float32), cfg.scale_rewards)
-        if cfg.mask_truncated_completions:
-            mask = mask & mx.array(ended)[:, None]
 
-        batch = make_batch(prompt_ids, samples, mask, advantages, G)
+    def update(self, rollout: Rollout, advantages: np.ndarray, step: int, should_stop: Callable[[], bool],
+               on_finite_loss: Callable[[], None]) -> tuple[mx.array, dict, mx.array]:
+        """Phase 4: mu optimizer updates on the rollout's tokens (mask_truncated_completions: the
+        completions cut at max_completion_len left out), with the reference policy's log-probs
+        when beta > 0. Returns the last update's loss, statistics and gradient norm."""
+        cfg, model = self.cfg, self.model
+        mask = rollout.mask & mx.array(rollout.ended)[:, None] if cfg.mask_truncated_completions else rollout.mask
+        batch = make_batch(rollout.prompt_ids, rollout.samples, mask, advantages, cfg.group_size)
         if cfg.beta > 0:
             with lora_disabled(model):
                 batch.ref_logp = self.forward_logprobs(batch)
@@ -504,72 +478,60 @@ class GRPOTrainer:
                 raise Cancelled()
             loss, stats, grad_norm, grads = self.loss_and_grads(batch, ref)
             mx.eval(loss, grad_norm, stats)
-            if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
-                raise NonFiniteLoss(f"non-finite loss or gradient at step {state.step + 1} (loss={loss.item()}, grad_norm={grad_norm.item()})")
+            check_finite(loss.item(), grad_norm.item(), step + 1)
             if mu == 0:
                 on_finite_loss()
             self.optimizer.update(model, grads)
             mx.eval(model.trainable_parameters(), self.optimizer.state)
         model.eval()
-
-        # Metrics, named as TRL users know them.
-        n_tokens = int(sum(lengths))
-        state.num_tokens += n_tokens + sum(len(p) for p in prompt_ids) * G
-        group_std = nan_std(rewards, axis=1)  # NaN where a group has fewer than 2 scorable completions
-        defined = ~np.isnan(group_std)
-        length_arr = np.asarray(lengths)
-        sampled_tokens = samples.steps * len(rows)
-        metrics = {
-            "loss": float(loss.item()),
-            # Over scorable completions (0 when there is none: metrics stay JSON numbers).
-            "reward": float(np.nan_to_num(nan_mean(rewards))),
-            "reward_std": float(group_std[defined].mean()) if defined.any() else 0.0,
-            "frac_reward_zero_std": float(np.isclose(group_std, 0.0).mean()),  # undefined std: not zero (TRL)
-            **{k: float(v.item()) for k, v in stats.items()},
-            "entropy": float(((samples.entropy * samples.mask).sum() / mx.maximum(samples.mask.sum(), 1)).item()),
-            "completions/mean_length": float(length_arr.mean()),
-            "completions/min_length": float(length_arr.min()),
-            "completions/max_length": float(length_arr.max()),
-            "completions/clipped_ratio": float(1.0 - np.mean(ended)),
-            "num_tokens": state.num_tokens,
-            "grad_norm": float(grad_norm.item()),
-            "learning_rate": float(self.optimizer.learning_rate.item()),
-            "tokens_per_second": sampled_tokens / max(t_sampled - t0, 1e-9),
-            "peak_memory_gb": mx.get_peak_memory() / 1e9,
-            "n_samples": len(rows),
-            **reward_metrics,
-        }
-        metrics["mean_reward"] = metrics["reward"]
-        metrics["step_time"] = time.perf_counter() - t0
-        state.step += 1
-        state.history.append({k: metrics[k] for k in HISTORY_METRICS})
-        cut = min(SAMPLE_TEXT_CHARS, SAMPLES_EVENT_CHARS // len(rows))
-        shown = [[text[:cut] for text in group] for group in completions]
-        # Per completion, its text's tokens and their summed sampling log-probs (logits / temperature):
-        # what a downstream trainer needs for its own ratios, and what the log-prob endpoint
-        # answers for the same prompt and completion text.
-        text_tokens = [min(n, len(body)) for n, body in zip(lengths, bodies)]
-        old_logp = np.array(samples.logprobs)
-        sums = [float(old_logp[i, :n].sum()) for i, n in enumerate(text_tokens)]
-        samples_record = {"prompt_indices": idx, "completions": shown,
-                          "rewards": [[None if np.isnan(r) else float(r) for r in group] for group in rewards],
-                          "token_counts": [text_tokens[b * G:(b + 1) * G] for b in range(len(items))],
-                          "logprobs": [sums[b * G:(b + 1) * G] for b in range(len(items))]}
-        return metrics, samples_record
+        return loss, stats, grad_norm
 
 
-class lora_disabled:
-    """Context: LoRA layers contribute nothing (the base model = the reference policy)."""
+# --------------------------------------------------------------------------- what a step reports
 
-    def __init__(self, model: nn.Module):
-        self.layers = [m for _, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "scale")]
 
-    def __enter__(self):
-        self.scales = [m.scale for m in self.layers]
-        for m in self.layers:
-            m.scale = 0.0
+def step_metrics(rollout: Rollout, rewards: np.ndarray, reward_metrics: dict, loss: mx.array, stats: dict,
+                 grad_norm: mx.array, optimizer: optim.Optimizer, num_tokens: int) -> dict[str, float]:
+    """A step's metrics, named as TRL users know them."""
+    samples = rollout.samples
+    group_std = nan_std(rewards, axis=1)  # NaN where a group has fewer than 2 scorable completions
+    defined = ~np.isnan(group_std)
+    lengths = np.asarray(rollout.lengths)
+    metrics = {
+        "loss": float(loss.item()),
+        # Over scorable completions (0 when there is none: metrics stay JSON numbers).
+        "reward": float(np.nan_to_num(nan_mean(rewards))),
+        "reward_std": float(group_std[defined].mean()) if defined.any() else 0.0,
+        "frac_reward_zero_std": float(np.isclose(group_std, 0.0).mean()),  # undefined std: not zero (TRL)
+        **{k: float(v.item()) for k, v in stats.items()},
+        "entropy": float(((samples.entropy * samples.mask).sum() / mx.maximum(samples.mask.sum(), 1)).item()),
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(1.0 - np.mean(rollout.ended)),
+        "num_tokens": num_tokens,
+        "grad_norm": float(grad_norm.item()),
+        "learning_rate": float(optimizer.learning_rate.item()),
+        "tokens_per_second": samples.steps * len(rollout.texts) / max(rollout.seconds, 1e-9),
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        "n_samples": len(rollout.texts),
+        **reward_metrics,
+    }
+    metrics["mean_reward"] = metrics["reward"]
+    return metrics
 
-    def __exit__(self, *exc):
-        for m, s in zip(self.layers, self.scales):
-            m.scale = s
 
+def samples_event(rollout: Rollout, rewards: np.ndarray) -> dict:
+    """The step's samples event: each completion's text, cut to fit SAMPLES_EVENT_CHARS, its reward,
+    and its text's tokens with their summed sampling log-probs (logits / temperature): what a
+    downstream trainer needs for its own ratios, and what the log-prob endpoint answers for the
+    same prompt and completion text."""
+    cut = min(SAMPLE_TEXT_CHARS, SAMPLES_EVENT_CHARS // len(rollout.texts))
+    text_tokens = [min(n, len(body)) for n, body in zip(rollout.lengths, rollout.bodies)]
+    old_logp = np.array(rollout.samples.logprobs)
+    sums = [float(old_logp[i, :n].sum()) for i, n in enumerate(text_tokens)]
+    return {"prompt_indices": rollout.indices,
+            "completions": [[text[:cut] for text in group] for group in rollout.groups(rollout.texts)],
+            "rewards": [[None if np.isnan(r) else float(r) for r in group] for group in rewards],
+            "token_counts": rollout.groups(text_tokens),
+            "logprobs": rollout.groups(sums)}

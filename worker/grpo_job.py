@@ -1,92 +1,56 @@
-"""The GRPO job kind: load the model, attach a LoRA, run the steps, checkpoint, write the adapter.
+"""The GRPO job kind: the shared model with a fresh LoRA, the job's reward sources, and the
+trainer (worker/grpo.py, where the math is), as the Run the job loop drives (worker/job_loop.py).
+What is GRPO's own around the steps: the reward scorer (closed with the job), progress marks
+and /metrics timings around scoring, and a `samples` event per step."""
 
-Runs in the training process (worker/training_process.py), on its main thread. The math is
-in worker/grpo.py; this module is the job around it: progress and sample events, checkpoints
-in Redis that any worker resumes from, and the adapter committed through the job's lease.
-"""
-
-import logging
+import contextlib
 import time
+from typing import Iterator
 
 import mlx.core as mx
 
-from shared.adapters import adapter_dir
 from shared.metrics import recorder
-from shared.schemas import JobCreate, Progress
-from shared.settings import load_settings
-from worker import checkpoints
-from worker.grpo import Cancelled, GRPOTrainer, NonFiniteLoss, TrainState
-from worker.memory import MemoryEstimateError
-from worker.models import ModelNotFound, attach_lora, get_model, loaded_model_ids, save_adapter
-from worker.rewards import RewardError, build_scorer
-from worker.training_process import JobRun
-
-log = logging.getLogger(__name__)
-USER_ERRORS = (ModelNotFound, RewardError, NonFiniteLoss, MemoryEstimateError, checkpoints.CheckpointMismatch)
+from shared.schemas import JobCreate
+from worker import scoring
+from worker.adapters import adapter_config, attach_adapter, remove_adapter_layers, save_adapter
+from worker.grpo import HISTORY_METRICS, GRPOTrainer
+from worker.models import get_model
+from worker.rewards.scorer import build_scorer
+from worker.train_core import Run
 
 
-def run(job: JobRun, spec_json: str) -> dict:
-    spec = JobCreate.model_validate_json(spec_json)
-    settings = load_settings()
+@contextlib.contextmanager
+def load(job, spec: JobCreate, settings) -> Iterator[Run]:
     cfg = spec.config
     t0 = time.perf_counter()
-    job.mark("loading_model")
     model, tokenizer, cached = get_model(spec.model_id, settings)
     if not cached:
-        job.publish_loaded(loaded_model_ids())
+        job.publish_loaded()
     job.write(event={"type": "model_ready", "cached": cached, "load_s": time.perf_counter() - t0})
-    with build_scorer(spec, job.job_id) as scorer:
+    with build_scorer(spec, job.job_id, reward_model=scoring.reward_model_rewards) as scorer:
         mx.random.seed(cfg.seed)  # LoRA init and dropout
-        attach_lora(model, cfg)
-        trainer = GRPOTrainer(model, tokenizer, spec, MarkedScorer(scorer, job))
-        state = TrainState()
-        saved = job.load_checkpoint()
-        if saved:
-            state = checkpoints.restore(model, trainer.optimizer, saved)
-            job.write(event={"type": "resumed", "from_step": state.step}, resumed_from=state.step)
-            log.info("job %s: resumed from the checkpoint of step %d", job.job_id, state.step)
-
-        saver = checkpoints.CheckpointSaver(job, cfg.checkpoint_every, cfg.checkpoint_interval_s, start_step=state.step)
+        attach_adapter(model, cfg)
         try:
-            while state.step < cfg.iters:
-                if job.should_stop():
-                    raise Cancelled()
-                job.mark("sampling")
-                metrics, samples = trainer.step(state, job.should_stop, on_finite_loss=saver.flush)
-                job.step_done()
-                # As the seed server: progress.iter counts completed steps, events carry the
-                # 0-based index of the step they report.
-                progress = Progress(iter=state.step, total_iters=cfg.iters, **metrics)
-                step_index = state.step - 1
-                job.write(event={**progress.model_dump(exclude_none=True), "type": "grpo_step", "iter": step_index,
-                                 "worker": job.lease.worker}, progress=progress)
-                job.write_kept({"type": "samples", "iter": step_index, **samples}, settings.samples_events_kept)
+            trainer = GRPOTrainer(model, tokenizer, spec, MarkedScorer(scorer, job))
+
+            def step(state, should_stop, on_finite_loss):
+                metrics, samples = trainer.step(state, should_stop, on_finite_loss)
                 recorder.observe("mtq_step_seconds", metrics["step_time"])
                 recorder.observe("mtq_tokens_per_second", metrics["tokens_per_second"])
-                recorder.flush(job.lease.r)
-                saver.maybe_snapshot(model, trainer.optimizer, state)
-                job.between_steps(spec.model_id)
-                log.info("job %s step %d/%d loss %.4f reward %.4f (%.2fs)", job.job_id, state.step, cfg.iters,
-                         metrics["loss"], metrics["reward"], metrics["step_time"])
-        except Cancelled:
-            if job.marks.hand_back_requested:  # the worker is shutting down: keep what was done
-                saver.save_now(model, trainer.optimizer, state)
-            raise
+                return metrics, [{"type": "samples", **samples}]
 
-    out = adapter_dir(settings, spec.model_id, spec.adapter_name or job.job_id)
-    job.commit_adapter(out, lambda d: save_adapter(model, cfg, d))
-    # The history holds the last steps, one entry each (a resumed run restored the earlier ones).
-    kept = state.history[-checkpoints.HISTORY_KEPT:]
-    first = state.step - len(kept) + 1
-    return {"adapter_path": str(out), "adapter": (spec.model_id, spec.adapter_name),
-            "history": [{"step": first + i, **h} for i, h in enumerate(kept)]}
+            yield Run(module=model, optimizer=trainer.optimizer, step=step,
+                      save=lambda out_dir: save_adapter(model, out_dir, adapter_config(cfg)), phase="sampling",
+                      history_metrics=HISTORY_METRICS, steps_per_save=cfg.checkpoint_every)
+        finally:
+            remove_adapter_layers(model)  # the process keeps the model for the next job
 
 
 class MarkedScorer:
     """The job's reward scorer, leaving progress marks around each call (a reward call that
     never returns shows up as a stall in phase 'scoring'), timed for /metrics."""
 
-    def __init__(self, scorer, job: JobRun):
+    def __init__(self, scorer, job):
         self.scorer, self.job = scorer, job
 
     def score(self, *args, **kwargs):

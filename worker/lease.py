@@ -17,9 +17,9 @@ from typing import Any, Callable, TypeVar
 
 import redis
 
-from shared import jobstore, lifecycle
+from shared import fenced_writes, jobstore, lifecycle
 from shared.keys import checkpoint_key
-from shared.lifecycle import LeaseLost
+from shared.fenced_writes import LeaseLost
 from shared.settings import load_settings
 
 log = logging.getLogger(__name__)
@@ -62,17 +62,17 @@ class Lease:
     def write(self, event: dict | None = None, **fields: Any) -> str | None:
         """Set job fields and append an event, only while this worker holds the job; the
         event's stream id."""
-        return self._fenced(lambda: lifecycle.write(self.r, self.job_id, self.epoch, event, **fields), "job write")
+        return self._fenced(lambda: fenced_writes.write(self.r, self.job_id, self.epoch, event, **fields), "job write")
 
     def save_blobs(self, key: str, blobs: dict[str, bytes], event: dict | None = None, **fields: Any) -> None:
         """Replace the hash `key` with `blobs` and set job fields, in one fenced write."""
-        self._fenced(lambda: lifecycle.write(self.r, self.job_id, self.epoch, event, blobs_key=key, blobs=blobs,
+        self._fenced(lambda: fenced_writes.write(self.r, self.job_id, self.epoch, event, blobs_key=key, blobs=blobs,
                                              **fields), f"write {key}")
 
     def renew(self) -> bool:
         """Heartbeat: extend the lease. False once the job belongs to someone else."""
         ttl = load_settings().lease_ttl_s
-        if retrying(lambda: lifecycle.renew(self.r, self.job_id, self.epoch, ttl), "lease renew"):
+        if retrying(lambda: fenced_writes.renew(self.r, self.job_id, self.epoch, ttl), "lease renew"):
             return True
         self.lost.set()
         return False

@@ -32,6 +32,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_lm.models import qwen3
 from mlx_lm.utils import quantize_model, save_config, save_model
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 # Qwen's special tokens. Like Qwen they come after the BPE vocabulary (the last 3 ids).
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -190,8 +191,6 @@ def build_tokenizer(vocab_size: int) -> str:
     The BPE part gets vocab_size - 3 entries and the 3 special tokens are appended after it,
     as in Qwen's vocabulary.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
     tok = Tokenizer(models.BPE(byte_fallback=False, fuse_unk=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([

@@ -21,7 +21,7 @@ The micro-batch (when the job does not set it) is the largest divisor m of B*G s
   - the loss step needs no more than sampling does (the peak stays the sampling peak),
     or m * (P + L) <= MIN_MICRO_BATCH_TOKENS (smaller would be mostly per-call overhead),
   - m * (P + L) <= MAX_MICRO_BATCH_TOKENS (on the CPU larger forward passes are no faster;
-    on a GPU they are, at a cost in memory: README, the loss-phase table), and
+    on a GPU they are, at a cost in memory: docs/performance.md, the loss-phase table), and
   - weights + loss(m) fits max_memory_gb.
 Gradient checkpointing (unless the job sets it) is used where it allows a larger micro-batch.
 If even m = 1 (or sampling) does not fit max_memory_gb, the job fails at start with

@@ -1,22 +1,23 @@
-"""Loading models (kept loaded between jobs), attaching a fresh LoRA per job, writing adapters."""
+"""Loading models: the shared ones, kept loaded between jobs, and a job's private copy (full and
+quantized fine-tuning change the base weights); and gradient checkpointing of a loaded model."""
 
 import contextlib
-import json
 import logging
 import socket
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import mlx.core as mx
 import mlx.nn as nn
+from huggingface_hub import constants, snapshot_download
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.tuner.trainer import grad_checkpoint
-from mlx_lm.tuner.utils import linear_to_lora_layers, remove_lora_layers
+from mlx_lm.utils import quantize_model
 
 from shared.model_ids import model_id_error, under_roots
-from shared.schemas import GRPOConfig
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,6 @@ def resolve_model(model_id: str, settings: Settings) -> str:
 def _hub_snapshot(repo_id: str) -> str:
     """A Hugging Face id: the local cache if it has it; else the hub, but only after a short
     probe, so that a worker without network says so at once instead of retrying for minutes."""
-    from huggingface_hub import constants, snapshot_download
-
     try:
         return snapshot_download(repo_id, local_files_only=True)
     except Exception:
@@ -73,8 +72,6 @@ def _hub_snapshot(repo_id: str) -> str:
 def _reaches(endpoint: str) -> bool:
     """Can we open a TCP connection to the hub within HUB_PROBE_S? (In a thread: a DNS lookup
     has no timeout of its own.)"""
-    from urllib.parse import urlsplit
-
     parts = urlsplit(endpoint)
     result: list[bool] = []
 
@@ -131,16 +128,6 @@ def loaded_model_ids() -> list[str]:
     return [model_id for _, _, model_id in _loaded.values()]
 
 
-def lora_config(cfg: GRPOConfig) -> dict:
-    """mlx_lm's adapter_config.json content for this job's LoRA. lora_alpha is mlx_lm's LoRA
-    `scale` itself, as the seed server passes it (so the same request trains the same model)."""
-    return {
-        "fine_tune_type": "lora",
-        "num_layers": cfg.lora_layers,
-        "lora_parameters": {"rank": cfg.lora_rank, "scale": cfg.lora_alpha, "dropout": cfg.lora_dropout},
-    }
-
-
 @contextlib.contextmanager
 def gradient_checkpointing(model: nn.Module, on: bool):
     """Every transformer block keeps only its input for the backward pass and recomputes the
@@ -158,23 +145,35 @@ def gradient_checkpointing(model: nn.Module, on: bool):
         cls.__call__ = original
 
 
-def attach_lora(model: nn.Module, cfg: GRPOConfig) -> None:
-    """Replace any previous job's LoRA with a fresh one; only LoRA weights stay trainable."""
-    remove_lora_layers(model)
-    model.freeze()
-    conf = lora_config(cfg)
-    linear_to_lora_layers(model, conf["num_layers"], conf["lora_parameters"])
-    model.eval()
-    mx.eval(model.trainable_parameters())
+class UnsupportedBase(Exception):
+    """The model cannot be fine-tuned the way the job asks (already quantized, too large)."""
 
 
-def lora_weights(model: nn.Module) -> dict[str, mx.array]:
-    return dict(tree_flatten(model.trainable_parameters()))
+def private_base(model_id: str, settings, fine_tune_type: str, quant_bits: int | None):
+    """(model, tokenizer, config, quantization) for a job that changes the base weights: its own
+    copy (worker/models.py load_private), made ready by prepare_private."""
+    model, tokenizer, config = load_private(model_id, settings)
+    return (model, tokenizer, *prepare_private(model, config, model_id, fine_tune_type, quant_bits,
+                                                settings.full_finetune_max_gb))
 
 
-def save_adapter(model: nn.Module, cfg: GRPOConfig, out_dir: Path) -> Path:
-    """adapters.safetensors + adapter_config.json, as mlx_lm writes and loads them."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out_dir / "adapters.safetensors"), lora_weights(model))
-    (out_dir / "adapter_config.json").write_text(json.dumps(lora_config(cfg), indent=2))
-    return out_dir
+def prepare_private(model: nn.Module, config: dict, name: str, fine_tune_type: str, quant_bits: int | None,
+                    max_gb: float) -> tuple[dict, dict | None]:
+    """Check a lazily loaded private copy and quantize it for qlora, as mlx_lm.convert does
+    (affine, group size 64); (its config, the quantization or None). `full` is bounded by
+    max_gb (MTQ_FULL_FINETUNE_MAX_GB), checked before any weight is read."""
+    if "quantization" in config or "quantization_config" in config:
+        raise UnsupportedBase(f"model {name!r} is already quantized: fine_tune_type lora or dora on it is QLoRA "
+                              "as it is; full, qlora and quantize_base need an unquantized model")
+    size = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # lazy: nothing read yet
+    if fine_tune_type == "full" and size > max_gb * 1e9:
+        raise UnsupportedBase(
+            f"full fine-tuning of {name!r}: its weights are {size / 1e9:.3g} GB, above MTQ_FULL_FINETUNE_MAX_GB "
+            f"({max_gb} GB; checkpoints hold the weights and twice that of optimizer state in Redis); "
+            "use lora, dora or qlora")
+    quantization = None
+    if quant_bits:
+        _, config = quantize_model(model, config, group_size=None, bits=quant_bits, mode="affine")
+        quantization = {k: config["quantization"][k] for k in ("group_size", "bits", "mode")}
+    mx.eval(model.parameters())
+    return config, quantization

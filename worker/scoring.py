@@ -5,18 +5,17 @@
 over the completion tokens c_t, each predicted from the prompt and the completion tokens
 before it (teacher forcing), with raw logits (T = 1) unless the batch form names a
 temperature. The prompt is tokenised exactly as the GRPO trainer tokenises it
-(worker/grpo.py prompt_token_ids: raw text by default, the chat template on request), the
+(worker/logprobs.py prompt_token_ids: raw text by default, the chat template on request), the
 completion with `tokenizer.encode` without special tokens, and rows are scored in padded
-batches with the trainer's own forward (worker/grpo.py completion_logprobs).
+batches with the trainer's own forward (worker/logprobs.py completion_logprobs).
 
 A worker busy with a training job answers between optimizer steps, on the model it holds:
-`adapter_swapped` takes the job's LoRA layers out, puts the requested adapter (or none: the
+`adapter_swapped` (worker/adapters.py) takes the job's LoRA layers out, puts the requested adapter (or none: the
 base model) in, and puts the job's very LoRA modules back afterwards, so the job's weights,
 optimizer state, compiled functions and random state are untouched (scoring draws no
 random numbers and runs in eval mode).
 """
 
-import contextlib
 import functools
 import logging
 import shutil
@@ -26,21 +25,20 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_unflatten
-from mlx_lm.tuner.dora import DoRALinear
-from mlx_lm.tuner.lora import LoRALinear
-from mlx_lm.tuner.utils import load_adapters
 
 from shared import scoring
-from shared.metrics import recorder
+from shared.adapters import WEIGHTS_FILE
+from shared.jobstore import connect
 from shared.keys import ADAPTERS_INDEX, adapter_key
 from shared.lifecycle import adapter_ref
-from shared.schemas import PromptItem
+from shared.metrics import recorder
 from shared.settings import Settings
-from worker.grpo import completion_logprobs, prompt_token_ids
+from worker.adapters import adapter_swapped
+from worker.logprobs import as_item, completion_logprobs, completion_token_ids, prompt_token_ids
 from worker.memory import logits_chunk_tokens, model_shape
 from worker.models import ModelNotFound, get_model
-from worker.supervised import remove_adapter_layers
+from worker.reward_head import HEAD_FILE, load_head, score_completions
+from worker.rewards.batch import RewardError
 from worker.sampling import left_pad
 
 log = logging.getLogger(__name__)
@@ -59,10 +57,10 @@ def adapter_files(r, settings: Settings, model_id: str, adapter_name: str) -> Pa
     blobs = {} if job_id is None else r.hgetall(adapter_key(job_id.decode()))
     if not blobs:
         raise AdapterNotFound(f"Adapter not found: {model_id}/{adapter_name}")
-    if b"adapters.safetensors" not in blobs:
+    if WEIGHTS_FILE.encode() not in blobs:
         raise AdapterNotFound(f"Adapter not found: {model_id}/{adapter_name} (a full fine-tune's model directory, not an adapter)")
     out = settings.home / "cache" / "adapters" / job_id.decode()
-    if not (out / "adapters.safetensors").is_file():
+    if not (out / WEIGHTS_FILE).is_file():
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -71,24 +69,6 @@ def adapter_files(r, settings: Settings, model_id: str, adapter_name: str) -> Pa
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return out
-
-
-@contextlib.contextmanager
-def adapter_swapped(model: nn.Module, adapter_dir: Path | None):
-    """The model with the given adapter (None: no adapter) in place of its own LoRA layers, in eval mode."""
-    own = [(name, m) for name, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))]
-    training = model.training
-    remove_adapter_layers(model)
-    try:
-        if adapter_dir is not None:
-            load_adapters(model, str(adapter_dir))
-        model.eval()
-        yield model
-    finally:
-        remove_adapter_layers(model)
-        if own:
-            model.update_modules(tree_unflatten(own))
-        model.train(training)
 
 
 def score_rows(model: nn.Module, tokenizer, rows: list[tuple[list[int], list[int]]], temperature: float) -> list[dict]:
@@ -114,17 +94,13 @@ def score_rows(model: nn.Module, tokenizer, rows: list[tuple[list[int], list[int
 
 
 def tokenize(tokenizer, prompt, completion: str, use_chat_template: bool) -> tuple[list[int], list[int]]:
-    item = prompt if isinstance(prompt, PromptItem) else PromptItem(prompt=prompt)
-    return prompt_token_ids(tokenizer, item, use_chat_template), list(tokenizer.encode(completion, add_special_tokens=False))
+    return prompt_token_ids(tokenizer, as_item(prompt), use_chat_template), completion_token_ids(tokenizer, completion)
 
 
 def reward_model_rewards(settings: Settings, model_id: str, adapter_name: str, prompts: list[str],
                          completions: list[str], r=None) -> list[float]:
-    """Rewards from a reward job's adapter and value head (worker/reward_model_job.py), on the
+    """Rewards from a reward job's adapter and value head (worker/reward_head.py), on the
     model this process keeps loaded. Raises RewardError when the reward model is unusable."""
-    from worker.reward_model_job import HEAD_FILE, load_head, score_completions
-    from worker.rewards import RewardError
-
     r = r or _redis(settings)
     try:
         model, tokenizer, _ = get_model(model_id, settings)
@@ -139,8 +115,6 @@ def reward_model_rewards(settings: Settings, model_id: str, adapter_name: str, p
 
 @functools.lru_cache
 def _redis(settings: Settings):
-    from shared.jobstore import connect
-
     return connect(settings.redis_url)
 
 
@@ -157,8 +131,6 @@ def serve_one(r, settings: Settings, request_id: str, request: dict) -> None:
 
 def _compute(r, settings: Settings, request_id: str, request: dict) -> dict:
     """scoring.answer's keyword arguments: the result, or the error and its HTTP status."""
-    from worker.rewards import RewardError
-
     t0 = time.perf_counter()
     try:
         if request.get("type") == "reward":

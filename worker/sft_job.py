@@ -8,13 +8,10 @@ token of a text row; padding never):
 
 Rows are tokenised by mlx_lm's own dataset classes (text, messages with tools, prompt/
 completion; `mask_prompt` trains only on the completion / last assistant message). The job
-around the steps (checkpoints, resume, cancel, events) is worker/supervised.py's.
+around the steps is worker/supervised.py's `load` and the job loop (worker/job_loop.py).
 """
 
-from __future__ import annotations
-
 import types
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.tuner.datasets import create_dataset
@@ -22,13 +19,9 @@ from mlx_lm.tuner.datasets import create_dataset
 from shared.datasets import DatasetError
 from shared.train_specs import SFTJobCreate
 from worker import supervised
-from worker.grpo import Cancelled  # noqa: F401  (the kind's Cancelled: training_process catches it)
-from worker.supervised import Rows, Trainer, cut, pad_rows, token_logps
-
-if TYPE_CHECKING:  # the job's handle; the trainers run without the worker (bench/train_step.py)
-    from worker.training_process import JobRun
-
-USER_ERRORS = supervised.USER_ERRORS
+from worker.logprobs import token_logps
+from worker.supervised import Trainer
+from worker.train_core import Rows, cut, pad_rows
 
 
 # --------------------------------------------------------------------------- the math
@@ -77,8 +70,7 @@ class SFTTrainer(Trainer):
         return sft_loss(logits, targets, mask), {"mean_token_accuracy": correct.sum() / mx.maximum(mask.sum(), 1.0)}
 
 
-def run(job: JobRun, spec_json: str) -> dict:
-    spec = SFTJobCreate.model_validate_json(spec_json)
+def load(job, spec: SFTJobCreate, settings):
+    """The job's Run (worker/supervised.py load): full and quantized bases train a private copy."""
     cfg = spec.config
-    return supervised.run_job(job, spec, SFTTrainer, fine_tune_type=cfg.fine_tune_type,
-                              quant_bits=cfg.quant_bits if cfg.quantized else None)
+    return supervised.load(job, spec, settings, SFTTrainer, cfg.fine_tune_type, cfg.quant_bits if cfg.quantized else None)

@@ -6,7 +6,7 @@ the same process down with it. So `mtq worker` is two processes:
 
 - the supervisor (this module): an rq SimpleWorker. It dequeues jobs, takes each job's lease
   (worker/lease.py), and from a heartbeat thread renews the lease and rq's heartbeats and runs
-  the reconciler (shared/lifecycle.py). It never imports MLX, so it always answers.
+  the reconciler (shared/reconciler.py). It never imports MLX, so it always answers.
 - the training process (worker/training_process.py): a long-lived child whose main thread
   owns MLX, keeps models loaded between jobs and runs one job at a time.
 
@@ -20,6 +20,7 @@ While a job runs, the supervisor's main thread watches (Supervisor.watch):
   or it was cancelled)                             killed after LEASE_LOST_GRACE_S
 """
 
+import ctypes
 import json
 import logging
 import multiprocessing
@@ -27,6 +28,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -35,16 +37,14 @@ from pydantic import ValidationError
 from rq import Queue, SimpleWorker
 from rq.worker import WorkerStatus
 
-from shared import lifecycle, routing, workers
-from shared.jobstore import connect, get_spec
+from shared import kinds, lifecycle, routing, workers
+from shared.jobstore import connect
 from shared.keys import job_key
-from shared.lifecycle import Reconciler
+from shared.reconciler import Reconciler
 from shared.settings import load_settings
-from shared.train_specs import spec_model
 from worker import openblas
 from worker.lease import Lease, LeaseLost, retrying
-from worker.training_process import Marks
-from worker.training_process import main as training_main
+from worker.marks import Marks
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,24 @@ POLL_S = 0.2
 SHUTDOWN_GRACE_S = 30.0
 LEASE_LOST_GRACE_S = 10.0
 READY_TIMEOUT_S = 300.0  # importing MLX and the trainer
+
+
+def training_entry(conn, marks: Marks, worker: str, parent_pid: int) -> None:
+    """The training process's entry point (multiprocessing 'spawn': a fresh interpreter, no fork
+    of MLX). It imports the training process's module, and with it MLX, only here, in the child."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    from worker import training_process  # in the child only: the supervisor never loads MLX
+
+    training_process.main(conn, marks, worker, parent_pid)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the supervisor dies (even if this one hangs
+    in native code). Elsewhere should_stop notices the new parent at its next check."""
+    if sys.platform == "linux":
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class TrainingProcess:
@@ -71,7 +89,7 @@ class TrainingProcess:
     def start(self) -> None:
         """Start the child and wait until it has loaded MLX and the trainers."""
         ours, theirs = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=training_main, name="mtq-training", daemon=True,
+        self.proc = self.ctx.Process(target=training_entry, name="mtq-training", daemon=True,
                                      args=(theirs, self.marks, self.worker_name, os.getpid()))
         self.proc.start()
         theirs.close()
@@ -241,7 +259,13 @@ class Supervisor(SimpleWorker):
 
     def run(self, job_id: str) -> str:
         """rq's job function (worker/jobs.py) calls this: take the job, let the child run it, watch."""
-        too_big = self._does_not_fit(job_id)
+        kind, raw = retrying(lambda: self.connection.hmget(job_key(job_id), "kind", "spec"), "job read")
+        spec = unreadable = None
+        try:
+            spec = None if raw is None else lifecycle.read_spec({"kind": kind and kind.decode(), "spec": raw})
+        except ValueError as e:  # a record this version cannot load: run() fails it, never retried
+            unreadable = f"{e.error_count()} invalid fields" if isinstance(e, ValidationError) else str(e)
+        too_big = spec is not None and self._does_not_fit(job_id, kinds.of_record(kind).name, spec)
         if too_big:
             return too_big
         lease = Lease.start(self.connection, job_id, self.name)
@@ -251,10 +275,8 @@ class Supervisor(SimpleWorker):
         self.current_job = job_id
         self._advertise()
         try:
-            try:
-                spec = retrying(lambda: get_spec(self.connection, job_id), "job read")
-            except ValidationError as e:  # a record this version cannot load: never retry it
-                error = f"the stored job record cannot be loaded: {e.error_count()} invalid fields"
+            if spec is None:
+                error = f"the stored job record cannot be loaded: {unreadable}"
                 lease.finish("failed", {"type": "failed", "error": error}, error=error)
                 return "failed"
             return self.watch(lease, spec.config.stall_timeout_s)
@@ -272,18 +294,12 @@ class Supervisor(SimpleWorker):
             self.current_job = None
             self._advertise()
 
-    def _does_not_fit(self, job_id: str) -> str | None:
+    def _does_not_fit(self, job_id: str, kind: str, spec) -> str | None:
         """The router's memory class is a lower bound (shared/routing.py): check the job against
         this worker's device, model and memory, and route it again, without starting it (no
         attempt spent), when it needs more. The reason, or None when it fits."""
-        kind, raw = retrying(lambda: self.connection.hmget(job_key(job_id), "kind", "spec"), "job read")
-        if raw is None or self.memory_gb is None or self.training.device is None:
+        if self.memory_gb is None or self.training.device is None:
             return None
-        kind = (kind or b"grpo").decode()
-        try:
-            spec = spec_model(kind).model_validate_json(raw)
-        except ValidationError:
-            return None  # run() fails it with the reason
         model = self.models.get(routing.model_key(spec.model_id), {})
         need = routing.job_need_gb(kind, spec, model, self.training.device["device"])
         if need is None or need <= self.memory_gb:

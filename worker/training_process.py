@@ -6,40 +6,40 @@ lease epoch the supervisor took, and makes every write for the job itself, fence
 epoch. It leaves progress marks in memory shared with the supervisor, which ends it when the
 marks stop (a stall), and tells it through the same memory to hand its job back.
 
-Job kinds: KINDS maps a record's `kind` to the module that runs it; a kind module has
-`run(job: JobRun, spec_json: str) -> dict` (the fields of the completed record, e.g.
-adapter_path), `Cancelled` (raised when job.should_stop() said so) and USER_ERRORS
-(exceptions whose message is the whole story: no traceback).
+A job runs in the job loop (worker/job_loop.py), with its kind's `load` from the kind's worker
+module (shared/kinds.py names it). Only the training process imports this module and MLX: the
+supervisor starts it in a fresh interpreter.
 """
 
-import ctypes
 import importlib
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from shared import workers
+import mlx.core as mx
+
+from shared import kinds, workers
 from shared.jobstore import connect
 from shared.keys import adapter_key, checkpoint_key, events_key, job_key
 from shared.metrics import recorder
 from shared.settings import load_settings
+from worker import job_loop, scoring
 from worker.lease import Lease, LeaseLost, retrying
+from worker.marks import Marks
+from worker.memory import device_description
+from worker.models import loaded_model_ids
+from worker.train_core import Cancelled
 
 log = logging.getLogger(__name__)
 
-KINDS = {"grpo": "worker.grpo_job", "sft": "worker.sft_job", "dpo": "worker.dpo_job", "orpo": "worker.orpo_job",
-         "reward": "worker.reward_model_job"}
 IDLE_WAIT_S = 0.5  # an idle process waits this long for a scoring request before looking for a job again
-PHASES = ("idle", "loading_model", "compiling", "sampling", "scoring", "updating", "checkpointing", "saving")
 # Shown instead of sampling/updating during the first step of a training process that found
 # MLX's kernel cache empty: that step compiles the kernels (minutes on a fresh machine).
 COMPILING_NOTE = ("first step on this machine: MLX is compiling its kernels (about a minute on a CPU, "
@@ -51,51 +51,10 @@ def kernel_cache_is_fresh() -> bool:
     """MLX's CPU backend caches the kernels it compiles in $TMPDIR/mlx/<version>; its GPU
     backends compile in the process (Metal) or cache elsewhere (CUDA), so on a GPU every
     training process's first step is taken to compile."""
-    import mlx.core as mx
-
     if mx.default_device() != mx.cpu:
         return True
     cache = Path(tempfile.gettempdir()) / "mlx" / mx.__version__
     return not cache.is_dir() or not any(cache.rglob("*.so"))
-
-
-class Marks:
-    """Shared memory between supervisor and child: progress marks one way, hand-back the other.
-    Plain doubles, no lock: one writer each, and a reader that only needs a recent value."""
-
-    def __init__(self, ctx):
-        self._a = ctx.RawArray(ctypes.c_double, 4)  # [last mark (monotonic), phase, steps done, hand back]
-
-    def mark(self, phase: str | None = None) -> None:
-        if phase is not None:
-            self._a[1] = PHASES.index(phase)
-        self._a[0] = time.monotonic()
-
-    def step_done(self) -> None:
-        self._a[2] += 1
-        self.mark()
-
-    def reset(self) -> None:
-        self._a[0], self._a[1], self._a[2], self._a[3] = time.monotonic(), 0, 0, 0
-
-    @property
-    def last(self) -> float:
-        return self._a[0]
-
-    @property
-    def phase(self) -> str:
-        return PHASES[int(self._a[1])]
-
-    @property
-    def steps(self) -> int:
-        return int(self._a[2])
-
-    def request_hand_back(self) -> None:
-        self._a[3] = 1
-
-    @property
-    def hand_back_requested(self) -> bool:
-        return self._a[3] == 1
 
 
 class JobRun:
@@ -149,15 +108,13 @@ class JobRun:
 
     def between_steps(self, model_id: str) -> None:
         """Answer waiting log-prob requests for the model this job trains (worker/scoring.py)."""
-        from worker import scoring  # MLX: only ever imported in the training process
-
         self.marks.mark()
         scoring.serve_waiting(self.lease.r, load_settings(), model_id)
         self.marks.mark()
 
-    def publish_loaded(self, model_ids: list[str]) -> None:
+    def publish_loaded(self) -> None:
         """Tell the worker's advertisement which models this process holds loaded now."""
-        publish_loaded(self.lease.r, self.lease.worker, model_ids)
+        publish_loaded(self.lease.r, self.lease.worker, loaded_model_ids())
 
     def load_checkpoint(self) -> dict[bytes, bytes]:
         return self.lease.load_checkpoint()
@@ -197,15 +154,16 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
     record = retrying(lambda: r.hmget(job_key(job_id), "kind", "spec"), "job read")
     if record[1] is None:
         return "deleted"
-    kind = importlib.import_module(KINDS[(record[0] or b"grpo").decode()])
     try:
+        kind = kinds.of_record(record[0])
         lease.write(event={"type": "started", "worker": worker, "pid": os.getpid(), "supervisor_pid": parent_pid,
                            "main_thread": threading.current_thread() is threading.main_thread()})
-        fields = kind.run(job, record[1].decode())
+        spec = kind.spec_model.model_validate_json(record[1])
+        fields = job_loop.run(job, kind, spec, importlib.import_module(kind.worker_module).load)
         lease.finish("completed", {"type": "done", "adapter_path": fields.get("adapter_path")},
                      adapter=fields.pop("adapter", None), **fields)
         return "completed"
-    except kind.Cancelled:
+    except Cancelled:
         if marks.hand_back_requested:  # the worker is shutting down: keep what was done
             lease.hand_back("worker shutting down")
             return "handed back"
@@ -213,7 +171,7 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
     except LeaseLost as e:
         log.warning("%s; leaving the job to its new owner", e)
         return "lease lost"
-    except kind.USER_ERRORS as e:
+    except job_loop.USER_ERRORS as e:
         return _fail(lease, str(e))
     except Exception as e:
         log.error("job %s failed:\n%s", job_id, traceback.format_exc())
@@ -235,15 +193,11 @@ def _fail(lease: Lease, error: str) -> str:
 
 
 def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
-    """The child's entry point (multiprocessing 'spawn': a fresh interpreter, no fork of MLX)."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    """The child's loop, called by its entry point (worker/supervisor.py training_entry)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s [training {os.getpid()}] %(name)s %(levelname)s %(message)s")
-    for module in set(KINDS.values()):
-        importlib.import_module(module)  # mlx and the trainers load now, on this main thread
-    from worker import scoring
-    from worker.models import loaded_model_ids
+    for module in {kind.worker_module for kind in kinds.KINDS.values()}:
+        importlib.import_module(module)  # the trainers load now, on this main thread
 
     global _first_step_compiles
     _first_step_compiles = kernel_cache_is_fresh()
@@ -258,8 +212,6 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
             publish_loaded(r, worker, published)
 
     publish_changes()  # a fresh process holds none
-    from worker.memory import device_description
-
     conn.send(("ready", device_description()))  # the supervisor advertises the device and routes by its memory
     while True:
         # Idle: answer log-prob requests for any model; a job waiting gets the process after
@@ -278,11 +230,3 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
         conn.send(run_one(r, job_id, epoch, worker, marks, parent_pid))
         published = None  # the job may have published its own list (models loaded, or one dropped): say ours again
         publish_changes()
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when the supervisor dies (even if this one hangs
-    in native code). Elsewhere should_stop notices the new parent at its next check."""
-    if sys.platform == "linux":
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

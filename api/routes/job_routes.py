@@ -1,4 +1,4 @@
-"""The routes of every job kind, built once from the kind's store (JobKind): create, list, get,
+"""The routes of every job kind (shared/kinds.py), one router per kind: create, list, get,
 cancel, delete, stream, resume, history and the job's adapter, with the seed server's shapes
 and messages:
 
@@ -12,15 +12,21 @@ and messages:
     GET    {prefix}/{id}/history      a completed job's per-step metrics
     GET    {prefix}/{id}/adapter      a completed job's adapter (or full model) as .tar.gz
 
-Jobs of other kinds are 404 here. Routes are plain `def`s (redis-py is blocking; FastAPI runs
+Jobs of other kinds are 404 here. Jobs of any kind, read-only, by their id alone (how the
+client commands and the web page find a job's kind, and so its routes):
+
+    GET    /admin/api/jobs            every kind's jobs, newest first, paged as above
+    GET    /admin/api/jobs/{id}       the job (its `kind` says which); 404 "Job not found: <id>"
+    GET    /admin/api/kinds           the kinds (shared/kinds.py): routes, step events, curves
+
+Routes are plain `def`s (redis-py is blocking; FastAPI runs
 them in a thread pool), except the event stream: an `async def` on redis.asyncio, so that open
 streams hold no threads. Who may do what (api/auth.py): a viewer's token only reads (403 on
 changes); a trainer's token sees only the jobs it created (others' are 404).
 """
 
 import re
-from dataclasses import dataclass
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any, Callable, Union
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
@@ -33,8 +39,10 @@ from api.auth import Principal
 from api.deps import ADMIN_ERRORS, PrincipalDep, RedisDep, SettingsDep, WriterDep, get_async_redis, get_settings, require_token
 from api.json_body import JSONBodyRoute
 from api.routes.adapters import archive_response
+from api.submission import check_datasets, check_spec
 from shared import adapters, jobstore, lifecycle
 from shared.keys import job_key
+from shared.kinds import KINDS, Kind
 from shared.schemas import ErrorBody, JobStatus, UnreadableJob, check_json_values
 
 # Job ids are uuid4 hex; anything with a ':' would name another of the job's keys (mtq:job:<id>:events).
@@ -77,22 +85,11 @@ class SeedErrorsRoute(JSONBodyRoute):
         return answer_400
 
 
-@dataclass(frozen=True)
-class JobKind:
-    """One job kind as its routes see it: its paths, its models, and its store's functions."""
-
-    kind: str  # the record's `kind` (worker/training_process.py KINDS)
-    prefix: str
-    tag: str
-    what: str  # "a GRPO job", for the docs
-    spec_model: type[BaseModel]  # the create body
-    job_model: type[BaseModel]  # the job object
-    create: Callable[..., BaseModel]  # (r, spec, owner) -> the job, queued
-    from_hash: Callable[[str, dict], BaseModel]  # (job_id, record hash) -> the job, or an UnreadableJob
-    with_overrides: Callable[[Any, dict], Any]  # (spec, config overrides) -> spec; pydantic's ValidationError
-    resume: Callable[..., bool]  # (r, job_id, spec, overrides) -> re-queued?; ValueError: does not fit the checkpoint
-    check: Callable[..., None]  # (r, spec, settings, loc): what the schema cannot see; raises RequestValidationError / HTTPException 400
-    route_class: type[APIRoute] = SeedErrorsRoute  # how invalid input is answered
+# How a family's routes (shared/kinds.py) check a spec beyond its schema, and answer invalid input.
+FAMILIES: dict[str, tuple[Callable[..., None], type[APIRoute]]] = {
+    "grpo": (check_spec, JSONBodyRoute),  # the app's handler: the seed's GRPO messages (api/main.py `readable`)
+    "supervised": (check_datasets, SeedErrorsRoute),
+}
 
 
 class ResumeRequest(BaseModel):
@@ -105,34 +102,74 @@ class Deleted(BaseModel):
     status: str = "deleted"
 
 
+class ChartInfo(BaseModel):
+    title: str
+    metrics: list[str] = Field(description="Metric names; one with `*` stands for every metric it matches.")
+
+
+class KindInfo(BaseModel):
+    name: str = Field(description="The jobs' `kind`.")
+    prefix: str = Field(description="Its routes: POST to create, GET {prefix}/{id}/stream, .../cancel, ...")
+    step_event: str = Field(description="The `type` of its per-step events.")
+    first_step: int = Field(description="The `iter` of its first step event (0: the step's index; 1: completed steps).")
+    headline: str = Field(description="The metric a job list shows.")
+    charts: list[ChartInfo] = Field(description="Its curves against step, from its step events and `eval` events.")
+
+
+StatusQuery = Annotated[JobStatus | None, Query(alias="status", description="Only jobs in this status.")]
+LimitQuery = Annotated[int, Query(ge=1, le=1000)]
+AfterQuery = Annotated[str | None, Query(max_length=64, description="X-Next-After of the previous page.")]
+PAGED = {200: {"headers": {
+    "X-Has-More": {"description": "`true` if more jobs follow this page.", "schema": {"type": "string"}},
+    "X-Next-After": {"description": "Pass as `after` to get the next page (only when X-Has-More is true).",
+                     "schema": {"type": "string"}}}}}
+
+
+def only(*codes: int) -> dict:
+    return {code: ERRORS[code] for code in codes}
+
+
+def visible(r, job_id: str, who: Principal, kind: Kind | None = None):
+    """The job (or its unreadable record), if it is of `kind` (None: any) and this principal may see it."""
+    h = r.hgetall(job_key(job_id)) if JOB_ID.match(job_id) else {}
+    if not h or (kind is not None and jobstore.of_kind(h.get(b"kind")) != kind.name):
+        return None
+    found = jobstore.job_or_unreadable(job_id, h)
+    return found if who.sees(found.owner) else None
+
+
+def not_found(job_id: str, what: str = "Job not found") -> HTTPException:
+    # The seed server's messages: "Job not found: <id>", "Job not found or not cancellable: <id>", ...
+    return HTTPException(status.HTTP_404_NOT_FOUND, f"{what}: {job_id[:100]}")
+
+
+def page(r, who: Principal, response: Response, status_: JobStatus | None, limit: int, after: str | None,
+         kind: Kind | None) -> list:
+    """A page of jobs, newest first (a trainer: its own), of `kind` (None: every kind), with the paging headers."""
+    owner = who.name if who.role == "trainer" else None
+    try:
+        jobs, has_more = jobstore.list_jobs(r, status=status_, limit=limit, after=after, owner=owner, kind=kind)
+    except KeyError:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"unknown job id in 'after': {after}") from None
+    response.headers["X-Has-More"] = "true" if has_more else "false"
+    if has_more:
+        response.headers["X-Next-After"] = jobs[-1].job_id
+    return jobs
+
+
 class JobHistory(BaseModel):
     job_id: str
     history: list[dict[str, Any]] = Field(description="One entry per step (the last 1000), each step once, "
                                           "also across resumes: {step, loss, ...}.")
 
 
-def record_kind(raw: bytes | None) -> str:
-    return (raw or b"grpo").decode()  # records from before job kinds are GRPO's
-
-
-def job_router(k: JobKind) -> APIRouter:
-    router = APIRouter(prefix=k.prefix, tags=[k.tag], dependencies=[Depends(require_token)], route_class=k.route_class,
+def job_router(k: Kind) -> APIRouter:
+    check, route_class = FAMILIES[k.family]
+    router = APIRouter(prefix=k.prefix, tags=[k.tag], dependencies=[Depends(require_token)], route_class=route_class,
                        responses={code: ERRORS[code] for code in (400, 401, 413, 503)})
 
-    def only(*codes: int) -> dict:
-        return {code: ERRORS[code] for code in codes}
-
     def entry(r, job_id: str, who: Principal):
-        """The job (or its unreadable record), if it is of this kind and this principal may see it."""
-        h = r.hgetall(job_key(job_id)) if JOB_ID.match(job_id) else {}
-        if not h or record_kind(h.get(b"kind")) != k.kind:
-            return None
-        found = k.from_hash(job_id, h)
-        return found if who.sees(found.owner) else None
-
-    def not_found(job_id: str, what: str = "Job not found") -> HTTPException:
-        # The seed server's messages: "Job not found: <id>", "Job not found or not cancellable: <id>", ...
-        return HTTPException(status.HTTP_404_NOT_FOUND, f"{what}: {job_id[:100]}")
+        return visible(r, job_id, who, k)
 
     def entry_or_404(r, job_id: str, who: Principal):
         found = entry(r, job_id, who)
@@ -149,31 +186,15 @@ def job_router(k: JobKind) -> APIRouter:
 
     @router.post("", response_model=k.job_model, responses=only(403), summary=f"Create {k.what} (queued)")
     def create_job(spec: k.spec_model, r: RedisDep, settings: SettingsDep, who: WriterDep):  # type: ignore[valid-type]
-        k.check(r, spec, settings, ("body",))
-        return k.create(r, spec, owner=who.name)
+        check(r, spec, settings, ("body",))
+        return jobstore.create_job(r, spec, owner=who.name)
 
     @router.get("", response_model=list[k.job_model | UnreadableJob],  # type: ignore[name-defined]
                 summary="List jobs, newest first (a trainer token: its own): a plain array, as the seed server",
-                responses={200: {"headers": {
-                    "X-Has-More": {"description": "`true` if more jobs follow this page.", "schema": {"type": "string"}},
-                    "X-Next-After": {"description": "Pass as `after` to get the next page (only when X-Has-More is true).",
-                                     "schema": {"type": "string"}}}}})
-    def list_jobs(
-        r: RedisDep, who: PrincipalDep, response: Response,
-        status_: Annotated[JobStatus | None, Query(alias="status", description="Only jobs in this status.")] = None,
-        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-        after: Annotated[str | None, Query(max_length=64, description="X-Next-After of the previous page.")] = None,
-    ) -> list:
-        owner = who.name if who.role == "trainer" else None
-        try:
-            jobs, has_more = jobstore.list_jobs(r, status=status_, limit=limit, after=after, owner=owner, kind=k.kind,
-                                                load=k.from_hash)
-        except KeyError:
-            raise HTTPException(status.HTTP_400_BAD_REQUEST, f"unknown job id in 'after': {after}") from None
-        response.headers["X-Has-More"] = "true" if has_more else "false"
-        if has_more:
-            response.headers["X-Next-After"] = jobs[-1].job_id
-        return jobs
+                responses=PAGED)
+    def list_jobs(r: RedisDep, who: PrincipalDep, response: Response, status_: StatusQuery = None,
+                  limit: LimitQuery = 100, after: AfterQuery = None) -> list:
+        return page(r, who, response, status_, limit, after, k)
 
     @router.get("/{job_id}", response_model=k.job_model | UnreadableJob, responses=only(404), summary="Get one job")
     def get_job(job_id: str, r: RedisDep, who: PrincipalDep):
@@ -205,8 +226,8 @@ def job_router(k: JobKind) -> APIRouter:
         overrides = (body or ResumeRequest()).config
         spec = jobstore.get_spec(r, job_id)
         try:
-            k.check(r, k.with_overrides(spec, overrides), settings, ("body", "config"))
-            resumed = k.resume(r, job_id, spec, overrides)
+            check(r, jobstore.with_config_overrides(spec, overrides), settings, ("body", "config"))
+            resumed = jobstore.resume_job(r, job_id, spec, overrides)
         except ValidationError as e:
             raise RequestValidationError([{**err, "loc": ("body", "config", *err["loc"])} for err in e.errors()]) from None
         except ValueError as e:  # a change that does not fit the checkpoint
@@ -247,7 +268,7 @@ def job_router(k: JobKind) -> APIRouter:
         # Everything here runs on the event loop (no sync dependency: those take a pool thread).
         r, settings = get_async_redis(), get_settings()
         job_status, owner = None, None
-        if JOB_ID.match(job_id) and record_kind(await r.hget(job_key(job_id), "kind")) == k.kind:
+        if JOB_ID.match(job_id) and jobstore.of_kind(await r.hget(job_key(job_id), "kind")) == k.name:
             job_status, owner = await sse.status_and_owner(r, job_id)
         if job_status is None or not who.sees(owner):  # before the stream starts: afterwards no 404 can be sent
             raise not_found(job_id)
@@ -256,6 +277,39 @@ def job_router(k: JobKind) -> APIRouter:
         if sse.open_streams[who.name] >= settings.max_streams_per_token:
             raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS,
                                 f"token {who.name!r} has {settings.max_streams_per_token} event streams open (MTQ_MAX_STREAMS_PER_TOKEN)")
-        return sse.CountedStream(sse.job_events(r, job_id, after=last_event_id or "0-0"), who.name)
+        return sse.CountedStream(sse.job_events(r, job_id, after=last_event_id or "0-0", keepalive_s=settings.sse_keepalive_s), who.name)
 
     return router
+
+
+def any_kind_router() -> APIRouter:
+    """Jobs of every kind, read-only (the module's docstring)."""
+    router = APIRouter(prefix="/admin/api", tags=["Jobs of every kind"], dependencies=[Depends(require_token)],
+                       responses={code: ERRORS[code] for code in (400, 401, 503)})
+    any_job = Union[tuple(dict.fromkeys(k.job_model for k in KINDS.values())) + (UnreadableJob,)]  # type: ignore[valid-type]
+
+    @router.get("/jobs", response_model=list[any_job], responses=PAGED,  # type: ignore[valid-type]
+                summary="List jobs of every kind, newest first (a trainer token: its own)")
+    def list_jobs(r: RedisDep, who: PrincipalDep, response: Response, status_: StatusQuery = None,
+                  limit: LimitQuery = 100, after: AfterQuery = None) -> list:
+        return page(r, who, response, status_, limit, after, None)
+
+    @router.get("/jobs/{job_id}", response_model=any_job,
+                responses={404: {"model": ErrorBody, "description": "No job with this id (or not one of this trainer token's)."}},
+                summary="Get a job of any kind; its `kind` names its routes (GET /admin/api/kinds)")
+    def get_job(job_id: str, r: RedisDep, who: PrincipalDep):
+        found = visible(r, job_id, who)
+        if found is None:
+            raise not_found(job_id)
+        return found
+
+    @router.get("/kinds", response_model=list[KindInfo], summary="The job kinds: their routes, step events and curves")
+    def list_kinds() -> list[KindInfo]:
+        return [KindInfo(name=k.name, prefix=k.prefix, step_event=k.step_event, first_step=k.first_step,
+                         headline=k.headline, charts=[ChartInfo(title=c.title, metrics=list(c.metrics)) for c in k.charts])
+                for k in KINDS.values()]
+
+    return router
+
+
+ROUTERS = [any_kind_router(), *(job_router(kind) for kind in KINDS.values())]

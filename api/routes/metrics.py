@@ -15,12 +15,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from rq import Queue, Worker
 
 from api.deps import BearerDep, RedisDep, check_token, from_loopback
-from shared import metrics
+from shared import lifecycle, metrics
 from shared.keys import JOBS_INDEX, job_key
-from shared.schemas import FINISHED_STATUSES
 
 router = APIRouter(tags=["metrics"])
-STATUSES = ("queued", "running", *FINISHED_STATUSES)
+STATUSES = ("queued", "running", *lifecycle.FINISHED)
 
 
 class RedisCollector:
