@@ -1,7 +1,9 @@
 """The REST API as the client commands see it: httpx, MTQ_API_URL and MTQ_API_TOKEN.
 
 Never imports the worker (or mlx): `mtq submit`, `mtq watch`... run on any machine that
-reaches the API. Accepts the list route's answer as a plain JSON array or as `{data: [...]}`.
+reaches the API. A job is named by its id alone: its kind, read once from the routes of every
+kind (GET /admin/api/jobs/{id}), gives its routes from the kind registry (shared/kinds.py).
+Accepts the list route's answer as a plain JSON array or as `{data: [...]}`.
 """
 
 import io
@@ -16,11 +18,14 @@ from typing import Any
 import httpx
 from httpx_sse import connect_sse
 
-JOBS = "/admin/api/fine-tune/grpo/jobs"
+from shared.kinds import KINDS, Kind
+
+JOBS = "/admin/api/jobs"  # jobs of every kind, read-only
+FILES = "/admin/api/fine-tune/files"
 TERMINAL_EVENTS = ("done", "failed", "cancelled")
 RECONNECT_DELAYS_S = (0.5, 1, 2, 4, 8)  # then every 8 s
 RECONNECT_GIVE_UP_S = 300.0  # a stream down this long (API gone) ends the command
-ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
+CONFIG_FILE = "adapter_config.json"  # with adapters.safetensors, or a full fine-tune's model*.safetensors
 
 
 class ApiError(Exception):
@@ -37,6 +42,7 @@ class ApiClient:
     def __init__(self, base_url: str, token: str, timeout: float = 30.0):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self.job_kinds: dict[str, Kind] = {}  # job id -> its kind (it never changes)
 
     @classmethod
     def from_env(cls) -> "ApiClient":
@@ -71,14 +77,33 @@ class ApiClient:
     def job(self, job_id: str) -> dict:
         return self.request("GET", f"{JOBS}/{job_id}").json()
 
-    def submit(self, spec: dict) -> dict:
-        return self.request("POST", JOBS, json=spec).json()
+    def kind_of(self, job_id: str) -> Kind:
+        """The job's kind, asked once per job (GET /admin/api/jobs/{id})."""
+        if job_id not in self.job_kinds:
+            job = self.job(job_id)
+            if job.get("status") == "unreadable":
+                raise ApiError(0, f"job {job_id}: {job.get('error')}")
+            if job.get("kind") not in KINDS:
+                raise ApiError(0, f"job {job_id} is of kind {job.get('kind')!r}, which this client does not know")
+            self.job_kinds[job_id] = KINDS[job["kind"]]
+        return self.job_kinds[job_id]
+
+    def job_path(self, job_id: str) -> str:
+        """The job's routes: its kind's prefix and its id."""
+        return f"{self.kind_of(job_id).prefix}/{job_id}"
+
+    def submit(self, kind: Kind, spec: dict) -> dict:
+        return self.request("POST", kind.prefix, json=spec).json()
+
+    def upload(self, path: Path) -> str:
+        """A JSON Lines dataset file, uploaded (POST /admin/api/fine-tune/files); its file id."""
+        return self.request("POST", FILES, content=path.read_bytes(), params={"filename": path.name[:200]}).json()["id"]
 
     def cancel(self, job_id: str) -> dict:
-        return self.request("POST", f"{JOBS}/{job_id}/cancel").json()
+        return self.request("POST", f"{self.job_path(job_id)}/cancel").json()
 
     def resume(self, job_id: str, config: dict) -> dict:
-        return self.request("POST", f"{JOBS}/{job_id}/resume", json={"config": config}).json()
+        return self.request("POST", f"{self.job_path(job_id)}/resume", json={"config": config}).json()
 
     def events(self, job_id: str, follow: bool = True, after: str | None = None) -> Iterator[tuple[str | None, dict]]:
         """(event id, event) of the job's stream, from the start (or after `after`).
@@ -89,12 +114,13 @@ class ApiClient:
         the server has sent nothing for a moment.
         """
         last_id, last_type, failures, down_since = after, None, 0, None
+        path = f"{self.job_path(job_id)}/stream"
         while True:
             headers = {"Last-Event-ID": last_id} if last_id else {}
             # follow: no read timeout (the server sends a keep-alive comment while the job is quiet).
             timeout = httpx.Timeout(10.0, read=None if follow else 2.0)
             try:
-                with connect_sse(self.http, "GET", f"{JOBS}/{job_id}/stream", headers=headers,
+                with connect_sse(self.http, "GET", path, headers=headers,
                                  timeout=timeout) as source:
                     if source.response.is_error:
                         source.response.read()
@@ -130,18 +156,22 @@ class ApiClient:
             failures += 1
 
     def step_metrics(self, job_id: str) -> list[dict]:
-        """Every step's metrics so far (grpo_step events; a step run twice, after a lost
-        worker, counts once: its latest run)."""
+        """Every step's metrics so far, by their step's `iter`: the kind's step events, with
+        the val_* metrics of the `eval` events (whose `iter` counts completed steps; an eval
+        before the first step is a point of its own). A step run twice, after a lost worker,
+        counts once: its latest run."""
+        kind = self.kind_of(job_id)
         steps: dict[int, dict] = {}
         for _, event in self.events(job_id, follow=False):
-            if event.get("type") == "grpo_step":
-                steps[event["iter"]] = event
+            if event.get("type") in (kind.step_event, "eval"):
+                i = event["iter"] if event["type"] == kind.step_event else event["iter"] - 1 + kind.first_step
+                steps[i] = {**steps.get(i, {}), **event, "iter": i}
         return [steps[i] for i in sorted(steps)]
 
     def download_adapter(self, job_id: str, out_dir: Path) -> list[Path]:
-        """The finished job's adapter (GET .../adapter: a zip or tar archive of its files),
-        unpacked into out_dir as mlx_lm loads it."""
-        archive = self.request("GET", f"{JOBS}/{job_id}/adapter", timeout=300).content
+        """The finished job's adapter, or a full fine-tune's model directory (GET .../adapter:
+        a zip or tar archive of its files), unpacked into out_dir as mlx_lm loads it."""
+        archive = self.request("GET", f"{self.job_path(job_id)}/adapter", timeout=300).content
         files = _unpack(archive)
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
@@ -173,7 +203,8 @@ def _unpack(archive: bytes) -> dict[str, bytes]:
             for member in t.getmembers():
                 if member.isfile():
                     files[Path(member.name).name] = t.extractfile(member).read()
-    missing = [name for name in ADAPTER_FILES if name not in files]
+    missing = [] if any(name.endswith(".safetensors") for name in files) else ["adapters.safetensors"]
+    missing += [] if CONFIG_FILE in files else [CONFIG_FILE]
     if missing:
         raise ApiError(200, f"the adapter archive lacks {', '.join(missing)}")
     return {name: data for name, data in files.items() if name and not name.startswith(".")}

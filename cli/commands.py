@@ -1,6 +1,7 @@
 """The client commands (`mtq submit`, `jobs`, `show`, `watch`, `logs`, `cancel`, `resume`,
 `download`, `plot`): the REST API over HTTP (cli/client.py), MTQ_API_URL and MTQ_API_TOKEN.
-They never import the worker or mlx."""
+`submit` takes any kind of the registry (shared/kinds.py); the others take a job of any kind
+by its id. They never import the worker or mlx."""
 
 import argparse
 import json
@@ -14,6 +15,7 @@ from rich.table import Column, Table
 from cli.client import ApiClient, ApiError
 from cli.plot import plot
 from cli.watch import watch
+from shared.kinds import DEFAULT, KINDS
 
 console = Console(highlight=False)
 
@@ -36,7 +38,7 @@ def parse_sets(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def read_prompts(path: Path) -> list:
+def read_prompts(client: ApiClient, path: Path) -> list:
     """A JSON list, or one prompt per line of text."""
     text = path.read_text()
     if path.suffix == ".json":
@@ -44,25 +46,57 @@ def read_prompts(path: Path) -> list:
     return [line for line in text.splitlines() if line.strip()]
 
 
-def build_spec(args: argparse.Namespace) -> dict:
+def read_pairs(client: ApiClient, path: Path) -> list:
+    """A JSON list, or JSON Lines (one pair per line)."""
+    text = path.read_text()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    try:
+        return value if isinstance(value, list) else [json.loads(line) for line in text.splitlines() if line.strip()]
+    except ValueError as e:
+        raise ApiError(0, f"{path}: neither a JSON list nor JSON Lines ({e})") from None
+
+
+def upload_dataset(client: ApiClient, path: Path) -> dict:
+    return {"file_id": client.upload(path)}
+
+
+# The spec field each file flag fills, and how: a flag is for the kinds whose spec has the field.
+FILE_FLAGS = {"prompts": ("--prompts", read_prompts), "preference_pairs": ("--pairs", read_pairs),
+              "dataset": ("--dataset", upload_dataset)}
+
+
+def build_spec(client: ApiClient, args: argparse.Namespace) -> dict:
+    """The body of the kind's POST: FILE.json changed by the flags (--dataset is uploaded)."""
+    kind = KINDS[args.kind]
+    fields = kind.spec_model.model_fields
     spec: dict[str, Any] = json.loads(Path(args.file).read_text()) if args.file else {}
+    given = {field: getattr(args, field) for field in FILE_FLAGS if getattr(args, field)}
+    wrong = [FILE_FLAGS[field][0] for field in given if field not in fields]
+    if wrong:
+        takes = [flag for field, (flag, _) in FILE_FLAGS.items() if field in fields]
+        raise ApiError(0, f"{', '.join(wrong)}: not for {kind.name} jobs (they take {', '.join(takes) or 'FILE.json'})")
     if args.model:
         spec["model_id"] = args.model
-    if args.prompts:
-        spec["prompts"] = read_prompts(Path(args.prompts))
     if args.adapter_name:
         spec["adapter_name"] = args.adapter_name
     if args.set:
         spec["config"] = {**spec.get("config", {}), **parse_sets(args.set)}
-    missing = [k for k in ("model_id", "prompts") if k not in spec]
+    missing = [name for name, info in fields.items() if info.is_required() and name not in spec and name not in given]
     if missing:
-        raise ApiError(0, f"the job needs {' and '.join(missing)} (from FILE.json, --model, --prompts)")
+        raise ApiError(0, f"the job needs {' and '.join(missing)} (from FILE.json, --model, "
+                          f"{', '.join(flag for field, (flag, _) in FILE_FLAGS.items() if field in fields)})")
+    for field, path in given.items():
+        spec[field] = FILE_FLAGS[field][1](client, Path(path))
     return spec
 
 
 def cmd_submit(client: ApiClient, args: argparse.Namespace) -> int:
-    job = client.submit(build_spec(args))
-    console.print(f"submitted job [bold]{job['job_id']}[/] ({job['status']})")
+    kind = KINDS[args.kind]
+    job = client.submit(kind, build_spec(client, args))
+    console.print(f"submitted job [bold]{job['job_id']}[/] ({kind.name}, {job['status']})")
     if args.watch:
         return watch(client, job["job_id"], console)
     return 0
@@ -75,13 +109,16 @@ def _when(ts: float | None) -> str:
 def cmd_jobs(client: ApiClient, args: argparse.Namespace) -> int:
     jobs = client.list_jobs(status=args.status, limit=args.limit)
     # The id whole, however narrow the terminal: it is what the other commands take.
-    table = Table(Column("job", no_wrap=True, min_width=32), Column("status", no_wrap=True), "phase", "step", "reward", "model", "created", box=None)
+    table = Table(Column("job", no_wrap=True, min_width=32), "kind", Column("status", no_wrap=True), "phase", "step",
+                  "metric", "model", "created", box=None)
     for job in jobs:
         p = job.get("progress") or {}
-        reward = p.get("reward", p.get("mean_reward"))
+        kind = KINDS.get(job.get("kind"))  # None: a record this version cannot read
+        value = p.get(kind.headline) if kind else None
         step = f"{p.get('iter', 0)}/{p['total_iters']}" if p.get("total_iters") else ""
-        table.add_row(job["job_id"], job["status"], job.get("phase") or "", step,
-                      "" if reward is None else f"{reward:.3f}", job.get("model_id", ""), _when(job.get("created_at")))
+        table.add_row(job["job_id"], job.get("kind", ""), job["status"], job.get("phase") or "", step,
+                      "" if value is None else f"{kind.headline} {value:.4g}", job.get("model_id", ""),
+                      _when(job.get("created_at")))
     console.print(table)
     return 0
 
@@ -136,9 +173,10 @@ def cmd_plot(client: ApiClient, args: argparse.Namespace) -> int:
     steps = client.step_metrics(args.job_id)
     if not steps:
         raise ApiError(0, f"job {args.job_id} has no steps yet")
-    job = client.job(args.job_id)
-    out = plot(steps, Path(args.out or f"{args.job_id}.png"), f"job {args.job_id} ({job['model_id']}, {job['status']})")
-    console.print(f"wrote {out} ({len(steps)} steps)")
+    job, kind = client.job(args.job_id), client.kind_of(args.job_id)
+    out = plot(steps, Path(args.out or f"{args.job_id}.png"),
+               f"job {args.job_id} ({kind.name}, {job['model_id']}, {job['status']})", kind.charts)
+    console.print(f"wrote {out} ({len(steps)} points)")  # a step each, and an evaluation before the first
     return 0
 
 
@@ -161,10 +199,15 @@ def add_client_commands(commands) -> None:
         parser.set_defaults(func=lambda args: run_client_command(func, args))
         return parser
 
-    submit = add("submit", cmd_submit, "submit a GRPO job (JSON body as for POST /jobs, and/or flags)")
-    submit.add_argument("file", metavar="FILE.json", nargs="?", help="the job: {model_id, prompts, config, reward...}")
+    submit = add("submit", cmd_submit, "submit a job of any kind (JSON body as for its POST route, and/or flags)")
+    submit.add_argument("file", metavar="FILE.json", nargs="?", help="the job's body: {model_id, config, ...}")
+    submit.add_argument("--kind", choices=list(KINDS), default=DEFAULT.name, help="default: %(default)s")
     submit.add_argument("--model", help="model_id")
-    submit.add_argument("--prompts", metavar="FILE", help="prompts: a JSON list, or one per line of text")
+    submit.add_argument("--prompts", metavar="FILE", help="GRPO's prompts: a JSON list, or one per line of text")
+    submit.add_argument("--dataset", metavar="FILE", help="training rows, JSON Lines: uploaded, then the job's "
+                        "dataset {\"file_id\"} (the supervised kinds)")
+    submit.add_argument("--pairs", dest="preference_pairs", metavar="FILE",
+                        help="preference pairs {prompt, chosen, rejected}: a JSON list or JSON Lines (DPO, ORPO, reward)")
     submit.add_argument("--adapter-name")
     submit.add_argument("--set", nargs="+", metavar="KEY=VALUE", help="config fields, e.g. iters=20 learning_rate=5e-6")
     submit.add_argument("--watch", action="store_true", help="then follow it as `mtq watch` does")
@@ -192,6 +235,6 @@ def add_client_commands(commands) -> None:
     download.add_argument("job_id", metavar="ID")
     download.add_argument("dir", metavar="DIR")
 
-    plot = add("plot", cmd_plot, "draw the job's curves (reward, loss, KL, entropy, ...) into a PNG")
+    plot = add("plot", cmd_plot, "draw the job's curves (its kind's: reward, loss, KL, margins, ...) into a PNG")
     plot.add_argument("job_id", metavar="ID")
     plot.add_argument("--out", metavar="FILE.png", help="default: ID.png")

@@ -1,48 +1,48 @@
-"""`mtq plot ID`: the job's curves against step, as one PNG (matplotlib, Agg backend: no display)."""
+"""`mtq plot ID`: the job's curves against step, as one PNG (matplotlib, Agg backend: no display).
+The curves are its kind's (shared/kinds.py `charts`), as the web page draws them."""
 
+import fnmatch
+import math
 from pathlib import Path
 
-# name, metric keys: the same curves as the web page (api/static/app.js CHARTS).
-PANELS = [
-    ("reward", ["reward"]),
-    ("reward std", ["reward_std"]),
-    ("loss", ["loss"]),
-    ("KL", ["kl"]),
-    ("entropy", ["entropy"]),
-    ("completion length", ["completions/mean_length"]),
-    ("learning rate", ["learning_rate"]),
-    ("rewards by source", []),  # every rewards/<name>/mean
-]
+from shared.kinds import Chart
+
+COLUMNS = 4
 
 
-def source_keys(steps: list[dict]) -> list[str]:
-    return sorted({k for s in steps for k in s if k.startswith("rewards/") and k.endswith("/mean")})
+def metric_keys(metric: str, steps: list[dict]) -> list[str]:
+    """The metric, or every recorded metric that a pattern with `*` matches."""
+    if "*" not in metric:
+        return [metric]
+    return sorted({k for s in steps for k in s if fnmatch.fnmatchcase(k, metric)})
 
 
-def plot(steps: list[dict], out: Path, title: str) -> Path:
+def plot(steps: list[dict], out: Path, title: str, charts: tuple[Chart, ...]) -> Path:
     import matplotlib  # here: the other client commands start without it (it takes a while to import)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7), constrained_layout=True)
+    rows = math.ceil(len(charts) / COLUMNS)
+    fig, axes = plt.subplots(rows, COLUMNS, figsize=(16, 3.5 * rows), constrained_layout=True, squeeze=False)
     fig.suptitle(title)
-    x = [s["iter"] for s in steps]
-    for ax, (name, keys) in zip(axes.flat, PANELS):
-        keys = keys or source_keys(steps)
-        drawn = False
+    for ax, chart in zip(axes.flat, charts):
+        keys = [k for metric in chart.metrics for k in metric_keys(metric, steps)]
+        drawn = 0
         for key in keys:
-            points = [(i, s[key]) for i, s in zip(x, steps) if isinstance(s.get(key), (int, float))]
+            points = [(s["iter"], s[key]) for s in steps if isinstance(s.get(key), (int, float))]
             if points:
                 ax.plot(*zip(*points), marker="." if len(points) < 30 else None, label=key)
-                drawn = True
-        ax.set_title(name)
+                drawn += 1
+        ax.set_title(chart.title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if drawn and len(keys) > 1:
+        if drawn > 1:
             ax.legend(fontsize="small")
         if not drawn:
             ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
+    for ax in axes.flat[len(charts):]:
+        ax.axis("off")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
     plt.close(fig)

@@ -1,7 +1,8 @@
-"""`mtq watch ID`: a live progress bar from the job's event stream (rich).
+"""`mtq watch ID`: a live progress bar from the job's event stream (rich), for a job of any kind.
 
-Shows step/total, reward, loss, tokens/s, ETA, a reward sparkline and the job's phase (read
-from the job record once a second: phases are not events). Survives a dropped connection or
+Shows step/total (from the kind's step events), the kind's headline metric (shared/kinds.py:
+GRPO's reward, the supervised kinds' loss) with its sparkline, the loss, tokens/s, ETA and the
+job's phase (read from the job record once a second: phases are not events). Survives a dropped connection or
 an API restart (the client reconnects with Last-Event-ID). Returns the exit code: 0 when the
 job completed, 1 when it failed, 2 when it was cancelled.
 """
@@ -12,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from cli.client import ApiClient
+from shared.kinds import Kind
 
 SPARK = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 30
@@ -32,10 +34,11 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def stats_text(event: dict, rewards: list[float]) -> str:
-    return (f"reward {_fmt(event.get('reward', event.get('mean_reward')), '.3f')}  "
-            f"loss {_fmt(event.get('loss'), '+.4f')}  "
-            f"{_fmt(event.get('tokens_per_second'), '.0f')} tok/s  {sparkline(rewards)}")
+def stats_text(kind: Kind, event: dict, values: list[float]) -> str:
+    """The step's headline metric (values: its curve so far), its loss, tokens/s."""
+    headline = "" if kind.headline == "loss" else f"{kind.headline} {_fmt(event.get(kind.headline), '.3f')}  "
+    return (f"{headline}loss {_fmt(event.get('loss'), '+.4f')}  "
+            f"{_fmt(event.get('tokens_per_second'), '.0f')} tok/s  {sparkline(values)}")
 
 
 def phase_text(job: dict) -> str:
@@ -45,17 +48,16 @@ def phase_text(job: dict) -> str:
 
 def watch(client: ApiClient, job_id: str, console: Console | None = None) -> int:
     console = console or Console()
-    job = client.job(job_id)
+    job, kind = client.job(job_id), client.kind_of(job_id)
     total = (job.get("progress") or {}).get("total_iters") or job["config"]["iters"]
-    rewards: list[float] = []
-    seen_steps: set[int] = set()
+    values: dict[int, float] = {}  # step iter -> headline metric (a step re-run after a lost worker: its latest)
+    steps_done = (job.get("progress") or {}).get("iter", 0)
     done = threading.Event()
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[stats]}"), TimeRemainingColumn(compact=True))
 
     with Progress(*columns, console=console, refresh_per_second=4, transient=False) as bar:
-        task = bar.add_task(phase_text(job), total=total, completed=(job.get("progress") or {}).get("iter", 0),
-                            stats="")
+        task = bar.add_task(phase_text(job), total=total, completed=steps_done, stats="")
         shown_notes: set[str] = set()
 
         def poll_phase() -> None:  # the phase lives in the job record
@@ -74,28 +76,25 @@ def watch(client: ApiClient, job_id: str, console: Console | None = None) -> int
         poller.start()
         try:
             for _, event in client.events(job_id):
-                kind = event.get("type")
-                if kind == "grpo_step":
-                    value = event.get("reward", event.get("mean_reward"))
-                    if value is not None:
-                        rewards.append(value)
-                    # Steps done = distinct steps seen (events may number them from 0 or 1, and a
-                    # step re-run after a lost worker appears twice).
-                    seen_steps.add(event["iter"])
-                    bar.update(task, completed=len(seen_steps), total=event.get("total_iters") or total,
-                               stats=stats_text(event, rewards))
-                elif kind == "started":
+                event_type = event.get("type")
+                if event_type == kind.step_event:
+                    if isinstance(event.get(kind.headline), (int, float)):
+                        values[event["iter"]] = event[kind.headline]
+                    steps_done = event["iter"] - kind.first_step + 1  # its iter counts from the kind's first step
+                    bar.update(task, completed=steps_done, total=event.get("total_iters") or total,
+                               stats=stats_text(kind, event, [values[i] for i in sorted(values)]))
+                elif event_type == "started":
                     bar.console.print(f"started on worker {event.get('worker')}")
-                elif kind == "requeued":
+                elif event_type == "requeued":
                     bar.console.print(f"[yellow]re-queued: {event.get('reason')}")
-                elif kind == "resumed":
+                elif event_type == "resumed":
                     bar.console.print(f"resumed from the checkpoint of step {event.get('from_step')}")
         finally:
             done.set()
             poller.join()
         job = client.job(job_id)
         progress = job.get("progress") or {}
-        bar.update(task, description=job["status"], completed=max(len(seen_steps), progress.get("iter") or 0))
+        bar.update(task, description=job["status"], completed=progress.get("iter") or steps_done)
 
     if job["status"] == "completed":
         console.print(f"[green]completed[/]: adapter {job.get('adapter_path')}")

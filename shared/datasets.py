@@ -7,9 +7,10 @@ A job's `dataset` (and `valid_dataset`) is one of:
   - a path on the workers under MTQ_DATA_ROOTS (the seed server's form): an mlx_lm data
     directory (train.jsonl, valid.jsonl) or one .jsonl file
 
-Row formats, as mlx_lm's: SFT rows are `{"text"}`, `{"messages": [{role, content}], "tools"?}`
-or `{"prompt", "completion"}`; preference rows (DPO, ORPO, reward models) are
-`{"prompt", "chosen", "rejected"}`. Errors name the row and the field.
+A kind's rows have a format (`RowFormat`), declared by its spec model (`row_format`): SFT's
+are mlx_lm's, `{"text"}`, `{"messages": [{role, content}], "tools"?}` or `{"prompt",
+"completion"}` (`SFT_ROWS`); the preference kinds' (DPO, ORPO, reward models) are `{"prompt",
+"chosen", "rejected"}` (`PREFERENCE_ROWS`). Errors name the row and the field.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -68,6 +70,29 @@ def files_key(owner: str) -> str:
 # --------------------------------------------------------------------------- rows
 
 
+@dataclass(frozen=True)
+class RowFormat:
+    """How a kind's rows look: `row_error(row)` says why one row (a JSON object) does not fit,
+    `rows_error(rows)` why the rows together do not (None: they do)."""
+
+    row_error: Callable[[dict], str | None]
+    rows_error: Callable[[list[dict]], str | None] = lambda rows: None
+
+
+def fields_error(row: dict, fields: dict[str, type], shape: str) -> str | None:
+    """Why a row lacks one of `fields` or has one of another type (a str must not be empty);
+    shape: the format in words, e.g. 'preference rows are {prompt, chosen, rejected}'."""
+    missing = [k for k in fields if k not in row]
+    if missing:
+        return f"missing field '{missing[0]}' ({shape})"
+    for name, kind in fields.items():
+        if kind is str and (error := _text(row, name)):
+            return error
+        if kind is bool and not isinstance(row[name], bool):
+            return f"'{name}' must be true or false"
+    return None
+
+
 def _text(row: dict, name: str) -> str | None:
     value = row.get(name)
     if not isinstance(value, str):
@@ -75,15 +100,7 @@ def _text(row: dict, name: str) -> str | None:
     return None if value else f"'{name}' is empty"
 
 
-def row_error(row_format: str, row: Any) -> str | None:
-    """Why a row does not fit the format (None if it does)."""
-    if not isinstance(row, dict):
-        return "a row must be a JSON object"
-    if row_format == "preference":
-        missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
-        if missing:
-            return f"missing field '{missing[0]}' (preference rows are {{prompt, chosen, rejected}})"
-        return next((e for k in ("prompt", "chosen", "rejected") if (e := _text(row, k))), None)
+def sft_row_error(row: dict) -> str | None:
     if "messages" in row:
         messages = row["messages"]
         if not isinstance(messages, list) or not messages:
@@ -105,10 +122,21 @@ def sft_format(row: dict) -> str:
     return "messages" if "messages" in row else "completions" if "prompt" in row else "text"
 
 
-def rows_errors(row_format: str, rows: list, where: str) -> list[str]:
-    errors = [f"{where}[{i}]: {e}" for i, row in enumerate(rows) if (e := row_error(row_format, row))]
-    if not errors and row_format == "sft" and len({sft_format(r) for r in rows}) > 1:
-        errors.append(f"{where}: rows mix formats ({', '.join(sorted({sft_format(r) for r in rows}))}); use one")
+def one_sft_format(rows: list[dict]) -> str | None:
+    formats = {sft_format(r) for r in rows}
+    return f"rows mix formats ({', '.join(sorted(formats))}); use one" if len(formats) > 1 else None
+
+
+SFT_ROWS = RowFormat(sft_row_error, one_sft_format)
+PREFERENCE_ROWS = RowFormat(lambda row: fields_error(row, {"prompt": str, "chosen": str, "rejected": str},
+                                                     "preference rows are {prompt, chosen, rejected}"))
+
+
+def rows_errors(row_format: RowFormat, rows: list, where: str) -> list[str]:
+    errors = [f"{where}[{i}]: {e}" for i, row in enumerate(rows)
+              if (e := "a row must be a JSON object" if not isinstance(row, dict) else row_format.row_error(row))]
+    if not errors and rows and (error := row_format.rows_error(rows)):
+        errors.append(f"{where}: {error}")
     if not rows:
         errors.append(f"{where}: no rows")
     return errors
@@ -231,7 +259,7 @@ def _path_rows(path: str, settings: Settings, split: str) -> list[dict] | None:
     return parse_jsonl(p.read_bytes(), f"{path} ({p.name})")
 
 
-def load_rows(r: redis.Redis, ref: DatasetRef | None, settings: Settings, row_format: str, where: str,
+def load_rows(r: redis.Redis, ref: DatasetRef | None, settings: Settings, row_format: RowFormat, where: str,
               split: str = "train", tenant: str | None = None) -> list[dict] | None:
     """The rows a reference names, checked against the format (DatasetError otherwise).
     None: no reference (or a data directory without that split). tenant: a trainer's job may

@@ -6,6 +6,7 @@ the lifecycle, routing and the worker read it; everything else is the same for e
     sft     /admin/api/fine-tune/jobs            SFTJobCreate    worker.sft_job           supervised
     dpo     /admin/api/fine-tune/dpo/jobs        DPOJobCreate    worker.dpo_job           supervised
     orpo    /admin/api/fine-tune/orpo/jobs       ORPOJobCreate   worker.dpo_job           supervised
+    kto     /admin/api/fine-tune/kto/jobs        KTOJobCreate    worker.kto_job           supervised
     reward  /admin/api/fine-tune/reward/jobs     RewardJobCreate worker.reward_model_job  supervised
 
 A job record without a `kind` (written before there were kinds) is GRPO's (`of_record`).
@@ -17,6 +18,10 @@ datasets (the estimate reads batch_size x rows_per_example rows of max_seq_lengt
 
 A kind's step events are `<kind>_step`; their `iter` counts from `first_step`: the seed
 server's GRPO numbers a step's event by its 0-based index, mlx_lm reports completed steps.
+Its `charts` are the curves `mtq plot` and the web page draw from them (and from the `eval`
+events, whose `iter` counts completed steps); the first chart's first metric is the one
+`mtq jobs` and `mtq watch` show (`headline`). The client commands and the web page (through
+GET /admin/api/kinds) read all of this here.
 """
 
 from dataclasses import dataclass
@@ -24,9 +29,40 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from shared.schemas import Job, JobCreate
-from shared.train_specs import DPOJobCreate, ORPOJobCreate, RewardJobCreate, SFTJobCreate, TrainJob
+from shared.train_specs import DPOJobCreate, KTOJobCreate, ORPOJobCreate, RewardJobCreate, SFTJobCreate, TrainJob
 
 LORA_SHAPE = ("lora_rank", "lora_layers", "lora_alpha")
+
+
+@dataclass(frozen=True)
+class Chart:
+    """One panel of curves against step. A metric with `*` stands for every metric it matches
+    (`rewards/*/mean`: each reward source's mean)."""
+
+    title: str
+    metrics: tuple[str, ...]
+
+
+GRPO_CHARTS = (
+    Chart("reward", ("reward",)), Chart("reward std", ("reward_std",)), Chart("loss", ("loss",)), Chart("KL", ("kl",)),
+    Chart("entropy", ("entropy",)), Chart("completion length", ("completions/mean_length",)),
+    Chart("learning rate", ("learning_rate",)), Chart("rewards by source", ("rewards/*/mean",)),
+)
+# The supervised kinds': validation metrics (val_*) beside the training ones.
+LOSS = Chart("loss", ("loss", "val_loss"))
+OPTIMIZER = (Chart("learning rate", ("learning_rate",)), Chart("gradient norm", ("grad_norm",)))
+MARGINS = Chart("reward margin", ("rewards/margins", "val_rewards/margins"))
+REWARDS = Chart("rewards", ("rewards/chosen", "rewards/rejected"))
+LOGPS = Chart("log-probs", ("logps/chosen", "logps/rejected"))
+SFT_CHARTS = (LOSS, Chart("token accuracy", ("mean_token_accuracy", "val_mean_token_accuracy")), *OPTIMIZER,
+              Chart("tokens per second", ("tokens_per_second",)), Chart("peak memory (GB)", ("peak_memory_gb",)))
+DPO_CHARTS = (LOSS, MARGINS, Chart("reward accuracy", ("rewards/accuracies", "val_rewards/accuracies")), REWARDS,
+              LOGPS, *OPTIMIZER)
+ORPO_CHARTS = (*DPO_CHARTS[:4], Chart("log odds ratio", ("log_odds_ratio", "log_odds_chosen")),
+               Chart("NLL", ("nll_loss", "val_nll_loss")), *OPTIMIZER)
+KTO_CHARTS = (LOSS, MARGINS, REWARDS, Chart("KL estimate", ("kl", "val_kl")), LOGPS, *OPTIMIZER)
+REWARD_MODEL_CHARTS = (LOSS, Chart("accuracy", ("accuracy", "val_accuracy")), Chart("margin", ("margin", "val_margin")),
+                       *OPTIMIZER)
 
 
 @dataclass(frozen=True)
@@ -40,6 +76,7 @@ class Kind:
     shape_fields: tuple[str, ...]  # config fields that fix the adapter's shape: a resume cannot change them
     worker_module: str  # where its `load` is (worker/job_loop.py)
     family: str  # "grpo" or "supervised" (above)
+    charts: tuple[Chart, ...]  # its curves (above)
     rows_per_example: int = 1  # supervised: token rows a training example takes in a step (a pair: 2)
     first_step: int = 1  # the `iter` of its first step event
 
@@ -47,23 +84,29 @@ class Kind:
     def step_event(self) -> str:
         return f"{self.name}_step"
 
+    @property
+    def headline(self) -> str:
+        return self.charts[0].metrics[0]
+
 
 def _supervised(spec_model: type[BaseModel], prefix: str, tag: str, what: str, worker_module: str,
-                rows_per_example: int, shape_fields: tuple[str, ...] = LORA_SHAPE) -> Kind:
+                charts: tuple[Chart, ...], rows_per_example: int, shape_fields: tuple[str, ...] = LORA_SHAPE) -> Kind:
     return Kind(spec_model.kind, prefix, tag, what, spec_model, TrainJob, shape_fields, worker_module, "supervised",
-                rows_per_example)
+                charts, rows_per_example)
 
 
 # Each spec model names its kind (its `kind` ClassVar); this is the list of them.
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind(JobCreate.kind, "/admin/api/fine-tune/grpo/jobs", "GRPO jobs", "a GRPO job", JobCreate, Job, LORA_SHAPE,
-         "worker.grpo_job", "grpo", first_step=0),
-    _supervised(SFTJobCreate, "/admin/api/fine-tune/jobs", "SFT jobs", "an SFT job", "worker.sft_job", 1,
+         "worker.grpo_job", "grpo", GRPO_CHARTS, first_step=0),
+    _supervised(SFTJobCreate, "/admin/api/fine-tune/jobs", "SFT jobs", "an SFT job", "worker.sft_job", SFT_CHARTS, 1,
                 (*LORA_SHAPE, "fine_tune_type", "quantize_base", "quant_bits")),
-    _supervised(DPOJobCreate, "/admin/api/fine-tune/dpo/jobs", "DPO jobs", "a DPO job", "worker.dpo_job", 2),
-    _supervised(ORPOJobCreate, "/admin/api/fine-tune/orpo/jobs", "ORPO jobs", "an ORPO job", "worker.dpo_job", 2),
+    _supervised(DPOJobCreate, "/admin/api/fine-tune/dpo/jobs", "DPO jobs", "a DPO job", "worker.dpo_job", DPO_CHARTS, 2),
+    _supervised(ORPOJobCreate, "/admin/api/fine-tune/orpo/jobs", "ORPO jobs", "an ORPO job", "worker.dpo_job",
+                ORPO_CHARTS, 2),
+    _supervised(KTOJobCreate, "/admin/api/fine-tune/kto/jobs", "KTO jobs", "a KTO job", "worker.kto_job", KTO_CHARTS, 1),
     _supervised(RewardJobCreate, "/admin/api/fine-tune/reward/jobs", "Reward-model jobs", "a reward-model job",
-                "worker.reward_model_job", 2),
+                "worker.reward_model_job", REWARD_MODEL_CHARTS, 2),
 )}
 DEFAULT = KINDS[JobCreate.kind]  # of a record written before there were kinds
 

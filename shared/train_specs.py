@@ -1,8 +1,9 @@
-"""Job specs of the supervised kinds: SFT, DPO, ORPO and reward models (GRPO's are in schemas.py).
+"""Job specs of the supervised kinds: SFT, DPO, ORPO, KTO and reward models (GRPO's are in schemas.py).
 
 Config fields and defaults follow the seed server's SFT config (mlx_lm's LoRA trainer:
 `lora_alpha` is mlx_lm's LoRA `scale`, as the seed passes it); the preference kinds add TRL's
-knobs (`beta`, DPO's `loss_type` and `label_smoothing`). Datasets (shared/datasets.py) are
+knobs (`beta`, DPO's `loss_type` and `label_smoothing`, KTO's `desirable_weight` and
+`undesirable_weight`). Datasets (shared/datasets.py) are
 inline rows, an uploaded file's id, or a path under MTQ_DATA_ROOTS on the workers.
 """
 
@@ -10,7 +11,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.datasets import DatasetRef, PreferencePair, rows_errors, sft_format
+from shared.datasets import (
+    PREFERENCE_ROWS, SFT_ROWS, DatasetRef, PreferencePair, RowFormat, fields_error, rows_errors, sft_format,
+)
 from shared.model_ids import MODEL_ID_RE
 from shared.schemas import DEFAULT_LANE, LANE_PATTERN, SEED_MAX, JobRecord, check_json_values
 
@@ -89,11 +92,22 @@ class ORPOConfig(TrainConfig):
     beta: float = Field(0.1, gt=0.0, le=1e3, description="ORPO's lambda (TRL's beta): weight of the odds-ratio term.")
 
 
+class KTOConfig(TrainConfig):
+    batch_size: int = Field(4, ge=2, le=1024, description="At least 2: the KL estimate pairs each row's prompt "
+                            "with another row's completion (TRL's check).")
+    beta: float = Field(0.1, gt=0.0, le=1e3, description="KTO's beta (TRL's).")
+    desirable_weight: float = Field(1.0, gt=0.0, le=1e3, description="Weight of the desirable rows' losses (lambda_D).")
+    undesirable_weight: float = Field(1.0, gt=0.0, le=1e3, description="Weight of the undesirable rows' losses (lambda_U).")
+
+
 class RewardConfig(TrainConfig):
     pass
 
 
 class _JobSpec(BaseModel):
+    """A supervised kind's spec; each sets `kind` and `row_format` (shared/datasets.py: how its rows look)."""
+
+    row_format: ClassVar[RowFormat]
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model_id: str = Field(..., min_length=1, max_length=512, pattern=MODEL_ID_RE.pattern)
@@ -116,7 +130,7 @@ class _JobSpec(BaseModel):
 
 class SFTJobCreate(_JobSpec):
     kind: ClassVar[str] = "sft"
-    row_format: ClassVar[str] = "sft"
+    row_format: ClassVar[RowFormat] = SFT_ROWS
     config: SFTConfig = Field(default_factory=SFTConfig)
 
     @model_validator(mode="after")
@@ -130,7 +144,7 @@ class SFTJobCreate(_JobSpec):
 
 
 class _PreferenceSpec(_JobSpec):
-    row_format: ClassVar[str] = "preference"
+    row_format: ClassVar[RowFormat] = PREFERENCE_ROWS
     preference_pairs: list[PreferencePair] | None = Field(None, min_length=1, max_length=1_000_000)
 
     @model_validator(mode="after")
@@ -148,6 +162,23 @@ class DPOJobCreate(_PreferenceSpec):
 class ORPOJobCreate(_PreferenceSpec):
     kind: ClassVar[str] = "orpo"
     config: ORPOConfig = Field(default_factory=ORPOConfig)
+
+
+KTO_ROWS = RowFormat(
+    lambda row: fields_error(row, {"prompt": str, "completion": str, "label": bool},
+                             "KTO rows are {prompt, completion, label: true|false}"),
+    lambda rows: None if len(rows) >= 2 else "KTO needs at least 2 rows (its KL estimate pairs a row's prompt "
+                                             "with another row's completion)")
+
+
+class KTOJobCreate(_JobSpec):
+    """Unpaired preference rows: a completion of a prompt, desirable (label true) or not."""
+
+    kind: ClassVar[str] = "kto"
+    row_format: ClassVar[RowFormat] = KTO_ROWS
+    dataset: DatasetRef = Field(..., description="Rows {prompt, completion, label}: inline, {\"file_id\"} of an "
+                                "upload, or a path under MTQ_DATA_ROOTS.")
+    config: KTOConfig = Field(default_factory=KTOConfig)
 
 
 class RewardJobCreate(_PreferenceSpec):

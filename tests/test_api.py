@@ -203,6 +203,40 @@ def test_list_rejects_bad_query(client, params, code):
     assert client.get(JOBS, params=params).status_code == code
 
 
+def test_jobs_of_every_kind_list_newest_first_and_answer_by_id_with_their_kind(stack, client):
+    """GET /admin/api/jobs pages every kind's jobs as each kind's list does; GET
+    /admin/api/jobs/{id} answers a job of any kind; /admin/api/kinds names each kind's routes."""
+    from shared.kinds import KINDS
+
+    stack.redis.flushdb()
+    pairs = [{"prompt": "p", "chosen": "a", "rejected": "b"}]
+    made = [create(client), client.post(KINDS["dpo"].prefix, json={"model_id": "tiny", "preference_pairs": pairs}).json(),
+            client.post(KINDS["sft"].prefix, json={"model_id": "tiny", "dataset": [{"text": "a"}]}).json()]
+    assert [j["kind"] for j in made] == ["grpo", "dpo", "sft"]
+    client.post(f"{JOBS}/{made[0]['job_id']}/cancel")
+
+    listed = client.get("/admin/api/jobs")
+    assert [(j["job_id"], j["kind"]) for j in listed.json()] == [(j["job_id"], j["kind"]) for j in made[::-1]]
+    assert listed.json()[1]["preference_pairs"] == pairs  # each its kind's job object
+    assert listed.headers["X-Has-More"] == "false"
+    first = client.get("/admin/api/jobs", params={"limit": 2})
+    assert first.headers["X-Has-More"] == "true" and first.headers["X-Next-After"] == made[1]["job_id"]
+    rest = client.get("/admin/api/jobs", params={"limit": 2, "after": first.headers["X-Next-After"]}).json()
+    assert [j["job_id"] for j in rest] == [made[0]["job_id"]]
+    assert [j["job_id"] for j in client.get("/admin/api/jobs", params={"status": "cancelled"}).json()] == [made[0]["job_id"]]
+    for job in made:
+        got = client.get(f"/admin/api/jobs/{job['job_id']}").json()
+        assert got == client.get(f"{KINDS[job['kind']].prefix}/{job['job_id']}").json()
+    assert client.get("/admin/api/jobs/no-such-job").json() == {"detail": "Job not found: no-such-job"}
+    assert client.get("/admin/api/jobs", params={"after": "no-such-job"}).status_code == 400
+
+    kinds = {k["name"]: k for k in client.get("/admin/api/kinds").json()}
+    assert set(kinds) == set(KINDS)
+    assert kinds["grpo"]["step_event"] == "grpo_step" and kinds["grpo"]["first_step"] == 0
+    assert kinds["sft"]["prefix"] == "/admin/api/fine-tune/jobs" and kinds["sft"]["headline"] == "loss"
+    assert {"title": "reward margin", "metrics": ["rewards/margins", "val_rewards/margins"]} in kinds["dpo"]["charts"]
+
+
 # --- cancel and delete --------------------------------------------------------------------
 
 def test_cancel_a_queued_job_then_again_is_404(client):

@@ -1,6 +1,6 @@
-"""The client commands (`mtq submit/jobs/show/watch/logs/cancel/resume/plot`) and /metrics,
-against a real stack: real HTTP, a real worker, `mtq` run as a process (`watch` in a
-pseudo-terminal, as a person sees it).
+"""The client commands (`mtq submit/jobs/show/watch/logs/cancel/resume/download/plot`) and
+/metrics, against a real stack: real HTTP, a real worker, `mtq` run as a process (`watch` in a
+pseudo-terminal, as a person sees it), for GRPO jobs and a short job of every other kind.
 
 One worker serves the module; its jobs run one after another on the tiny model.
 """
@@ -21,11 +21,19 @@ import pytest
 
 from conftest import ROOT, TOKEN, Stack, running, wait_for
 from reward_server import closed_port_url, serving, slow_rewards
+from shared.kinds import KINDS
 
 CONFIG = {"group_size": 2, "batch_size": 1, "max_completion_len": 8, "lora_layers": 2, "lora_rank": 4,
           "lora_alpha": 8.0, "temperature": 1.0}
 PROMPTS = ["What is 2+2?", "Say hello."]
 KEEPALIVE_S = 0.3  # the API's keep-alive comments (MTQ_SSE_KEEPALIVE_S): quiet stretches are short here
+FIRST_COLOUR, SECOND_COLOUR = [31, 119, 180], [255, 127, 14]  # matplotlib's first two line colours
+# Short jobs of the other kinds, and the files their flags name (written by kind_files).
+KIND_ITERS = 4
+KIND_SETS = [f"iters={KIND_ITERS}", "batch_size=2", "lora_layers=2", "lora_rank=4", "steps_per_report=1"]
+SFT_ROWS = [{"prompt": "Q0?", "completion": "red apple"}, {"prompt": "Q1?", "completion": "blue river"}]
+PAIRS = [{"prompt": "Say something about sun.", "chosen": "moon is good", "rejected": "moon is road"},
+         {"prompt": "Say something about car.", "chosen": "tree is good", "rejected": "tree is fish"}]
 
 
 @pytest.fixture(scope="module")
@@ -123,12 +131,8 @@ def test_submit_watch_in_a_terminal_then_jobs_show_logs_plot(stack, worker, tmp_
     assert plotted.returncode == 0, plotted.stderr
     import matplotlib.image
 
-    pixels = matplotlib.image.imread(png)
-    assert pixels.shape[:2] == (560, 1280)  # 16x7 inches at 80 dpi
-    rgb = (pixels[..., :3] * 255).round()
-    c0 = np.abs(rgb - [31, 119, 180]).sum(axis=-1) < 30  # matplotlib's first line colour
+    panels = panel_pixels(png, FIRST_COLOUR)
     # Each panel with data draws its curve: lines of that colour in at least 6 of the 8 panels.
-    panels = [c0[r * 280:(r + 1) * 280, c * 320:(c + 1) * 320].sum() for r in range(2) for c in range(4)]
     assert sum(n > 50 for n in panels) >= 6, panels
 
     # The adapter, through the API (no shared disk), into a fresh directory mlx_lm loads.
@@ -150,6 +154,95 @@ def test_submit_watch_in_a_terminal_then_jobs_show_logs_plot(stack, worker, tmp_
     assert after['mtq_jobs{"status": "completed"}'] == before['mtq_jobs{"status": "completed"}'] + 1
     assert after['mtq_workers{}'] == 1
     assert after['mtq_step_seconds_bucket{"le": "+Inf"}'] == after['mtq_step_seconds_count{}']
+
+
+def panel_pixels(png: Path, colour: list[int]) -> list[int]:
+    """Pixels of a line colour in each panel of `mtq plot`'s 2 x 4 grid: the colour, or its
+    anti-aliased blend with the white background at half strength or more (a flat line falls
+    between two pixel rows)."""
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(png)
+    assert pixels.shape[:2] == (560, 1280)  # 16x7 inches at 80 dpi
+    ink, line = 255 - (pixels[..., :3] * 255).round(), 255 - np.array(colour)
+    strength = (ink * line).sum(axis=-1) / (line * line).sum()  # least squares: ink = strength * line
+    hits = (strength > 0.5) & (np.abs(ink - strength[..., None] * line).sum(axis=-1) < 40)
+    return [int(hits[r * 280:(r + 1) * 280, c * 320:(c + 1) * 320].sum()) for r in range(2) for c in range(4)]
+
+
+def kind_files(tmp_path: Path, kind: str) -> list[str]:
+    """`mtq submit` arguments of a short job of `kind` besides --kind, --model and --set:
+    its rows in files (an uploaded dataset, pairs as JSON Lines or a JSON list)."""
+    def write(name: str, text: str) -> str:
+        (tmp_path / name).write_text(text)
+        return str(tmp_path / name)
+
+    if kind == "sft":
+        return [write("sft.json", json.dumps({"valid_dataset": SFT_ROWS})),  # FILE.json, changed by the flags
+                "--dataset", write("train.jsonl", "\n".join(json.dumps(r) for r in SFT_ROWS))]
+    if kind == "orpo":
+        return ["--pairs", write("pairs.json", json.dumps(PAIRS))]
+    if kind == "kto":  # the pairs unpaired: {prompt, completion, label}
+        return ["--dataset", write("kto.jsonl", "\n".join(
+            json.dumps({"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"})
+            for p in PAIRS for side in ("chosen", "rejected")))]
+    return ["--pairs", write("pairs.jsonl", "\n".join(json.dumps(r) for r in PAIRS))]
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo", "orpo", "reward", "kto"])
+def test_every_kind_submits_watches_lists_downloads_and_plots_by_its_id(stack, worker, tmp_path, kind):
+    """`mtq submit --kind K ... --watch` follows the job to completed (its kind's step events
+    and headline metric), `mtq jobs` lists it with its kind, `mtq logs` prints its step events,
+    `mtq download` yields an adapter mlx_lm loads, and `mtq plot` draws its kind's curves (SFT:
+    with the validation loss)."""
+    done = mtq(stack, "submit", "--kind", kind, *kind_files(tmp_path, kind), "--model", stack.tiny_model.name,
+               "--set", *KIND_SETS, "--watch")
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = re.search(rf"submitted job ([0-9a-f]{{32}}) \({kind}, queued\)", done.stdout).group(1)
+    assert f"{KIND_ITERS}/{KIND_ITERS}" in done.stdout and re.search(r"loss [+-]\d", done.stdout), done.stdout
+    assert "completed: adapter" in done.stdout, done.stdout
+
+    row = next(line for line in mtq(stack, "jobs").stdout.splitlines() if job_id in line)
+    assert re.search(rf"{job_id} +{kind} +completed +{KIND_ITERS}/{KIND_ITERS} +loss \d", row), row
+    logged = [line.split()[1] for line in mtq(stack, "logs", job_id).stdout.splitlines()]
+    assert logged.count(f"{kind}_step") == KIND_ITERS and logged[-1] == "done", logged
+
+    out_dir = tmp_path / "downloaded"
+    assert mtq(stack, "download", job_id, str(out_dir)).returncode == 0
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(stack.tiny_model), adapter_path=str(out_dir))
+    assert mlx_lm.generate(model, tokenizer, "hi", max_tokens=2) is not None
+
+    if kind in ("sft", "dpo"):
+        png = tmp_path / "curves.png"
+        plotted = mtq(stack, "plot", job_id, "--out", str(png))
+        assert plotted.returncode == 0 and f"({KIND_ITERS + (kind == 'sft')} points)" in plotted.stdout, plotted
+        # Lines in every panel of the kind's charts (SFT 6, DPO 7; a validation curve may lie on
+        # the training one), none in the grid's other panels.
+        lines = [a + b for a, b in zip(panel_pixels(png, FIRST_COLOUR), panel_pixels(png, SECOND_COLOUR))]
+        charts = len(KINDS[kind].charts)
+        assert [n > 50 for n in lines] == [True] * charts + [False] * (8 - charts), lines
+        if kind == "sft":  # val_loss (eval events: before the first step and at the last) beside the loss
+            assert panel_pixels(png, SECOND_COLOUR)[0] > 20
+
+
+def test_show_cancel_and_resume_a_job_of_another_kind_by_its_id(stack, worker, tmp_path):
+    created = mtq(stack, "submit", "--kind", "kto", *kind_files(tmp_path, "kto"), "--model", stack.tiny_model.name,
+                  "--set", "iters=100000", "batch_size=2", "lora_layers=1")
+    job_id = re.search(r"submitted job ([0-9a-f]{32}) \(kto, queued\)", created.stdout).group(1)
+    path = f"{KINDS['kto'].prefix}/{job_id}"
+    with stack.client() as c:
+        wait_for(lambda: c.get(path).json()["status"] == "running", 120, "running")
+        assert mtq(stack, "cancel", job_id).returncode == 0
+        wait_for(lambda: c.get(path).json()["status"] == "cancelled", 60, "cancelled")
+        resumed = mtq(stack, "resume", job_id, "--set", "iters=2")
+        assert resumed.returncode == 0, resumed.stderr
+        wait_for(lambda: c.get(path).json()["status"] == "completed", 120, "completed")
+    shown = json.loads(mtq(stack, "show", job_id).stdout)
+    assert shown["kind"] == "kto" and shown["status"] == "completed" and shown["config"]["iters"] == 2
+    wrong = mtq(stack, "submit", "--kind", "kto", "--pairs", str(tmp_path / "kto.jsonl"), "--model", "tiny")
+    assert wrong.returncode == 1 and "--pairs: not for kto jobs (they take --dataset)" in wrong.stderr
 
 
 def test_watch_exits_nonzero_when_the_job_fails(stack, worker):
@@ -291,3 +384,15 @@ def test_adapter_archives_unpack_by_base_name_only(tmp_path):
         with zipfile.ZipFile(only, "w") as z:
             z.writestr("adapters.safetensors", b"w")
         _unpack(only.getvalue())
+    # A full fine-tune's archive is a model directory: its weights are model*.safetensors.
+    model_dir = {"model.safetensors": b"w", "config.json": b"{}", "tokenizer.json": b"{}", "adapter_config.json": b"{}"}
+    zipped = io.BytesIO()
+    with zipfile.ZipFile(zipped, "w") as z:
+        for name, data in model_dir.items():
+            z.writestr(name, data)
+    assert _unpack(zipped.getvalue()) == model_dir
+    no_weights = io.BytesIO()
+    with zipfile.ZipFile(no_weights, "w") as z:
+        z.writestr("adapter_config.json", b"{}")
+    with pytest.raises(ApiError, match="lacks adapters.safetensors"):
+        _unpack(no_weights.getvalue())

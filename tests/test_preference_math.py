@@ -11,16 +11,20 @@ differences in float64 of the NumPy loss).
     ORPO (Hong et al. 2024, eqs. 6-7): NLL_w - lambda log s(log(odds_w / odds_l)), odds = P/(1-P),
           P = exp(mean token log-prob)
     Bradley-Terry: -log s(r_w - r_l)
+    KTO (Ethayarajh et al. 2024, eq. 8, as TRL's KTOTrainer): r = pi - ref (sequence sums),
+          z0 = max(0, mean(pi' - ref')) over the mismatched pairs, no gradient;
+          desirable w_D (1 - s(b (r - z0))), undesirable w_U (1 - s(b (z0 - r))), mean over rows
 """
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker.dpo_job import dpo_loss, orpo_loss, sequence_logps
+from worker.dpo_job import dpo_loss, orpo_loss
+from worker.kto_job import kl_estimate, kto_loss, mismatched
 from worker.reward_model_job import bradley_terry_loss
 from worker.sft_job import sft_loss
-from worker.logprobs import token_logps
+from worker.logprobs import sequence_logps, token_logps
 from worker.train_core import Rows, pad_rows
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -93,6 +97,20 @@ def np_orpo(token_logps, mask, lam):
 
 def np_bradley_terry(chosen, rejected):
     return -log_sigmoid(chosen - rejected).mean()
+
+
+def np_kto(token_logps, ref_token_logps, kl_token_logps, kl_ref_token_logps, mask, kl_mask, labels, beta, w_d, w_u):
+    sigmoid = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+    pi, ref = (token_logps * mask).sum(1), (ref_token_logps * mask).sum(1)
+    z0 = max(0.0, ((kl_token_logps * kl_mask).sum(1) - (kl_ref_token_logps * kl_mask).sum(1)).mean())
+    r = pi - ref
+    desirable, undesirable = labels == 1, labels == 0
+    losses = np.concatenate([w_d * (1 - sigmoid(beta * (r[desirable] - z0))),
+                             w_u * (1 - sigmoid(beta * (z0 - r[undesirable])))])
+    metrics = {"rewards/chosen": (beta * r[desirable]).mean(), "rewards/rejected": (beta * r[undesirable]).mean(),
+               "kl": z0, "logps/chosen": pi[desirable].mean(), "logps/rejected": pi[undesirable].mean()}
+    metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+    return losses.mean(), metrics
 
 
 # --------------------------------------------------------------------------- tests
@@ -184,3 +202,52 @@ def test_bradley_terry_loss_metrics_and_gradients():
     close(metrics["margin"].item(), (chosen - rejected).mean())
     close(np.array(g_c), numeric_grad(lambda c: np_bradley_terry(c, rejected), chosen))
     close(np.array(g_r), numeric_grad(lambda r: np_bradley_terry(chosen, r), rejected))
+
+
+@pytest.mark.parametrize("beta,w_d,w_u,kl_shift", [(0.1, 1.0, 1.0, 1.0), (0.5, 1.33, 0.7, 2.0), (2.0, 1.0, 1.0, -3.0)])
+def test_kto_loss_metrics_and_gradients(beta, w_d, w_u, kl_shift):
+    """4 rows (2 desirable, 2 not, interleaved), padded; the KL estimate from 4 other padded
+    rows, whose policy-minus-reference log-probs are shifted by kl_shift: a negative mean (-3)
+    is clamped to z0 = 0."""
+    labels = np.array([1.0, 0.0, 0.0, 1.0])
+    kl_mask = MASK[[3, 0, 1, 2]]
+    kl_logps, kl_ref = -rng.uniform(0.05, 3.0, size=MASK.shape), -rng.uniform(0.05, 3.0, size=MASK.shape) - kl_shift
+    mask, f32 = mx.array(MASK, dtype=mx.float32), lambda a: mx.array(a, dtype=mx.float32)
+    ref = sequence_logps(f32(REF_LOGPS), mask)
+    kl = kl_estimate(sequence_logps(f32(kl_logps), f32(kl_mask)), sequence_logps(f32(kl_ref), f32(kl_mask)))
+
+    def f(token_logps):
+        return kto_loss(sequence_logps(token_logps, mask), ref, kl, f32(labels), beta=beta, desirable_weight=w_d,
+                        undesirable_weight=w_u)
+
+    loss, metrics = f(f32(TOKEN_LOGPS))
+    grad = mx.grad(lambda x: f(x)[0])(f32(TOKEN_LOGPS))
+    def want_of(x):
+        return np_kto(x, REF_LOGPS, kl_logps, kl_ref, MASK, kl_mask, labels, beta, w_d, w_u)
+
+    want, want_metrics = want_of(TOKEN_LOGPS)
+    close(loss.item(), want)
+    for name, value in want_metrics.items():
+        close(metrics[name].item(), value)
+    assert (metrics["kl"].item() == 0) == (kl_shift < 0)
+    # z0 carries no gradient (TRL detaches it): the NumPy gradient holds it fixed, as a number.
+    close(np.array(grad), numeric_grad(lambda x: want_of(x)[0], TOKEN_LOGPS))
+    assert np.all(np.array(grad)[MASK == 0] == 0)
+    kl_grad = mx.grad(lambda x: kl_estimate(sequence_logps(x, f32(kl_mask)), sequence_logps(f32(kl_ref), f32(kl_mask))))(
+        f32(kl_logps))
+    assert np.all(np.array(kl_grad) == 0)
+
+
+def test_kto_at_the_reference_is_half_the_weights_with_zero_rewards():
+    """Policy == reference (a fresh LoRA): r = 0 and z0 = 0, each row's loss is w (1 - s(0)) = w / 2."""
+    seq, labels = mx.array([-3.0, -5.0, -4.0]), mx.array([1.0, 0.0, 0.0])
+    kl = kl_estimate(seq, seq)
+    loss, metrics = kto_loss(seq, seq, kl, labels, beta=0.1, desirable_weight=1.5, undesirable_weight=0.6)
+    close(loss.item(), (1.5 + 0.6 + 0.6) / 2 / 3)
+    assert metrics["rewards/margins"].item() == 0 and metrics["kl"].item() == 0
+
+
+def test_kto_mismatched_pairs_rotate_the_batch_s_completions_by_one():
+    """TRL's KL pairs: (x_1, y_n), (x_2, y_1), ..., (x_n, y_n-1), within the batch the rows are drawn into."""
+    rows = [{"prompt": f"x{i}", "completion": f"y{i}", "label": i % 2 == 0} for i in range(6)]
+    assert mismatched(rows, [4, 1, 5]) == [("x4", "y5"), ("x1", "y4"), ("x5", "y1")]

@@ -292,6 +292,31 @@ def test_trainers_see_only_their_jobs_viewers_only_read_admin_sees_all(stack):
         assert alice.post(f"{JOBS}/{job_id}/cancel").status_code in (200, 404)
 
 
+def test_the_any_kind_routes_keep_the_roles(stack):
+    """GET /admin/api/jobs and /admin/api/jobs/{id}: a trainer sees only its own jobs (others'
+    are 404), a viewer and the admin see every job, of every kind."""
+    pairs = [{"prompt": "p", "chosen": "a", "rejected": "b"}]
+    with stack.client(TRAINER_A) as alice, stack.client(TRAINER_B) as bob, \
+            stack.client(VIEWER) as victor, stack.client() as admin:
+        mine = [alice.post(JOBS, json=body(stack, model_id="no-such-model-roles")).json()["job_id"],
+                alice.post("/admin/api/fine-tune/dpo/jobs", json={"model_id": "no-such-model-roles",
+                                                                 "preference_pairs": pairs}).json()["job_id"]]
+        for job_id in mine:
+            assert bob.get(f"/admin/api/jobs/{job_id}").json() == {"detail": f"Job not found: {job_id}"}
+            assert alice.get(f"/admin/api/jobs/{job_id}").json()["owner"] == "alice"
+            for who in (victor, admin):
+                assert who.get(f"/admin/api/jobs/{job_id}").status_code == 200
+        assert not set(mine) & {j["job_id"] for j in bob.get("/admin/api/jobs", params={"limit": 1000}).json()}
+        alices = alice.get("/admin/api/jobs", params={"limit": 1000}).json()
+        assert set(mine) <= {j["job_id"] for j in alices} and all(j["owner"] == "alice" for j in alices)
+        assert {j["kind"] for j in alices} >= {"grpo", "dpo"}
+        for who in (victor, admin):
+            assert set(mine) <= {j["job_id"] for j in who.get("/admin/api/jobs", params={"limit": 1000}).json()}
+        for job_id in mine:
+            alice.post(f"{JOBS}/{job_id}/cancel")
+            alice.post(f"/admin/api/fine-tune/dpo/jobs/{job_id}/cancel")
+
+
 # --- event streams ---------------------------------------------------------------------------
 
 def test_bad_last_event_id_is_400_and_a_good_one_resumes(stack, client):
@@ -673,7 +698,7 @@ def test_generated_requests_never_get_a_5xx_or_an_undocumented_code(stack, clien
         if "requestBody" in op:
             kwargs["content"] = json.dumps(payload).encode()
             kwargs["headers"] = {"Content-Type": "application/json"}
-        if method == "get" and "{" not in path and path == JOBS:
+        if method == "get" and "{" not in path and path in (JOBS, "/admin/api/jobs"):
             kwargs["params"] = {k: v.encode("utf-8", "surrogatepass").decode("utf-8", "replace") for k, v in query.items()}
         if last_event_id is not None and path.endswith("/stream"):
             kwargs.setdefault("headers", {})["Last-Event-ID"] = last_event_id

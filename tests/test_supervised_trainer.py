@@ -13,8 +13,8 @@ from mlx_lm.tuner.lora import LoRALinear
 
 from shared.train_specs import DPOJobCreate, SFTJobCreate
 from worker.adapters import attach_adapter, remove_adapter_layers
-from worker.dpo_job import DPOTrainer, sequence_logps
-from worker.logprobs import token_logps
+from worker.dpo_job import DPOTrainer
+from worker.logprobs import sequence_logps, token_logps
 from worker.models import gradient_checkpointing
 from worker.sft_job import SFTTrainer
 from worker.train_core import TrainState
@@ -102,6 +102,41 @@ def test_dpo_reference_is_the_model_with_lora_off(lm):
     np.testing.assert_allclose(np.array(ref_after), np.array(ref_before), rtol=1e-5)
     policy = sequence_logps(token_logps(model(inputs), targets), mask)
     assert not np.allclose(np.array(policy), np.array(ref_after))  # the policy moved, the reference did not
+
+
+def test_kto_kl_estimate_scores_each_prompt_with_the_previous_row_s_completion(lm):
+    """After some training, a batch's z0 is the mean of policy minus reference (LoRA off)
+    log-probs of the rotated pairs, each scored here one row at a time from its own tokens."""
+    from shared.train_specs import KTOJobCreate
+    from worker.adapters import lora_disabled
+    from worker.kto_job import KTOTrainer
+
+    model, tokenizer = lm
+    rows = [{"prompt": "Q0?", "completion": "red apple", "label": True}, {"prompt": "Q1?", "completion": "no", "label": False},
+            {"prompt": "Tell me.", "completion": "blue stone river", "label": True}]
+    spec = KTOJobCreate(model_id="tiny", dataset=rows, config={**{k: v for k, v in BASE.items() if k != "mask_prompt"},
+                                                               "batch_size": 3, "learning_rate": 5e-2})
+    mx.random.seed(0)
+    attach_adapter(model, spec.config)
+    trainer = KTOTrainer(model, tokenizer, spec, rows, None)
+    for _ in range(3):
+        trainer.step(TrainState())
+
+    def logp(prompt: str, completion: str) -> float:
+        tokens = tokenizer.encode(prompt) + tokenizer.encode(completion, add_special_tokens=False) + [tokenizer.eos_token_id]
+        start = len(tokenizer.encode(prompt))
+        logps = token_logps(model(mx.array([tokens[:-1]])), mx.array([tokens[1:]]))[0]
+        return float(logps[start - 1:].sum().item())
+
+    ids = [2, 0, 1]
+    (*_, kl), _ = trainer.arrays(ids, rows)
+    pairs = [(rows[2]["prompt"], rows[1]["completion"]), (rows[0]["prompt"], rows[2]["completion"]),
+             (rows[1]["prompt"], rows[0]["completion"])]
+    policy = [logp(*p) for p in pairs]
+    with lora_disabled(model):
+        reference = [logp(*p) for p in pairs]
+    assert float(kl.item()) == pytest.approx(max(0.0, float(np.mean(np.subtract(policy, reference)))), rel=1e-4, abs=1e-6)
+    assert float(kl.item()) > 0.01  # the policy moved (measured z0: 0.11): the check above is not 0 == 0
 
 
 def test_full_fine_tuning_is_bounded_and_quantized_bases_are_refused(tiny_model, tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""SFT, DPO, ORPO and reward-model jobs through the real stack: HTTP, Redis, a worker process
+"""SFT, DPO, ORPO, KTO and reward-model jobs through the real stack: HTTP, Redis, a worker process
 (its training process), the tiny model. Datasets reach the worker only through Redis
 (uploaded files, inline rows) or through a path under MTQ_DATA_ROOTS.
 
@@ -22,6 +22,7 @@ from conftest import Stack, read_events, running, wait_for
 
 SFT, DPO, ORPO, REWARD = ("/admin/api/fine-tune/jobs", "/admin/api/fine-tune/dpo/jobs", "/admin/api/fine-tune/orpo/jobs",
                           "/admin/api/fine-tune/reward/jobs")
+KTO = "/admin/api/fine-tune/kto/jobs"
 FILES, SCORE = "/admin/api/fine-tune/files", "/admin/api/fine-tune/reward/score"
 SFT_ROWS = [{"prompt": "Q0?", "completion": "red apple"}, {"prompt": "Q1?", "completion": "blue river"}]
 SFT_CONFIG = dict(lora_layers=-1, lora_rank=16, lora_alpha=4, learning_rate=1e-2, batch_size=2, iters=200,
@@ -43,6 +44,12 @@ def keyword_pairs(n: int, seed: int) -> list[dict]:
         a, b = rnd.sample(WORDS, 2)
         out.append({"prompt": f"Say something about {a}.", "chosen": f"{b} is good", "rejected": f"{b} is {rnd.choice(WORDS)}"})
     return out
+
+
+def unpaired(pairs: list[dict]) -> list[dict]:
+    """KTO's rows of pairs, as TRL unpairs them: the chosen completion desirable, the rejected one not."""
+    return [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"} for p in pairs
+            for side in ("chosen", "rejected")]
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +244,28 @@ def test_dpo_raises_accuracies_and_margins_and_a_zero_lr_control_does_not(stack,
     assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"} <= set(steps[-1])
 
 
+def test_kto_raises_its_margins_on_unpaired_rows_and_a_zero_lr_control_does_not(stack, client):
+    rows = unpaired(keyword_pairs(16, 0))
+    learned = submit(client, KTO, {"model_id": "tiny", "dataset": rows, "config": PREF_CONFIG})
+    frozen = submit(client, KTO, {"model_id": "tiny", "dataset": rows, "config": {**PREF_CONFIG, "iters": 5, "learning_rate": 0.0}})
+    wait_done(stack, client, KTO, learned["job_id"])
+    wait_done(stack, client, KTO, frozen["job_id"])
+    steps = events(stack, learned["job_id"], "kto_step")
+    control = events(stack, frozen["job_id"], "kto_step")
+    def mean(key, some):
+        return sum(e[key] for e in some) / len(some)
+
+    print("\nKTO rewards/margins, kl, loss by step:",
+          [(e["iter"], round(e["rewards/margins"], 3), round(e["kl"], 3), round(e["loss"], 4)) for e in steps],
+          f"\nmean of the last 10 steps: margins {mean('rewards/margins', steps[-10:]):.3f}, loss {mean('loss', steps[-10:]):.4f}")
+    # The first step's policy is the reference (LoRA B = 0): every reward and z0 are 0, each row's loss 1 - s(0).
+    assert steps[0]["rewards/margins"] == 0 and steps[0]["kl"] == 0 and steps[0]["loss"] == pytest.approx(0.5, abs=1e-6)
+    assert mean("rewards/margins", steps[-10:]) > 0.15  # batches of 8 of the 32 rows: a noisy curve, measured 0.21
+    assert mean("loss", steps[-10:]) < 0.49  # measured 0.477
+    assert all(e["rewards/margins"] == 0 and e["kl"] == 0 and e["loss"] == pytest.approx(0.5, abs=1e-6) for e in control)
+    assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"} <= set(steps[-1])
+
+
 def test_orpo_lowers_its_loss_with_trl_metrics(stack, client):
     job = submit(client, ORPO, {"model_id": "tiny", "preference_pairs": keyword_pairs(16, 0), "config": {**PREF_CONFIG, "iters": 15}})
     wait_done(stack, client, ORPO, job["job_id"])
@@ -338,6 +367,12 @@ def test_invalid_datasets_and_files_are_clear_4xx(stack, client):
     assert res.status_code == 400 and "missing field 'prompt'" in res.json()["detail"]
     res = client.post(SFT, json={"model_id": "tiny", "dataset": {"file_id": "file-" + "0" * 32}})
     assert res.status_code == 400 and "not found" in res.json()["detail"]
+    res = client.post(KTO, json={"model_id": "tiny", "dataset": [{"prompt": "p", "completion": "c", "label": "yes"}] * 2})
+    assert res.status_code == 400 and "dataset[0]: 'label' must be true or false" in res.json()["detail"]
+    res = client.post(KTO, json={"model_id": "tiny", "dataset": {"file_id": file_id}})
+    assert res.status_code == 400 and "missing field 'prompt' (KTO rows are {prompt, completion, label" in res.json()["detail"]
+    res = client.post(KTO, json={"model_id": "tiny", "dataset": [{"prompt": "p", "completion": "c", "label": True}]})
+    assert res.status_code == 400 and "KTO needs at least 2 rows" in res.json()["detail"]
 
 
 def test_seed_shapes_list_get_delete_and_kinds_stay_apart(stack, client):
@@ -380,12 +415,19 @@ def test_cancel_stops_a_running_job_within_2s(stack, client):
 
 
 @pytest.mark.parametrize("path,kind,extra", [(DPO, "dpo", {}), (SFT, "sft", {}), (REWARD, "reward", {}),
-                                             (SFT, "sft", {"fine_tune_type": "full"})], ids=["dpo", "sft", "reward", "sft-full"])
+                                             (SFT, "sft", {"fine_tune_type": "full"}), (KTO, "kto", {})],
+                         ids=["dpo", "sft", "reward", "sft-full", "kto"])
 def test_kill_9_of_the_worker_resumes_from_the_checkpoint_and_completes(stack, client, path, kind, extra):
-    """The worker's disk holds nothing of the dataset: inline pairs, or an uploaded file (SFT).
-    A full fine-tune's checkpoint holds the trained blocks' weights and their optimizer state."""
+    """The worker's disk holds nothing of the dataset: inline pairs (KTO: inline rows), or an
+    uploaded file (SFT). A full fine-tune's checkpoint holds the trained blocks' weights and
+    their optimizer state."""
     config = {"lora_layers": -1, "learning_rate": 1e-3, "batch_size": 2, "iters": 40, "steps_per_save": 4, "steps_per_report": 40, **extra}
-    data = {"dataset": {"file_id": upload(client, SFT_ROWS)}} if kind == "sft" else {"preference_pairs": keyword_pairs(16, 0)}
+    if kind == "sft":
+        data = {"dataset": {"file_id": upload(client, SFT_ROWS)}}
+    elif kind == "kto":
+        data = {"dataset": unpaired(keyword_pairs(16, 0))}
+    else:
+        data = {"preference_pairs": keyword_pairs(16, 0)}
     job = submit(client, path, {"model_id": "tiny", **data, "config": config})
     wait_for(lambda: (client.get(f"{path}/{job['job_id']}").json()["checkpoint_step"] or 0) >= 8, 120, "a checkpoint")
     os.killpg(stack.worker.pid, signal.SIGKILL)

@@ -1,6 +1,7 @@
 """The web page at /ui in headless Chromium, against a real stack: log in with the token,
 list jobs, open a running job, read its curves from the DOM (one point per step), cancel and
-resume it with the page's buttons. Screenshots go to test-artifacts/ (TEST_ARTIFACTS_DIR)."""
+resume it with the page's buttons; jobs of the other kinds listed with their kind and drawn
+with their kind's curves. Screenshots go to test-artifacts/ (TEST_ARTIFACTS_DIR)."""
 
 import json
 
@@ -51,7 +52,7 @@ def test_page_logs_in_lists_jobs_draws_live_curves_and_cancels(stack, worker, br
         row = f"document.querySelector('tr[data-job-id=\"{job_id}\"]')"
         browser.wait(f"{row} && {row}.classList.contains('status-running')")
         assert browser.eval("sessionStorage.getItem('mtq-token')") == TOKEN
-        assert "GET /admin/api/fine-tune/grpo/jobs?limit=100&view=summary" in stack.logs("api")  # no prompts every 2 s
+        assert "GET /admin/api/jobs?limit=100&view=summary" in stack.logs("api")  # no prompts every 2 s
         browser.goto(stack.base_url + "/ui")  # a reload stays logged in
         browser.wait(f"{row} !== null")
 
@@ -92,6 +93,45 @@ def test_page_logs_in_lists_jobs_draws_live_curves_and_cancels(stack, worker, br
         api.post(f"{JOBS}/{job_id}/cancel")
         stack.wait_job(job_id)
     api.close()
+
+
+def test_page_lists_every_kind_and_draws_each_kind_s_curves(stack, worker, browser):
+    """An SFT job (validated: its val_loss is drawn beside the loss, from the eval events) and a
+    DPO job, finished: listed with their kind and headline metric; each job page draws the
+    curves of its kind (shared/kinds.py, read through GET /admin/api/kinds), a point per step."""
+    from shared.kinds import KINDS
+
+    rows = [{"prompt": "Q0?", "completion": "red apple"}, {"prompt": "Q1?", "completion": "blue river"}]
+    small = {"iters": 3, "batch_size": 2, "lora_layers": 2, "lora_rank": 4, "steps_per_report": 1}
+    with stack.client() as api:
+        sft = api.post(KINDS["sft"].prefix, json={"model_id": "tiny", "dataset": rows, "valid_dataset": rows,
+                                                  "config": small}).json()["job_id"]
+        dpo = api.post(KINDS["dpo"].prefix, json={"model_id": "tiny", "config": small, "preference_pairs": [
+            {"prompt": "Sky?", "chosen": "blue", "rejected": "green"}, {"prompt": "Grass?", "chosen": "green", "rejected": "red"}],
+        }).json()["job_id"]
+        for job_id, kind in ((sft, "sft"), (dpo, "dpo")):
+            wait_for(lambda: api.get(f"{KINDS[kind].prefix}/{job_id}").json()["status"] == "completed", 120, kind)
+
+    browser.goto(stack.base_url + "/ui")
+    browser.eval(f"sessionStorage.setItem('mtq-token', {json.dumps(TOKEN)})")
+    browser.goto(stack.base_url + "/ui")
+    for job_id, kind in ((sft, "sft"), (dpo, "dpo")):
+        row = f"document.querySelector('tr[data-job-id=\"{job_id}\"]')"
+        browser.wait(f"{row} && {row}.classList.contains('status-completed')")
+        cells = browser.eval(f"[...{row}.querySelectorAll('td')].map(td => td.textContent)")
+        assert cells[1] == kind and cells[5] == "3/3" and cells[6].startswith("loss "), cells
+
+    for job_id, kind, points in ((sft, "sft", 4), (dpo, "dpo", 3)):  # SFT: an evaluation before the first step too
+        browser.eval(f"location.hash = '#/job/{job_id}'")
+        browser.wait(f"document.getElementById('job-kind').textContent === '{kind}'")
+        loss = "document.querySelector('.chart[data-metric=\"loss\"]')"
+        browser.wait(f"{loss} && {loss}.dataset.points === '{points}'")
+        browser.wait("[...document.querySelectorAll('.chart')].every(c => c.hidden || c.querySelector('canvas'))")
+        shown = browser.eval("[...document.querySelectorAll('.chart:not([hidden])')].map(c => c.dataset.metric)")
+        assert shown == [c.title for c in KINDS[kind].charts], shown
+        assert browser.eval(f"{loss}.dataset.series") == ("loss val_loss" if kind == "sft" else "loss")
+        assert browser.eval("document.getElementById('samples-box').hidden") is True  # GRPO's completions only
+        browser.screenshot(ARTIFACTS / f"ui-{kind}-job.png")
 
 
 def stack_events(stack, job_id: str) -> list[dict]:

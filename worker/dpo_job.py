@@ -26,17 +26,11 @@ import mlx.nn as nn
 
 from worker import supervised
 from worker.adapters import lora_disabled
-from worker.logprobs import token_logps
+from worker.logprobs import sequence_logps, token_logps
 from worker.supervised import PreferenceTrainer
 
 
 # --------------------------------------------------------------------------- the math
-
-
-def sequence_logps(logps: mx.array, mask: mx.array, average: bool = False) -> mx.array:
-    """Sum (or mean) over each row's masked tokens: (N, T) -> (N,)."""
-    total = (logps * mask).sum(axis=-1)
-    return total / mx.maximum(mask.sum(axis=-1), 1.0) if average else total
 
 
 def preference_metrics(chosen_reward: mx.array, rejected_reward: mx.array, chosen_logps: mx.array,

@@ -5,7 +5,7 @@ scoring (worker/scoring.py) all take them from.
     completion_logprobs   log softmax(logits_t / T)[o_t] of left-padded prompt + completion rows,
                           from the last hidden states of completion positions only (GRPO, scoring)
     token_logps           log softmax(logits)[target] at every position of right-padded rows
-                          (the supervised kinds)
+                          (the supervised kinds); sequence_logps their sum (or mean) per row
 """
 
 from typing import Any
@@ -46,6 +46,12 @@ def token_logps(logits: mx.array, targets: mx.array) -> mx.array:
     """log softmax(logits)[target] at every position, in float32: (N, W)."""
     logits = logits.astype(mx.float32)
     return mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - mx.logsumexp(logits, axis=-1)
+
+
+def sequence_logps(logps: mx.array, mask: mx.array, average: bool = False) -> mx.array:
+    """Sum (or mean) over each row's masked tokens: (N, T) -> (N,)."""
+    total = (logps * mask).sum(axis=-1)
+    return total / mx.maximum(mask.sum(axis=-1), 1.0) if average else total
 
 
 # --------------------------------------------------------------------------- tokens

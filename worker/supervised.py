@@ -114,13 +114,18 @@ class Trainer:
 # --------------------------------------------------------------------------- preference pairs
 
 
+def completion_rows(tokenizer, texts: list[tuple[str, str]], max_len: int) -> tuple[Rows, int]:
+    """(prompt, completion) texts as token rows (worker/logprobs.py pair_tokens), cut to
+    max_len, and how many rows were cut."""
+    rows = [pair_tokens(tokenizer, prompt, completion) for prompt, completion in texts]
+    return cut(Rows([t for t, _ in rows], [s for _, s in rows]), max_len)
+
+
 def pair_rows(tokenizer, pairs: list[dict], max_len: int) -> tuple[Rows, Rows, int]:
     """Chosen rows and rejected rows (cut to max_len), and how many rows were cut."""
-    chosen = [pair_tokens(tokenizer, p["prompt"], p["chosen"]) for p in pairs]
-    rejected = [pair_tokens(tokenizer, p["prompt"], p["rejected"]) for p in pairs]
-    c, n1 = cut(Rows([t for t, _ in chosen], [s for _, s in chosen]), max_len)
-    r, n2 = cut(Rows([t for t, _ in rejected], [s for _, s in rejected]), max_len)
-    return c, r, n1 + n2
+    chosen, n1 = completion_rows(tokenizer, [(p["prompt"], p["chosen"]) for p in pairs], max_len)
+    rejected, n2 = completion_rows(tokenizer, [(p["prompt"], p["rejected"]) for p in pairs], max_len)
+    return chosen, rejected, n1 + n2
 
 
 class PreferenceTrainer(Trainer):

@@ -13,14 +13,21 @@ and messages:
     GET    {prefix}/{id}/history      a completed job's per-step metrics
     GET    {prefix}/{id}/adapter      a completed job's adapter (or full model) as .tar.gz
 
-Jobs of other kinds are 404 here. Routes are plain `def`s (redis-py is blocking; FastAPI runs
+Jobs of other kinds are 404 here. Jobs of any kind, read-only, by their id alone (how the
+client commands and the web page find a job's kind, and so its routes):
+
+    GET    /admin/api/jobs            every kind's jobs, newest first, paged as above
+    GET    /admin/api/jobs/{id}       the job (its `kind` says which); 404 "Job not found: <id>"
+    GET    /admin/api/kinds           the kinds (shared/kinds.py): routes, step events, curves
+
+Routes are plain `def`s (redis-py is blocking; FastAPI runs
 them in a thread pool), except the event stream: an `async def` on redis.asyncio, so that open
 streams hold no threads. Who may do what (api/auth.py): a viewer's token only reads (403 on
 changes); a trainer's token sees only the jobs it created (others' are 404).
 """
 
 import re
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal, Union
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
@@ -94,6 +101,64 @@ class ResumeRequest(BaseModel):
     _json_values = model_validator(mode="before")(check_json_values)
 
 
+class ChartInfo(BaseModel):
+    title: str
+    metrics: list[str] = Field(description="Metric names; one with `*` stands for every metric it matches.")
+
+
+class KindInfo(BaseModel):
+    name: str = Field(description="The jobs' `kind`.")
+    prefix: str = Field(description="Its routes: POST to create, GET {prefix}/{id}/stream, .../cancel, ...")
+    step_event: str = Field(description="The `type` of its per-step events.")
+    first_step: int = Field(description="The `iter` of its first step event (0: the step's index; 1: completed steps).")
+    headline: str = Field(description="The metric a job list shows.")
+    charts: list[ChartInfo] = Field(description="Its curves against step, from its step events and `eval` events.")
+
+
+StatusQuery = Annotated[JobStatus | None, Query(alias="status", description="Only jobs in this status.")]
+LimitQuery = Annotated[int, Query(ge=1, le=1000)]
+AfterQuery = Annotated[str | None, Query(max_length=64, description="X-Next-After of the previous page.")]
+ViewQuery = Annotated[Literal["full", "summary"], Query(description="summary: each job without its prompts, datasets "
+                                                        "and reward sources (the web page's and `mtq jobs`' form).")]
+PAGED = {200: {"headers": {
+    "X-Has-More": {"description": "`true` if more jobs follow this page.", "schema": {"type": "string"}},
+    "X-Next-After": {"description": "Pass as `after` to get the next page (only when X-Has-More is true).",
+                     "schema": {"type": "string"}}}}}
+
+
+def only(*codes: int) -> dict:
+    return {code: ERRORS[code] for code in codes}
+
+
+def visible(r, job_id: str, who: Principal, kind: Kind | None = None):
+    """The job (or its unreadable record), if it is of `kind` (None: any) and this principal may see it."""
+    h = r.hgetall(job_key(job_id)) if JOB_ID.fullmatch(job_id) else {}
+    if not h or (kind is not None and jobstore.of_kind(h.get(b"kind")) != kind.name):
+        return None
+    found = jobstore.job_or_unreadable(job_id, h)
+    return found if who.sees(found.owner) else None
+
+
+def not_found(job_id: str, what: str = "Job not found") -> HTTPException:
+    # The seed server's messages: "Job not found: <id>", "Job not found or not cancellable: <id>", ...
+    return HTTPException(status.HTTP_404_NOT_FOUND, f"{what}: {job_id[:100]}")
+
+
+def page(r, who: Principal, response: Response, status_: JobStatus | None, limit: int, after: str | None,
+         kind: Kind | None, view: str) -> list:
+    """A page of jobs, newest first (a trainer: its own), of `kind` (None: every kind), with the paging headers.
+    A full page also ends where its jobs' specs reach MTQ_MAX_LIST_BYTES (X-Has-More says so)."""
+    try:
+        jobs, has_more = jobstore.list_jobs(r, status=status_, limit=limit, after=after, owner=who.tenant, kind=kind,
+                                            summary=view == "summary", max_bytes=get_settings().max_list_bytes)
+    except KeyError:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"unknown job id in 'after': {after}") from None
+    response.headers["X-Has-More"] = "true" if has_more else "false"
+    if has_more:
+        response.headers["X-Next-After"] = jobs[-1].job_id
+    return jobs
+
+
 class JobHistory(BaseModel):
     job_id: str
     history: list[dict[str, Any]] = Field(description="One entry per step (the last 1000), each step once, "
@@ -105,20 +170,8 @@ def job_router(k: Kind) -> APIRouter:
     router = APIRouter(prefix=k.prefix, tags=[k.tag], dependencies=[Depends(require_token)], route_class=route_class,
                        responses={code: ERRORS[code] for code in (400, 401, 413, 503)})
 
-    def only(*codes: int) -> dict:
-        return {code: ERRORS[code] for code in codes}
-
     def entry(r, job_id: str, who: Principal):
-        """The job (or its unreadable record), if it is of this kind and this principal may see it."""
-        h = r.hgetall(job_key(job_id)) if JOB_ID.fullmatch(job_id) else {}
-        if not h or jobstore.of_kind(h.get(b"kind")) != k.name:
-            return None
-        found = jobstore.job_or_unreadable(job_id, h)
-        return found if who.sees(found.owner) else None
-
-    def not_found(job_id: str, what: str = "Job not found") -> HTTPException:
-        # The seed server's messages: "Job not found: <id>", "Job not found or not cancellable: <id>", ...
-        return HTTPException(status.HTTP_404_NOT_FOUND, f"{what}: {job_id[:100]}")
+        return visible(r, job_id, who, k)
 
     def entry_or_404(r, job_id: str, who: Principal):
         found = entry(r, job_id, who)
@@ -143,27 +196,10 @@ def job_router(k: Kind) -> APIRouter:
 
     @router.get("", response_model=list[k.job_model | JobSummary | UnreadableJob],  # type: ignore[name-defined]
                 summary="List jobs, newest first (a trainer token: its own): a plain array, as the seed server",
-                responses={200: {"headers": {
-                    "X-Has-More": {"description": "`true` if more jobs follow this page.", "schema": {"type": "string"}},
-                    "X-Next-After": {"description": "Pass as `after` to get the next page (only when X-Has-More is true).",
-                                     "schema": {"type": "string"}}}}})
-    def list_jobs(
-        r: RedisDep, who: PrincipalDep, response: Response, settings: SettingsDep,
-        status_: Annotated[JobStatus | None, Query(alias="status", description="Only jobs in this status.")] = None,
-        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-        after: Annotated[str | None, Query(max_length=64, description="X-Next-After of the previous page.")] = None,
-        view: Annotated[Literal["full", "summary"], Query(description="summary: each job without its prompts, "
-                                                          "datasets and reward sources (the web page's and `mtq jobs`' form).")] = "full",
-    ) -> list:
-        try:  # a full page ends early once its jobs' specs reach MTQ_MAX_LIST_BYTES (X-Has-More says so)
-            jobs, has_more = jobstore.list_jobs(r, status=status_, limit=limit, after=after, owner=who.tenant, kind=k,
-                                                summary=view == "summary", max_bytes=settings.max_list_bytes)
-        except KeyError:
-            raise HTTPException(status.HTTP_400_BAD_REQUEST, f"unknown job id in 'after': {after}") from None
-        response.headers["X-Has-More"] = "true" if has_more else "false"
-        if has_more:
-            response.headers["X-Next-After"] = jobs[-1].job_id
-        return jobs
+                responses=PAGED)
+    def list_jobs(r: RedisDep, who: PrincipalDep, response: Response, status_: StatusQuery = None,
+                  limit: LimitQuery = 100, after: AfterQuery = None, view: ViewQuery = "full") -> list:
+        return page(r, who, response, status_, limit, after, k, view)
 
     @router.get("/{job_id}", response_model=k.job_model | UnreadableJob, responses=only(404), summary="Get one job")
     def get_job(job_id: str, r: RedisDep, who: PrincipalDep):
@@ -252,4 +288,34 @@ def job_router(k: Kind) -> APIRouter:
     return router
 
 
-ROUTERS = [job_router(kind) for kind in KINDS.values()]
+def any_kind_router() -> APIRouter:
+    """Jobs of every kind, read-only (the module's docstring)."""
+    router = APIRouter(prefix="/admin/api", tags=["Jobs of every kind"], dependencies=[Depends(require_token)],
+                       responses={code: ERRORS[code] for code in (400, 401, 503)})
+    any_job = Union[tuple(dict.fromkeys(k.job_model for k in KINDS.values())) + (UnreadableJob,)]  # type: ignore[valid-type]
+
+    @router.get("/jobs", response_model=list[any_job | JobSummary], responses=PAGED,  # type: ignore[valid-type]
+                summary="List jobs of every kind, newest first (a trainer token: its own)")
+    def list_jobs(r: RedisDep, who: PrincipalDep, response: Response, status_: StatusQuery = None,
+                  limit: LimitQuery = 100, after: AfterQuery = None, view: ViewQuery = "full") -> list:
+        return page(r, who, response, status_, limit, after, None, view)
+
+    @router.get("/jobs/{job_id}", response_model=any_job,
+                responses={404: {"model": ErrorBody, "description": "No job with this id (or not one of this trainer token's)."}},
+                summary="Get a job of any kind; its `kind` names its routes (GET /admin/api/kinds)")
+    def get_job(job_id: str, r: RedisDep, who: PrincipalDep):
+        found = visible(r, job_id, who)
+        if found is None:
+            raise not_found(job_id)
+        return found
+
+    @router.get("/kinds", response_model=list[KindInfo], summary="The job kinds: their routes, step events and curves")
+    def list_kinds() -> list[KindInfo]:
+        return [KindInfo(name=k.name, prefix=k.prefix, step_event=k.step_event, first_step=k.first_step,
+                         headline=k.headline, charts=[ChartInfo(title=c.title, metrics=list(c.metrics)) for c in k.charts])
+                for k in KINDS.values()]
+
+    return router
+
+
+ROUTERS = [any_kind_router(), *(job_router(kind) for kind in KINDS.values())]

@@ -2,25 +2,23 @@
 // as every client. No build step: plain JavaScript, uPlot (vendored) for the charts.
 "use strict";
 
-const API = "/admin/api/fine-tune/grpo/jobs";
+// Jobs of every kind; each kind's routes, step events and curves come from GET /admin/api/kinds
+// (the kind registry, shared/kinds.py), as `mtq` reads them.
+const JOBS = "/admin/api/jobs";
+const KINDS_API = "/admin/api/kinds";
 const TOKEN_KEY = "mtq-token";
 const FINISHED = ["completed", "failed", "cancelled"];
 const TERMINAL_EVENTS = ["done", "failed", "cancelled"];
-// The curves of `mtq plot`: [title, metric keys]; "rewards/*" = every per-source mean reward.
-const CHARTS = [
-  ["reward", ["reward"]],
-  ["reward std", ["reward_std"]],
-  ["loss", ["loss"]],
-  ["KL", ["kl"]],
-  ["entropy", ["entropy"]],
-  ["completion length", ["completions/mean_length"]],
-  ["learning rate", ["learning_rate"]],
-  ["rewards by source", ["rewards/*"]],
-];
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"];
 
 const $ = (id) => document.getElementById(id);
 let pageAbort = null; // ends the current page's stream and polling
+let kinds = null; // name -> {prefix, step_event, first_step, headline, charts}, read once per login
+
+async function loadKinds() {
+  if (!kinds) kinds = Object.fromEntries((await apiJSON(KINDS_API)).map((k) => [k.name, k]));
+  return kinds;
+}
 
 // ------------------------------------------------------------------ API
 
@@ -41,12 +39,12 @@ async function apiJSON(path, options) {
 
 // Server-sent events over fetch (EventSource cannot send an Authorization header).
 // Reconnects after a dropped connection with Last-Event-ID; returns once the job's stream ends.
-async function followEvents(jobId, onEvent, signal) {
+async function followEvents(path, onEvent, signal) {
   let lastId = null;
   while (!signal.aborted) {
     try {
       const headers = lastId ? { "Last-Event-ID": lastId } : {};
-      const res = await api(`${API}/${jobId}/stream`, { headers, signal });
+      const res = await api(`${path}/stream`, { headers, signal });
       if (!res.ok) throw new Error(`stream: HTTP ${res.status}`);
       const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
       let buffer = "";
@@ -84,6 +82,7 @@ function show(section) {
 
 function logout(message) {
   sessionStorage.removeItem(TOKEN_KEY);
+  kinds = null;
   $("login-error").textContent = message || "";
   route();
 }
@@ -108,8 +107,9 @@ async function showJobs(signal) {
   show("jobs");
   const refresh = async () => {
     const status = $("status-filter").value;
+    const known = await loadKinds();
     // The summary form: every 2 s, and a job's prompts may be megabytes.
-    const body = await apiJSON(`${API}?limit=100&view=summary${status ? `&status=${status}` : ""}`);
+    const body = await apiJSON(`${JOBS}?limit=100&view=summary${status ? `&status=${status}` : ""}`);
     const jobs = Array.isArray(body) ? body : body.data;  // a plain array, or {data: [...]}
     const rows = $("job-rows");
     rows.replaceChildren();
@@ -121,12 +121,14 @@ async function showJobs(signal) {
       link.href = `#/job/${job.job_id}`;
       link.textContent = job.job_id.slice(0, 12);
       cell(tr, link);
+      cell(tr, job.kind || "");
       cell(tr, job.model_id || "");
       cell(tr, job.status);
       const p = job.progress || {};
       cell(tr, job.phase || "");
       cell(tr, p.total_iters ? `${p.iter || 0}/${p.total_iters}` : "");
-      cell(tr, fmt(p.reward ?? p.mean_reward));
+      const headline = (known[job.kind] || {}).headline;  // GRPO's reward, the others' loss
+      cell(tr, headline && typeof p[headline] === "number" ? `${headline} ${fmt(p[headline])}` : "");
       cell(tr, job.created_at ? new Date(job.created_at * 1000).toLocaleString() : "");
       rows.appendChild(tr);
     }
@@ -138,32 +140,37 @@ async function showJobs(signal) {
   }
 }
 
-function makeCharts() {
+function makeCharts(kind) {
   const box = $("charts");
   box.replaceChildren();
-  return CHARTS.map(([title, keys]) => {
+  return kind.charts.map(({ title, metrics }) => {
     const div = document.createElement("div");
     div.className = "chart";
     div.dataset.metric = title;
     div.dataset.points = "0";
     box.appendChild(div);
-    return { title, keys, div, plot: null, series: [] };
+    return { title, metrics, div, plot: null, series: [] };
   });
+}
+
+// A metric, or every recorded metric a pattern with "*" matches (rewards/*/mean: each source's).
+function metricNames(metric, steps) {
+  if (!metric.includes("*")) return [metric];
+  const pattern = new RegExp(`^${metric.split("*").map((p) => p.replace(/[.+?^${}()|[\]\\/]/g, "\\$&")).join(".*")}$`);
+  const found = new Set();
+  for (const m of steps.values()) for (const k of Object.keys(m)) if (pattern.test(k)) found.add(k);
+  return [...found].sort();
 }
 
 // steps: Map iter -> metrics (a step seen twice, after a lost worker, counts once).
 function drawCharts(charts, steps) {
   const iters = [...steps.keys()].sort((a, b) => a - b);
   for (const chart of charts) {
-    let names = chart.keys;
-    if (names[0] === "rewards/*") {
-      const found = new Set();
-      for (const m of steps.values()) for (const k of Object.keys(m)) if (/^rewards\/.+\/mean$/.test(k)) found.add(k);
-      names = [...found].sort();
-    }
+    const names = chart.metrics.flatMap((m) => metricNames(m, steps));
     const present = names.filter((k) => iters.some((i) => typeof steps.get(i)[k] === "number"));
     if (!present.length) { chart.div.hidden = true; continue; }
     chart.div.hidden = false;
+    chart.div.dataset.series = present.join(" ");
     const data = [iters, ...present.map((k) => iters.map((i) => steps.get(i)[k] ?? null))];
     if (!chart.plot || chart.series.join() !== present.join()) {
       if (chart.plot) chart.plot.destroy();
@@ -172,7 +179,7 @@ function drawCharts(charts, steps) {
         title: chart.title, width: 440, height: 200,
         scales: { x: { time: false } },
         axes: [{ label: "step", incrs: STEP_INCREMENTS }, { values: (u, ticks) => ticks.map(axisNumber), size: 60 }],
-        series: [{ label: "step" }, ...present.map((k, j) => ({ label: k, stroke: COLORS[j % COLORS.length], width: 1.5 }))],
+        series: [{ label: "step" }, ...present.map((k, j) => ({ label: k, stroke: COLORS[j % COLORS.length], width: 1.5, spanGaps: true }))],
       }, data, chart.div);
     } else {
       chart.plot.setData(data);
@@ -182,6 +189,7 @@ function drawCharts(charts, steps) {
 }
 
 function drawSamples(event) {
+  $("samples-box").hidden = false;
   const box = $("samples");
   box.replaceChildren();
   const head = document.createElement("p");
@@ -214,7 +222,8 @@ function renderJob(job) {
   $("job-phase-note").textContent = job.phase_note || "";
   $("job-progress").textContent = p.total_iters ? `step ${p.iter || 0}/${p.total_iters}` : "";
   $("job-error").textContent = job.error || "";
-  $("job-config").textContent = JSON.stringify({ model_id: job.model_id, adapter_name: job.adapter_name,
+  $("job-kind").textContent = job.kind || "";
+  $("job-config").textContent = JSON.stringify({ kind: job.kind, model_id: job.model_id, adapter_name: job.adapter_name,
     config: job.config, reward: job.reward }, null, 2);
   $("cancel").disabled = FINISHED.includes(job.status);
   $("resume").disabled = !["failed", "cancelled"].includes(job.status);
@@ -223,24 +232,36 @@ function renderJob(job) {
 
 async function showJob(jobId, signal) {
   show("job");
-  $("job-id").textContent = jobId;
+  for (const id of ["job-id", "job-kind", "job-error", "action-result"]) $(id).textContent = "";
+  $("charts").replaceChildren();
   $("samples").replaceChildren();
-  $("action-result").textContent = "";
-  const charts = makeCharts();
+  $("samples-box").hidden = true;
+  let job, kind;
+  try {
+    job = await apiJSON(`${JOBS}/${jobId}`);
+    kind = (await loadKinds())[job.kind];
+    if (!kind) throw new Error(job.error || `a job of kind ${job.kind}, which this page does not know`);
+  } catch (err) {
+    $("job-error").textContent = err.message;
+    return;
+  }
+  const path = `${kind.prefix}/${jobId}`;  // the routes of the job's kind
+  const charts = makeCharts(kind);
+  $("job-id").textContent = jobId;  // the page is this job's from here on
   const steps = new Map();
-  const refresh = async () => renderJob(await apiJSON(`${API}/${jobId}`));
+  const refresh = async () => renderJob(await apiJSON(path));
   const act = async (what, run) => {
     $("action-result").textContent = `${what}...`;
     try { await run(); $("action-result").textContent = `${what}: ok`; await refresh(); }
     catch (err) { $("action-result").textContent = `${what}: ${err.message}`; }
   };
-  $("cancel").onclick = () => act("cancel", () => apiJSON(`${API}/${jobId}/cancel`, { method: "POST" }));
+  $("cancel").onclick = () => act("cancel", () => apiJSON(`${path}/cancel`, { method: "POST" }));
   $("resume").onclick = () => act("resume", async () => {
-    await apiJSON(`${API}/${jobId}/resume`, { method: "POST" });
+    await apiJSON(`${path}/resume`, { method: "POST" });
     if (!streaming) stream();  // the stream goes on with the resumed run
   });
   $("download").onclick = () => act("download", async () => {
-    const res = await api(`${API}/${jobId}/adapter`);
+    const res = await api(`${path}/adapter`);
     if (!res.ok) throw new Error(`HTTP ${res.status}`);
     const name = (res.headers.get("Content-Disposition") || "").match(/filename="?([^";]+)/);
     const link = document.createElement("a");
@@ -252,10 +273,14 @@ async function showJob(jobId, signal) {
   let streaming = false;
   const stream = async () => {
     streaming = true;
-    await followEvents(jobId, (event) => {
-      if (event.type === "grpo_step") {
-        steps.set(event.iter, event);
-        if (event.total_iters) $("job-progress").textContent = `step ${event.iter}/${event.total_iters}`;
+    await followEvents(path, (event) => {
+      if (event.type === kind.step_event || event.type === "eval") {
+        // A step event's iter counts from the kind's first step; an eval's counts completed steps.
+        const iter = event.type === "eval" ? event.iter - 1 + kind.first_step : event.iter;
+        steps.set(iter, { ...(steps.get(iter) || {}), ...event });
+        if (event.type === kind.step_event && event.total_iters) {
+          $("job-progress").textContent = `step ${event.iter - kind.first_step + 1}/${event.total_iters}`;
+        }
         drawCharts(charts, steps);
       } else if (event.type === "samples") {
         drawSamples(event);
@@ -265,7 +290,7 @@ async function showJob(jobId, signal) {
     }, signal);
     streaming = false;
   };
-  await refresh().catch((err) => { $("job-error").textContent = err.message; });
+  renderJob(job);
   stream();
   while (!signal.aborted) {  // the phase changes without events: poll the record
     await new Promise((resolve) => setTimeout(resolve, 1000));
@@ -284,7 +309,7 @@ function route() {
 $("login-form").onsubmit = async (e) => {
   e.preventDefault();
   const value = $("token").value.trim();
-  const res = await fetch(`${API}?limit=1`, { headers: { Authorization: `Bearer ${value}` } });
+  const res = await fetch(KINDS_API, { headers: { Authorization: `Bearer ${value}` } });
   if (!res.ok) {
     $("login-error").textContent = res.status === 401 ? "this token was refused" : `HTTP ${res.status}`;
     return;
