@@ -174,16 +174,17 @@ def parse_jsonl(content: bytes, where: str) -> list[dict]:
 
 
 def store_file(r: redis.Redis, content: bytes, filename: str, owner: str | None, retention_s: int,
-               quota: int | None = None) -> dict:
+               quota: int | None = None, purpose: str | None = None) -> dict:
     """Store an uploaded JSON Lines file (rows checked to be JSON objects; their format is
     checked when a job uses the file). Returns its metadata. QuotaExceeded when the owner's
-    live files and this one would take more than `quota` bytes."""
+    live files and this one would take more than `quota` bytes. purpose: an OpenAI file's
+    (api/routes/openai_files.py), kept in its metadata."""
     from redis import WatchError  # here, as in shared/adapters.py: the trainers import this module without redis
 
     rows = parse_jsonl(content, filename or "file")
     file_id = f"file-{uuid.uuid4().hex}"
     meta = {"id": file_id, "object": "file", "filename": filename, "bytes": len(content), "rows": len(rows),
-            "created_at": time.time(), "owner": owner}
+            "created_at": time.time(), "owner": owner, **({"purpose": purpose} if purpose else {})}
     with r.pipeline() as p:
         while True:
             try:
@@ -213,6 +214,20 @@ def delete_file(r: redis.Redis, meta: dict) -> None:
         if meta.get("owner") is not None:
             p.zrem(files_key(meta["owner"]), f"{meta['id']} {meta['bytes']}")
         p.execute()
+
+
+def owner_files(r: redis.Redis, owner: str) -> list[dict]:
+    """The metadata of the owner's live files, newest first."""
+    members = r.zrangebyscore(files_key(owner), time.time(), "+inf")
+    with r.pipeline() as p:
+        for m in members:
+            p.hget(file_key(m.decode().split(" ")[0]), "meta")
+        metas = [json.loads(raw) for raw in p.execute() if raw is not None]
+    return sorted(metas, key=lambda m: m["created_at"], reverse=True)
+
+
+def file_content(r: redis.Redis, file_id: str) -> bytes | None:
+    return r.hget(file_key(file_id), "content")
 
 
 def file_meta(r: redis.Redis, file_id: str) -> dict | None:

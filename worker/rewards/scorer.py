@@ -9,6 +9,7 @@ import httpx
 import numpy as np
 from pydantic import ValidationError
 
+from shared import grader_sandbox, graders
 from shared.reward_specs import EndpointReward, LengthReward, compile_regex
 from shared.schemas import JobCreate, PromptItem
 from shared.settings import Settings, load_settings
@@ -82,10 +83,33 @@ def bind_reward_model(source, scorer: "RewardScorer") -> RewardFn:
     return reward_model
 
 
+def bind_grader(source, scorer: "RewardScorer") -> RewardFn:
+    """An OpenAI grader: each completion is its sample, the prompt item's fields its item; a
+    sample it cannot score (a missing template variable, a python grader that raised) scores
+    0, as OpenAI scores it."""
+    if graders.uses_python(source.grader) and not grader_sandbox.enabled():
+        raise RewardError("python graders are off on this worker (MTQ_PYTHON_GRADERS=1 turns them on)")
+
+    def run_python(code: str, sample: dict, item: dict) -> float:
+        return grader_sandbox.run_grader(code, sample, item)[0]
+
+    def one(completion: str, item: dict) -> float:
+        try:
+            return graders.score(source.grader, completion, item, run_python)[0]
+        except graders.GraderError:
+            return 0.0
+
+    def grade(b: ScoringBatch) -> list[Reward]:
+        items = b.per_completion([item.model_extra or {} for item in b.items])
+        return [one(c, item) for c, item in zip(b.flat_completions(), items)]
+
+    return grade
+
+
 BINDERS: dict[str, Callable[..., RewardFn]] = {
     "length": bind_length, "regex": bind_regex, "exact_match": bind_exact_match, "contains": bind_contains,
     "math_answer": bind_math_answer, "json_valid": bind_json_valid, "python": bind_python,
-    "endpoint": bind_endpoint, "reward_model": bind_reward_model,
+    "endpoint": bind_endpoint, "reward_model": bind_reward_model, "grader": bind_grader,
 }
 
 
