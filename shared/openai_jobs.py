@@ -30,7 +30,7 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -50,7 +50,8 @@ KIND_OF_METHOD = {"supervised": "sft", "dpo": "dpo", "reinforcement": "grpo"}
 METHOD_OF_KIND = {v: k for k, v in KIND_OF_METHOD.items()}
 BASE_LEARNING_RATE = {"supervised": 1e-5, "dpo": 1e-5, "reinforcement": 1e-5}  # times learning_rate_multiplier
 AUTO = {"n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 1.0, "beta": 0.1, "compute_multiplier": 1.0,
-        "eval_samples": 0}
+        "eval_samples": 0, "max_completion_tokens": GRPOConfig.model_fields["max_completion_len"].default,
+        "temperature": GRPOConfig.model_fields["temperature"].default}
 GROUP_SIZE = 4  # completions per prompt of a reinforcement job at compute_multiplier 1
 MAX_SUFFIX = 64
 
@@ -76,6 +77,10 @@ class ReinforcementHyperparameters(SupervisedHyperparameters):
     eval_interval: Auto | int | None = None
     eval_samples: Auto | int | None = None
     reasoning_effort: Literal["default", "low", "medium", "high"] | None = None
+    # Local extensions (not OpenAI's): the completions' length in tokens and the sampling
+    # temperature (GRPOConfig.max_completion_len, temperature).
+    max_completion_tokens: Auto | Annotated[int, Field(ge=1, le=32768)] | None = None
+    temperature: Auto | Annotated[float, Field(ge=0.0, le=100.0)] | None = None
 
 
 class SupervisedMethod(_Strict):
@@ -273,7 +278,8 @@ def build(r, request: JobCreateRequest, who) -> Created:
     if method.type == "reinforcement":
         group = max(2, round(GROUP_SIZE * hp["compute_multiplier"]))
         config = GRPOConfig(batch_size=hp["batch_size"], group_size=group, iters=iters, learning_rate=lr, seed=seed,
-                            checkpoint_every=per_epoch)
+                            checkpoint_every=per_epoch, max_completion_len=hp["max_completion_tokens"],
+                            temperature=hp["temperature"])
         spec = JobCreate(model_id=request.model, adapter_name=adapter_name, prompts=rows, config=config,
                          reward=[GraderReward(grader=method.reinforcement.grader)])  # type: ignore[union-attr]
     elif method.type == "dpo":

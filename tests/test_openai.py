@@ -17,7 +17,7 @@ SFT_ROWS = [{"messages": [{"role": "user", "content": f"Colour {i}?"}, {"role": 
 DPO_ROWS = [{"input": {"messages": [{"role": "user", "content": f"Sky {i}?"}]},
              "preferred_output": [{"role": "assistant", "content": "blue"}],
              "non_preferred_output": [{"role": "assistant", "content": "green"}]} for i in range(4)]
-RFT_ROWS = [{"messages": [{"role": "user", "content": f"Say something {i}"}], "target": "e"} for i in range(4)]
+RFT_ROWS = [{"messages": [{"role": "user", "content": f"Say something {i}"}], "target": "y"} for i in range(4)]
 
 
 def jsonl(rows: list[dict]) -> bytes:
@@ -167,7 +167,8 @@ def test_pause_resume_continues_from_checkpoint(stack, worker):
     assert client.fine_tuning.jobs.cancel(cancelled.id).status == "cancelled"
 
 
-ILIKE_E = {"type": "string_check", "name": "has e", "operation": "ilike", "input": "{{ sample.output_text }}",
+# Of the tiny model's 16-token completions at temperature 0.1, about one in six holds a "y".
+ILIKE_Y = {"type": "string_check", "name": "has y", "operation": "ilike", "input": "{{ sample.output_text }}",
            "reference": "{{ item.target }}"}
 
 
@@ -177,22 +178,27 @@ def test_reinforcement_with_string_check_beats_lr0_control(stack, worker):
 
     def job(multiplier: float):
         return client.fine_tuning.jobs.create(model="tiny", training_file=file_id, seed=3, method={
-            "type": "reinforcement", "reinforcement": {"grader": ILIKE_E, "hyperparameters": {
-                "n_epochs": 6, "batch_size": 4, "learning_rate_multiplier": multiplier}}})
+            "type": "reinforcement", "reinforcement": {"grader": ILIKE_Y, "hyperparameters": {
+                "n_epochs": 6, "batch_size": 4, "learning_rate_multiplier": multiplier, "compute_multiplier": 2,
+                "max_completion_tokens": 16, "temperature": 0.1}}})  # the last two: local extensions
 
-    learned, control = job(2000.0), job(0.0)
-    multi = client.fine_tuning.jobs.create(model="tiny", training_file=file_id, method={
+    learned, control = job(5000.0), job(0.0)
+    # The SDK's MultiGrader types `graders` as one grader; OpenAI's docs (and this API) take
+    # name -> grader, so the job echoes a method the strict types refuse.
+    loose = sdk(stack, strict=False)
+    multi = loose.fine_tuning.jobs.create(model="tiny", training_file=file_id, method={
         "type": "reinforcement", "reinforcement": {"grader": {
             "type": "multi", "name": "m", "calculate_output": "0.5 * a + 0.5 * max(a, 1 - a)",
-            "graders": {"a": ILIKE_E}}, "hyperparameters": {"n_epochs": 1, "batch_size": 4}}})
+            "graders": {"a": ILIKE_Y}}, "hyperparameters": {"n_epochs": 1, "batch_size": 4, "max_completion_tokens": 8}}})
     rewards = {}
     for j in (learned, control, multi):
-        done = wait(client, j.id)
+        done = wait(loose, j.id)
         assert done.status == "succeeded", done.error
-        steps = [e.data for e in client.fine_tuning.jobs.list_events(j.id, limit=1000).data if e.type == "metrics"]
+        steps = [e.data for e in loose.fine_tuning.jobs.list_events(j.id, limit=1000).data if e.type == "metrics"]
         rewards[j.id] = [s["reward"] for s in sorted(steps, key=lambda s: s["step"])]
-    late = lambda r: sum(r[-3:]) / 3  # noqa: E731
-    assert late(rewards[learned.id]) > late(rewards[control.id]), rewards
+    mean = lambda r: sum(r) / len(r)  # noqa: E731
+    assert rewards[learned.id][0] == rewards[control.id][0]  # the same first step: same seed, same model
+    assert mean(rewards[learned.id]) > mean(rewards[control.id]) + 0.2, rewards
     assert all(0.5 <= r <= 1.0 for r in rewards[multi.id])
 
 
