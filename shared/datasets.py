@@ -35,7 +35,7 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class PreferencePair(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # other columns are kept, as the seed server keeps them
     prompt: str = Field(..., min_length=1)
     chosen: str = Field(..., min_length=1)
     rejected: str = Field(..., min_length=1)
@@ -157,13 +157,13 @@ def parse_jsonl(content: bytes, where: str) -> list[dict]:
     return rows
 
 
-def store_file(r: redis.Redis, content: bytes, filename: str, owner: str | None, retention_s: int) -> dict:
-    """Store an uploaded JSON Lines file (rows checked to be JSON objects; their format is
-    checked when a job uses the file). Returns its metadata."""
-    rows = parse_jsonl(content, filename or "file")
+def store_file(r: redis.Redis, content: bytes, filename: str, owner: str | None, retention_s: int,
+               **fields: Any) -> dict:
+    """Store an uploaded file with its metadata (fields: what its purpose's check found: a
+    dataset's `rows`, an adapter's `adapter` summary). Returns the metadata."""
     file_id = f"file-{uuid.uuid4().hex}"
-    meta = {"id": file_id, "object": "file", "filename": filename, "bytes": len(content), "rows": len(rows),
-            "created_at": time.time(), "owner": owner}
+    meta = {"id": file_id, "object": "file", "filename": filename, "bytes": len(content), "created_at": time.time(),
+            "owner": owner, **fields}
     with r.pipeline() as p:
         p.hset(file_key(file_id), mapping={"content": content, "meta": json.dumps(meta)})
         p.expire(file_key(file_id), retention_s)

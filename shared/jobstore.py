@@ -36,9 +36,9 @@ def create_job(r: redis.Redis, spec, owner: str | None = None) -> BaseModel:
     kind = kinds.KINDS[spec.kind]
     job_id = uuid.uuid4().hex
     spec = spec.model_copy(update={"adapter_name": spec.adapter_name or f"{kind.name}-{job_id[:8]}"})
-    # As the seed server: the adapter's path is known from the start, progress is {} until a step.
+    # As the seed server: the adapter's path is known from the start; progress is the kind's until a step.
     path = adapter_dir(load_settings(), spec.model_id, spec.adapter_name)
-    record = lifecycle.create(r, job_id, kind.name, spec, progress="{}", adapter_path=str(path),
+    record = lifecycle.create(r, job_id, kind.name, spec, progress=json.dumps(kind.initial_progress), adapter_path=str(path),
                               max_attempts=max_attempts(spec.config), **({"owner": owner} if owner else {}))
     return job_from_record(job_id, spec, record)
 
@@ -61,9 +61,9 @@ def job_from_record(job_id: str, spec, rec: dict[str, str]) -> BaseModel:
     return kind.job_model(
         job_id=job_id, kind=kind.name, **spec_fields, config=spec.config.model_dump(), adapter_name=spec.adapter_name or "",
         adapter_path=rec.get("adapter_path") or str(adapter_dir(load_settings(), spec.model_id, spec.adapter_name or "")),
-        status=rec["status"], created_at=float(rec["created_at"]), started_at=num("started_at", default=0.0),
-        finished_at=num("finished_at", default=0.0), error=rec.get("error") or "",
-        progress=json.loads(rec.get("progress") or "{}"), phase=phase, phase_note=phase_note,
+        status=rec["status"], created_at=float(rec["created_at"]), started_at=num("started_at", default=kind.unset_time),
+        finished_at=num("finished_at", default=kind.unset_time), error=rec.get("error") or "",
+        progress=json.loads(rec.get("progress") or "null") or kind.initial_progress, phase=phase, phase_note=phase_note,
         waiting_for_worker=rec.get("waiting_for_worker"), worker=rec.get("worker"),
         checkpoint_step=num("checkpoint_step", int), attempts=num("attempts", int, 0),
         failed_attempts=num("failed_attempts", int, 0), max_attempts=num("max_attempts", int) or spec.config.max_attempts,
@@ -110,7 +110,8 @@ def list_jobs(
     owner: str | None = None, kind: kinds.Kind | None = None,
 ) -> tuple[list[BaseModel], bool]:
     """Jobs newest first, each its job object or an UnreadableJob. `after` is the last job_id of
-    the previous page; `owner`: only the jobs of that token name; `kind`: only that kind's."""
+    the previous page; `owner`: only the jobs of that token name; `kind`: only the jobs its
+    routes read (its route_kinds)."""
     start = 0
     if after is not None:
         rank = r.zrevrank(JOBS_INDEX, after)
@@ -136,7 +137,7 @@ def list_jobs(
                 continue
             if owner is not None and h.get(b"owner") != owner.encode():
                 continue
-            if kind is not None and of_kind(h.get(b"kind")) != kind.name:
+            if kind is not None and of_kind(h.get(b"kind")) not in kind.route_kinds:
                 continue
             if len(jobs) == limit:
                 return jobs, True
