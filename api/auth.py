@@ -36,8 +36,14 @@ class Principal:
     role: Role
 
     def sees(self, owner: str | None) -> bool:
-        """Can this principal see a job created by `owner`? Trainers see only their own."""
+        """Can this principal see what `owner` made (a job, an adapter, a file, a scoring answer)?
+        Trainers see only their own."""
         return self.role != "trainer" or owner == self.name
+
+    @property
+    def tenant(self) -> str | None:
+        """Whose things alone this principal may use: a trainer's own (None: everyone's)."""
+        return self.name if self.role == "trainer" else None
 
 
 def load_tokens(settings: Settings) -> list[TokenEntry]:

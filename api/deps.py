@@ -9,6 +9,7 @@ import redis.asyncio
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from api import sse
 from api.auth import Principal, TokenEntry, authenticate, load_tokens
 from shared import jobstore
 from shared.schemas import ErrorBody
@@ -28,25 +29,50 @@ def get_tokens() -> list[TokenEntry]:
 @lru_cache
 def get_redis() -> redis.Redis:
     """One client (and connection pool) for the whole app; it connects lazily, so the
-    API starts even while Redis is down and answers 503 until it is back."""
-    return jobstore.connect(get_settings().redis_url)
+    API starts even while Redis is down and answers 503 until it is back. Its short socket
+    timeout (MTQ_REDIS_TIMEOUT_S) makes a Redis that stops answering a quick 503 too."""
+    return jobstore.connect(get_settings().redis_url, socket_timeout=get_settings().redis_timeout_s)
+
+
+def _async_client(socket_timeout: float) -> redis.asyncio.Redis:
+    # redis.asyncio's pool allows 100 connections by default; each open stream, and each request
+    # waiting for a scoring answer, holds one (MTQ_MAX_STREAMS_PER_TOKEN bounds the streams;
+    # Redis's maxclients is 10000).
+    settings = get_settings()
+    return redis.asyncio.Redis.from_url(settings.redis_url, socket_connect_timeout=min(5.0, settings.redis_timeout_s),
+                                        socket_timeout=socket_timeout, max_connections=8192)
 
 
 @lru_cache
 def get_async_redis() -> redis.asyncio.Redis:
-    """The event streams' client: each open stream borrows a pooled connection while it
-    waits in XREAD BLOCK, on the event loop, without a thread of its own."""
-    # redis.asyncio's pool allows 100 connections by default; each open stream holds one
-    # (the per-token cap, MTQ_MAX_STREAMS_PER_TOKEN, bounds them; Redis's maxclients is 10000).
-    return redis.asyncio.Redis.from_url(
-        get_settings().redis_url, socket_connect_timeout=5, socket_timeout=30, max_connections=8192
-    )
+    """The async routes' client (on the event loop, no thread each), with the short timeout."""
+    return _async_client(get_settings().redis_timeout_s)
+
+
+STREAM_TIMEOUT_S = 30.0  # beyond XREAD BLOCK's wait: hundreds of open streams share one event loop
+
+
+@lru_cache
+def get_stream_redis() -> redis.asyncio.Redis:
+    """The event streams' client: each open stream borrows a pooled connection while it waits
+    in XREAD BLOCK (sse.BLOCK_MS). The route's own checks before the stream starts use the
+    quick client; once it has started, a Redis that stops answering ends it with an error
+    event after STREAM_TIMEOUT_S more."""
+    return _async_client(sse.BLOCK_MS / 1000 + STREAM_TIMEOUT_S)
+
+
+def redis_trouble(exc: Exception) -> str:
+    """What is wrong with Redis, in words (the 503s' detail)."""
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return f"it is out of memory (maxmemory): {exc}"
+    return str(exc) or type(exc).__name__
 
 
 # What every /admin route may answer besides its own codes (for the OpenAPI schema).
 ADMIN_ERRORS = {
     401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
-    503: {"model": ErrorBody, "description": "Redis is unavailable."},
+    503: {"model": ErrorBody, "description": "Redis is unavailable: down, not answering within MTQ_REDIS_TIMEOUT_S, "
+          "or out of memory."},
 }
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -68,12 +94,42 @@ def _unauthorized(detail: str) -> HTTPException:
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-def from_loopback(request: Request) -> bool:
-    """The client is on this machine (uvicorn puts a trusted proxy's X-Forwarded-For here)."""
+def _node_address(node: str) -> str:
+    """An RFC 7239 node ("192.0.2.1", "192.0.2.1:80", "[2001:db8::1]:4711", "unknown") without its port."""
+    node = node.strip().strip('"')
+    if node.startswith("["):
+        return node[1:].partition("]")[0]
+    return node.rpartition(":")[0] if node.count(":") == 1 else node
+
+
+def forwarded_for(request: Request) -> list[str]:
+    """The client addresses a proxy put in the request: Forwarded's `for=` (RFC 7239),
+    X-Forwarded-For and X-Real-IP."""
+    found = []
+    for value in request.headers.getlist("forwarded"):
+        for element in value.split(","):
+            for pair in element.split(";"):
+                name, _, node = pair.strip().partition("=")
+                if name.lower() == "for":
+                    found.append(_node_address(node))
+    for name in ("x-forwarded-for", "x-real-ip"):
+        found += [part.strip() for value in request.headers.getlist(name) for part in value.split(",")]
+    return found
+
+
+def _loopback(address: str) -> bool:
     try:
-        return request.client is not None and ipaddress.ip_address(request.client.host).is_loopback
-    except ValueError:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a proxy's "unknown", an obfuscated name
         return False
+
+
+def from_loopback(request: Request) -> bool:
+    """The client is on this machine: the connection comes from loopback, and so does every
+    client address a proxy on this machine forwarded (Forwarded, X-Forwarded-For, X-Real-IP;
+    uvicorn also rewrites the connection's address from a trusted X-Forwarded-For)."""
+    return (request.client is not None and _loopback(request.client.host)
+            and all(_loopback(address) for address in forwarded_for(request)))
 
 
 def query_token(request: Request) -> str | None:

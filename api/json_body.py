@@ -1,8 +1,9 @@
 """Request bodies are parsed here: malformed or over-deep JSON is a 400, never a 500.
 
 (Size is bounded before parsing: FastAPI's max_body_size, MTQ_MAX_BODY_BYTES, answers 413
-while the body is being read. Non-finite numbers and lone surrogates parse, and are then
-refused by the models' validation: 400, shared/schemas.py.)
+while the body is being read; after parsing, the number of values, MTQ_MAX_JSON_VALUES.
+Non-finite numbers and lone surrogates parse, and are then refused by the models'
+validation: 400, shared/schemas.py.)
 """
 
 import json
@@ -11,35 +12,28 @@ from typing import Any, Callable
 from fastapi import HTTPException, Request, Response, status
 from fastapi.routing import APIRoute
 
-MAX_JSON_DEPTH = 32
+from api.deps import get_settings
+from shared.schemas import TOO_DEEP, json_size_error
 
 
-def json_depth(value: Any) -> int:
-    depth, stack = 0, [(value, 1)]
-    while stack:
-        node, level = stack.pop()
-        if isinstance(node, (dict, list)):
-            depth = max(depth, level)
-            stack += [(v, level + 1) for v in (node.values() if isinstance(node, dict) else node)]
-    return depth
-
-
-def parse_json(body: bytes) -> Any:
+def parse_json(body: bytes, max_values: int | None = None) -> Any:
     try:
         value = json.loads(body)
     except RecursionError:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, TOO_DEEP) from None
     except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer of more than 4300 digits
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"malformed JSON body: {e}"[:300]) from None
-    if json_depth(value) > MAX_JSON_DEPTH:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    if error := json_size_error(value, max_values):
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, error)
     return value
 
 
 class JSONBodyRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = parse_json(await self.body())
+            # Counted before any model sees it: validating 300,000 chat messages would hold the
+            # event loop for seconds.
+            self._json = parse_json(await self.body(), get_settings().max_json_values)
         return self._json
 
 

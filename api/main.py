@@ -4,17 +4,42 @@ This process only reads and writes Redis; training happens in `mtq worker`. It m
 import mlx (nor anything from worker/), so that it starts fast and runs anywhere.
 """
 
+import logging
+from urllib.parse import unquote_plus
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from api.deps import get_settings, get_tokens
+from api.deps import get_settings, get_tokens, redis_trouble
 from api.routes import adapters, files, health, logprob, metrics, models, reward_score, ui
 from api.routes.job_routes import ROUTERS as JOB_ROUTERS
 
 get_tokens()  # a broken MTQ_TOKENS_FILE stops the API at start, not at its first request
+TOKEN_PARAMS = ("key", "api_key")  # api/deps.py query_token
+
+
+def without_query_tokens(path: str) -> str:
+    """A request path as the access log may show it: the values of ?key= / ?api_key= replaced."""
+    base, sep, query = path.partition("?")
+    parts = [f"{name}=<redacted>" if unquote_plus(name) in TOKEN_PARAMS else f"{name}{eq}{value}"
+             for name, eq, value in (part.partition("=") for part in query.split("&"))]
+    return base + sep + "&".join(parts) if sep else path
+
+
+class QueryTokensRedacted(logging.Filter):
+    """uvicorn's access log writes every request's path with its query (a refused one too)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(without_query_tokens(a) if isinstance(a, str) and "?" in a else a for a in record.args)
+        return True
+
+
+logging.getLogger("uvicorn.access").addFilter(QueryTokensRedacted())
 
 app = FastAPI(
     title="mlx-train-queue",
@@ -104,8 +129,10 @@ app.openapi = openapi  # type: ignore[method-assign]
 
 @app.exception_handler(RedisConnectionError)
 @app.exception_handler(RedisTimeoutError)
+@app.exception_handler(OutOfMemoryError)
 async def redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
-    # A Redis outage is the server's temporary state, not a bug: 503 (retry later), never 500.
+    # A Redis outage (down, not answering within MTQ_REDIS_TIMEOUT_S, or full: maxmemory) is the
+    # server's temporary state, not a bug: 503 (retry later), never 500.
     return JSONResponse(
-        status_code=503, content={"detail": f"Redis is unavailable: {exc}"}, headers={"Retry-After": "5"}
+        status_code=503, content={"detail": f"Redis is unavailable: {redis_trouble(exc)}"}, headers={"Retry-After": "5"}
     )

@@ -52,7 +52,7 @@ class CountedStream(StreamingResponse):
 
 
 def valid_stream_id(text: str) -> bool:
-    m = STREAM_ID.match(text)
+    m = STREAM_ID.fullmatch(text)
     return bool(m) and all(int(part) < 2**64 for part in m.groups() if part is not None)
 
 

@@ -1,7 +1,8 @@
 """What a job spec must satisfy beyond its schema: the operator's allow-lists and limits
-(shared/settings.py). Checked on create, and on resume with the changed config; each family
-of kinds (shared/kinds.py) has its check: `check_spec` GRPO's, `check_datasets` the
-supervised kinds'. Both answer 400 (api/routes/job_routes.py FAMILIES says in which form).
+(shared/settings.py), and what the submitting token may use (its own files and reward models).
+Checked on create, and on resume with the changed config; each family of kinds
+(shared/kinds.py) has its check: `check_spec` GRPO's, `check_datasets` the supervised kinds'.
+Both answer 400 (api/routes/job_routes.py FAMILIES says in which form).
 
 Before those checks a new spec is `prepared`: its init_adapter resolved to the job whose
 adapter it names (checked against the job's shape: 400; a source this token may not see: 404),
@@ -32,16 +33,43 @@ REWARD_SCORE_PATH = "/admin/api/fine-tune/reward/score"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def spec_errors(spec: JobCreate, settings: Settings) -> list[str]:
+def common_errors(spec, settings: Settings) -> list[str]:
+    """What every kind's spec must satisfy: the model id's allow-list, the server's cap on
+    stall_timeout_s, and the size the spec takes stored."""
     errors = []
     if error := model_id_error(spec.model_id, settings):
         errors.append(error)
+    if spec.config.stall_timeout_s > settings.max_stall_timeout_s:
+        errors.append(f"config.stall_timeout_s {spec.config.stall_timeout_s:g}; the limit is "
+                      f"{settings.max_stall_timeout_s:g} (MTQ_MAX_STALL_TIMEOUT_S)")
+    stored = len(spec.model_dump_json(by_alias=True))
+    if stored > settings.max_job_bytes:
+        errors.append(f"the job takes {stored} bytes stored; the limit is {settings.max_job_bytes} (MTQ_MAX_JOB_BYTES)")
+    return errors
+
+
+def reward_model_error(r, source: RewardModelReward, settings: Settings, who: Principal) -> str | None:
+    """A reward_model source names a completed reward job's adapter that the token may use
+    (a trainer: its own); the same words whether it is another's or missing."""
+    if error := model_id_error(source.model_id, settings):
+        return f"reward_model: {error}"
+    job_id = adapters.find(r, source.model_id, source.adapter_name)
+    owner = None if job_id is None else r.hget(job_key(job_id), "owner")
+    if job_id is None or not who.sees(None if owner is None else owner.decode()):
+        return f"reward_model: Adapter not found: {source.model_id}/{source.adapter_name}"
+    return None
+
+
+def spec_errors(r, spec: JobCreate, settings: Settings, who: Principal) -> list[str]:
+    errors = common_errors(spec, settings)
     errors += disallowed_endpoint_hosts(endpoint_urls(spec.reward, spec.config.reward_endpoint), settings.reward_hosts)
     for source in spec.reward or []:
         if isinstance(source, PythonReward) and (error := python_reward_error(source.function, settings.reward_modules)):
             errors.append(error)
         if isinstance(source, RegexReward) and len(source.pattern) > settings.max_regex_chars:
             errors.append(f"regex reward: pattern of {len(source.pattern)} characters; the limit is {settings.max_regex_chars} (MTQ_MAX_REGEX_CHARS)")
+        if isinstance(source, RewardModelReward) and (error := reward_model_error(r, source, settings, who)):
+            errors.append(error)
     if len(spec.prompts) > settings.max_prompts:
         errors.append(f"{len(spec.prompts)} prompts; the limit is {settings.max_prompts} (MTQ_MAX_PROMPTS)")
     lengths = [prompt_chars(p) for p in spec.prompts]
@@ -62,27 +90,26 @@ def spec_errors(spec: JobCreate, settings: Settings) -> list[str]:
     return errors
 
 
-def check_spec(r, spec: JobCreate, settings: Settings, loc: tuple = ("body",)) -> None:
+def check_spec(r, spec: JobCreate, settings: Settings, who: Principal, loc: tuple = ("body",)) -> None:
     """A GRPO spec's errors as a RequestValidationError, shaped like pydantic's own (the app
     answers it with 400: api/main.py)."""
-    errors = spec_errors(spec, settings)
+    errors = spec_errors(r, spec, settings, who)
     if errors:
         raise RequestValidationError([{"loc": loc, "msg": msg, "type": "value_error"} for msg in errors])
 
 
-def check_datasets(r, spec, settings, loc: tuple = ("body",)) -> None:
-    """What the schema cannot see: the model id's allow-list, paths under MTQ_DATA_ROOTS,
-    uploaded files that exist and whose rows fit the kind, row counts (400s)."""
-    errors = []
-    if error := model_id_error(spec.model_id, settings):
-        errors.append(error)
+def check_datasets(r, spec, settings: Settings, who: Principal, loc: tuple = ("body",)) -> None:
+    """What the schema cannot see: common_errors, paths under MTQ_DATA_ROOTS, uploaded files
+    that exist, are the token's to use (a trainer: its own; another's reads as missing) and
+    whose rows fit the kind, row counts (400s)."""
+    errors = common_errors(spec, settings)
     for name in ("dataset", "valid_dataset"):
         ref = getattr(spec, name)
         if isinstance(ref, str) and (error := path_error(ref, settings)):
             errors.append(error)
         elif isinstance(ref, FileRef):
             meta = file_meta(r, ref.file_id)
-            if meta is None:
+            if meta is None or not who.sees(meta.get("owner")):
                 errors.append(f"{name}: file {ref.file_id} not found")
             elif meta.get("purpose") == "adapter":
                 errors.append(f"{name}: file {ref.file_id} is an adapter (purpose adapter), not a dataset")

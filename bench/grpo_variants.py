@@ -33,10 +33,9 @@ DEVICE_LIMIT = mx.get_memory_limit()  # MLX's default, before a trainer sets its
 def in_place_update(self, keys, values):
     if self.keys is None or keys.shape[2] != 1:
         return PLAN_UPDATE(self, keys, values)
-    start = self.write_pos.reshape(1)
+    start = self.slots.write_pos.reshape(1)
     self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), start, axes=(2,))
     self.values = mx.slice_update(self.values, values.astype(self.values.dtype), start, axes=(2,))
-    self.write_pos = self.write_pos + 1
     return self.keys, self.values
 
 

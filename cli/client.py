@@ -69,7 +69,8 @@ class ApiClient:
     # ------------------------------------------------------------------ jobs
 
     def list_jobs(self, status: str | None = None, limit: int = 50) -> list[dict]:
-        params = {"limit": limit, **({"status": status} if status else {})}
+        # The summary: a job's prompts may be megabytes, and `mtq jobs` shows none of them.
+        params = {"limit": limit, "view": "summary", **({"status": status} if status else {})}
         body = self.request("GET", JOBS, params=params).json()
         return body if isinstance(body, list) else body["data"]
 

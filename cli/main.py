@@ -42,13 +42,13 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 def _lanes(text: str) -> list[str]:
     lanes = [lane.strip() for lane in text.split(",") if lane.strip()]
-    if not lanes or not all(re.match(LANE_PATTERN, lane) for lane in lanes) or len(lanes) > 16:
+    if not lanes or not all(re.fullmatch(LANE_PATTERN, lane) for lane in lanes) or len(lanes) > 16:
         raise argparse.ArgumentTypeError("1 to 16 comma-separated lane names (a-z, 0-9, _ and -)")
     return lanes
 
 
 def _name(text: str) -> str:
-    if not WORKER_NAME.match(text):
+    if not WORKER_NAME.fullmatch(text):
         raise argparse.ArgumentTypeError("letters, digits, '.', '_' and '-' (at most 64)")
     return text
 

@@ -148,7 +148,7 @@ class LocalStack:
             return 0
         say(f"API: {base_url}  docs: {base_url}/docs  (Ctrl-C stops everything)")
         if dashboard_port is not None:
-            say(f"rq-dashboard: http://127.0.0.1:{dashboard_port}")
+            say(f"rq-dashboard: http://127.0.0.1:{dashboard_port} (user mtq, password MTQ_API_TOKEN)")
 
         while self.stop_signal is None:
             self.check_children()

@@ -5,6 +5,12 @@ A completed job stores its adapter's files in Redis (shared.keys.adapter_key: fi
 newest completed job of that name; shared/lifecycle.py `finish`). The API lists, deletes and
 serves adapters from there, so a client never needs the worker's disk.
 
+An adapter name (of a model) belongs to one owner at a time: the owner of the jobs that use
+it (claim_name, when a job is created). Another owner's job of that name is refused (409), so
+no one overwrites another's adapter, on disk or in the index. The name is free again once
+every job that used it is gone (deleted, or expired after MTQ_JOB_RETENTION_S: the claim
+expires with the last job of the name to finish, shared/lifecycle.py).
+
 An adapter can also be uploaded (POST /admin/api/fine-tune/files?purpose=adapter): mlx_lm's
 adapters.safetensors alone, or a .tar.gz of an adapter directory (what the download routes
 give). Either can be a job's `init_adapter`, as a completed job's adapter can; `adapter_shape`
@@ -23,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.datasets import file_key
-from shared.keys import ADAPTERS_INDEX, adapter_key, job_key
+from shared.keys import ADAPTERS_INDEX, adapter_key, adapter_name_key, job_key
 from shared.settings import Settings
 
 if TYPE_CHECKING:  # the trainers import adapter_dir and need no Redis client
@@ -44,6 +50,34 @@ def adapter_dir(settings: Settings, model_id: str, adapter_name: str) -> Path:
     worker writes the adapter there: both ask this one function."""
     model_part = Path(model_id).name if model_id.startswith("/") else model_id
     return settings.adapters_dir / model_part / adapter_name
+
+
+def adapter_ref(model_id: str, adapter_name: str) -> str:
+    """The adapters index's field: adapter names have no '/', so the last '/' splits it."""
+    return f"{model_id}/{adapter_name}"
+
+
+# KEYS[1]: the name's set of jobs; ARGV: owner ("" for none), the new job's id, the job key prefix.
+# Jobs that are gone leave the set; 0 if a live one is another owner's, else the job joins it.
+CLAIM_NAME = """
+for _, job_id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local job = ARGV[3] .. job_id
+  if redis.call('EXISTS', job) == 0 then
+    redis.call('SREM', KEYS[1], job_id)
+  elseif (redis.call('HGET', job, 'owner') or '') ~= ARGV[1] then
+    return 0
+  end
+end
+redis.call('SADD', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+def claim_name(r: redis.Redis, model_id: str, adapter_name: str, job_id: str, owner: str | None) -> bool:
+    """Record that job `job_id` of `owner` uses this adapter name; False (nothing recorded) if
+    a live job of another owner uses it."""
+    return r.eval(CLAIM_NAME, 1, adapter_name_key(adapter_ref(model_id, adapter_name)), owner or "", job_id,
+                  job_key("")) == 1
 
 
 def split_ref(ref: str) -> tuple[str, str]:
@@ -110,7 +144,7 @@ def _forget(r: redis.Redis, refs: dict[str, str]) -> None:
 
 def find(r: redis.Redis, model_id: str, adapter_name: str) -> str | None:
     """The job id whose adapter carries this name, if its copy is still stored."""
-    job_id = r.hget(ADAPTERS_INDEX, f"{model_id}/{adapter_name}")
+    job_id = r.hget(ADAPTERS_INDEX, adapter_ref(model_id, adapter_name))
     if job_id is None or not r.exists(adapter_key(job_id.decode())):
         return None
     return job_id.decode()
@@ -120,7 +154,7 @@ def delete(r: redis.Redis, model_id: str, adapter_name: str) -> bool:
     """Remove the index entry and the adapter's copy in Redis. False if there is none."""
     from redis import WatchError
 
-    ref = f"{model_id}/{adapter_name}"
+    ref = adapter_ref(model_id, adapter_name)
     with r.pipeline() as p:
         while True:
             try:

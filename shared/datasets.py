@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.model_ids import under_roots
+from shared.schemas import TOO_DEEP, json_size_error
 from shared.settings import Settings
 
 if TYPE_CHECKING:  # the trainers import the row checks here and need no Redis client
@@ -53,8 +54,17 @@ class DatasetError(ValueError):
     """A dataset that cannot be used; the message names the row and the field."""
 
 
+class QuotaExceeded(Exception):
+    """The token's uploaded files would take more than MTQ_MAX_FILES_BYTES_PER_TOKEN."""
+
+
 def file_key(file_id: str) -> str:
     return f"mtq:file:{file_id}"
+
+
+def files_key(owner: str) -> str:
+    """Sorted set: "<file id> <bytes>" of each of the token's files -> when it expires (epoch s)."""
+    return f"mtq:files-of:{owner}"
 
 
 # --------------------------------------------------------------------------- rows
@@ -142,13 +152,19 @@ def parse_jsonl(content: bytes, where: str) -> list[dict]:
     except UnicodeDecodeError as e:
         raise DatasetError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     rows = []
-    for n, line in enumerate(text.splitlines(), 1):
+    # Lines end at \n only (JSON Lines): str.splitlines would also cut at U+2028, U+0085... which
+    # a JSON string may hold as they are.
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
+        except RecursionError:
+            raise DatasetError(f"{where} line {n}: {TOO_DEEP}") from None
         except ValueError as e:
             raise DatasetError(f"{where} line {n}: not JSON ({e})"[:300]) from None
+        if error := json_size_error(row):
+            raise DatasetError(f"{where} line {n}: {error}")
         if not isinstance(row, dict):
             raise DatasetError(f"{where} line {n}: a row must be a JSON object")
         rows.append(row)
@@ -158,17 +174,44 @@ def parse_jsonl(content: bytes, where: str) -> list[dict]:
 
 
 def store_file(r: redis.Redis, content: bytes, filename: str, owner: str | None, retention_s: int,
-               **fields: Any) -> dict:
+               quota: int | None = None, **fields: Any) -> dict:
     """Store an uploaded file with its metadata (fields: what its purpose's check found: a
-    dataset's `rows`, an adapter's `adapter` summary). Returns the metadata."""
+    dataset's `rows`, an adapter's `adapter` summary). Returns the metadata. QuotaExceeded when
+    the owner's live files and this one would take more than `quota` bytes."""
+    from redis import WatchError  # here, as in shared/adapters.py: the trainers import this module without redis
+
     file_id = f"file-{uuid.uuid4().hex}"
     meta = {"id": file_id, "object": "file", "filename": filename, "bytes": len(content), "created_at": time.time(),
             "owner": owner, **fields}
     with r.pipeline() as p:
-        p.hset(file_key(file_id), mapping={"content": content, "meta": json.dumps(meta)})
-        p.expire(file_key(file_id), retention_s)
+        while True:
+            try:
+                if owner is not None:  # the owner's files, counted under WATCH: two uploads cannot both fit
+                    p.watch(files_key(owner))
+                    used = sum(int(m.rsplit(b" ", 1)[1]) for m in p.zrangebyscore(files_key(owner), meta["created_at"], "+inf"))
+                    if quota is not None and used + len(content) > quota:
+                        raise QuotaExceeded(f"{owner!r}'s files take {used} bytes; with these {len(content)} that is more "
+                                            f"than {quota} (MTQ_MAX_FILES_BYTES_PER_TOKEN); delete some first")
+                p.multi()
+                p.hset(file_key(file_id), mapping={"content": content, "meta": json.dumps(meta)})
+                p.expire(file_key(file_id), retention_s)
+                if owner is not None:
+                    p.zremrangebyscore(files_key(owner), "-inf", meta["created_at"])
+                    p.zadd(files_key(owner), {f"{file_id} {len(content)}": meta["created_at"] + retention_s})
+                    p.expire(files_key(owner), retention_s)
+                p.execute()
+                return meta
+            except WatchError:
+                continue
+
+
+def delete_file(r: redis.Redis, meta: dict) -> None:
+    """Delete an uploaded file (its metadata as file_meta gives it), freeing its owner's quota."""
+    with r.pipeline() as p:
+        p.delete(file_key(meta["id"]))
+        if meta.get("owner") is not None:
+            p.zrem(files_key(meta["owner"]), f"{meta['id']} {meta['bytes']}")
         p.execute()
-    return meta
 
 
 def file_meta(r: redis.Redis, file_id: str) -> dict | None:
@@ -179,12 +222,21 @@ def file_meta(r: redis.Redis, file_id: str) -> dict | None:
 # --------------------------------------------------------------------------- resolving a reference
 
 
+SPLITS = ("train", "valid")  # a data directory's files: <split>.jsonl
+
+
 def path_error(path: str, settings: Settings) -> str | None:
-    """Why a dataset path may not be used (None if it may): it must be absolute and under MTQ_DATA_ROOTS."""
+    """Why a dataset path may not be used (None if it may): it must be absolute and under
+    MTQ_DATA_ROOTS, and so must each file it names once every symlink is followed (a data
+    directory's train.jsonl may be a link to anywhere)."""
     if not settings.data_roots:
         return (f"dataset path {path[:200]!r}: this server reads datasets from paths only under MTQ_DATA_ROOTS, "
                 "and none is configured; send the rows inline or upload a file (POST /admin/api/fine-tune/files)")
-    if not path.startswith("/") or "\x00" in path or not under_roots(Path(path).resolve(), settings.data_roots):
+    if not path.startswith("/") or "\x00" in path:
+        return f"dataset path {path[:200]!r} is not under MTQ_DATA_ROOTS"
+    p = Path(path).resolve()
+    files = [p / f"{split}.jsonl" for split in SPLITS] if p.is_dir() else []
+    if not all(under_roots(f.resolve(), settings.data_roots) for f in [p, *files]):
         return f"dataset path {path[:200]!r} is not under MTQ_DATA_ROOTS"
     return None
 
@@ -194,7 +246,9 @@ def _path_rows(path: str, settings: Settings, split: str) -> list[dict] | None:
         raise DatasetError(error)
     p = Path(path).resolve()
     if p.is_dir():
-        p = p / f"{split}.jsonl"
+        p = (p / f"{split}.jsonl").resolve()
+        if not under_roots(p, settings.data_roots):  # as path_error found it, unless it changed since
+            raise DatasetError(f"dataset path {path!r} is not under MTQ_DATA_ROOTS")
         if not p.is_file():
             if split == "train":
                 raise DatasetError(f"dataset directory {path!r} has no train.jsonl")
@@ -205,16 +259,17 @@ def _path_rows(path: str, settings: Settings, split: str) -> list[dict] | None:
 
 
 def load_rows(r: redis.Redis, ref: DatasetRef | None, settings: Settings, row_format: RowFormat, where: str,
-              split: str = "train") -> list[dict] | None:
+              split: str = "train", tenant: str | None = None) -> list[dict] | None:
     """The rows a reference names, checked against the format (DatasetError otherwise).
-    None: no reference (or a data directory without that split)."""
+    None: no reference (or a data directory without that split). tenant: a trainer's job may
+    read only that trainer's files (another's reads as missing)."""
     if ref is None:
         return None
     if isinstance(ref, list):
         rows = ref
     elif isinstance(ref, FileRef):
-        content = r.hget(file_key(ref.file_id), "content")
-        if content is None:
+        content, meta = r.hmget(file_key(ref.file_id), "content", "meta")
+        if content is None or (tenant is not None and json.loads(meta).get("owner") != tenant):
             raise DatasetError(f"{where}: file {ref.file_id} not found (uploads expire after MTQ_JOB_RETENTION_S)")
         rows = parse_jsonl(content, f"{where} (file {ref.file_id})")
     else:

@@ -13,33 +13,45 @@ from typing import Any
 import redis
 from pydantic import AliasChoices, BaseModel
 
-from shared import kinds, lifecycle
+from shared import adapters, kinds, lifecycle
 from shared.adapters import adapter_dir
 from shared.keys import JOBS_INDEX, job_key
-from shared.schemas import JobStatus, UnreadableJob
+from shared.schemas import JobStatus, JobSummary, UnreadableJob
 from shared.settings import load_settings
 
 
-def connect(url: str) -> redis.Redis:
+class AdapterNameTaken(ValueError):
+    """Another owner's job uses the adapter name (of that model): the API answers 409."""
+
+
+def connect(url: str, socket_timeout: float = 30.0) -> redis.Redis:
     # Bytes in and out: rq needs a connection without decode_responses.
-    return redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30)
+    return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=min(5.0, socket_timeout),
+                                health_check_interval=30)
 
 
 def max_attempts(config) -> int:
     return min(config.max_attempts, load_settings().max_attempts_cap)
 
 
-def create_job(r: redis.Redis, spec, owner: str | None = None) -> BaseModel:
+def create_job(r: redis.Redis, spec, owner: str | None = None, tenant: str | None = None) -> BaseModel:
     """Store a new job of the spec's kind as queued and put it on its rq queue (one atomic
     step); the job as created (a worker may have started it already: that is the next GET's
-    news). owner: the name of the token that created it (api/auth.py)."""
+    news). owner: the name of the token that created it (api/auth.py); tenant: set for a
+    trainer's job, which may use only that tenant's adapters and files (the worker checks).
+    AdapterNameTaken if another owner's job uses its adapter name."""
     kind = kinds.KINDS[spec.kind]
     job_id = uuid.uuid4().hex
     spec = spec.model_copy(update={"adapter_name": spec.adapter_name or f"{kind.name}-{job_id[:8]}"})
+    if not adapters.claim_name(r, spec.model_id, spec.adapter_name, job_id, owner):
+        raise AdapterNameTaken(f"adapter_name {spec.adapter_name!r} of model {spec.model_id!r} is used by another "
+                               "owner's job; choose another name")
     # As the seed server: the adapter's path is known from the start; progress is the kind's until a step.
     path = adapter_dir(load_settings(), spec.model_id, spec.adapter_name)
+    who = {k: v for k, v in (("owner", owner), ("tenant", tenant)) if v}
     record = lifecycle.create(r, job_id, kind.name, spec, progress=json.dumps(kind.initial_progress), adapter_path=str(path),
-                              max_attempts=max_attempts(spec.config), **({"owner": owner} if owner else {}))
+                              adapter_ref=adapters.adapter_ref(spec.model_id, spec.adapter_name),
+                              max_attempts=max_attempts(spec.config), **who)
     return job_from_record(job_id, spec, record)
 
 
@@ -51,22 +63,40 @@ def get_spec(r: redis.Redis, job_id: str):
 
 def job_from_record(job_id: str, spec, rec: dict[str, str]) -> BaseModel:
     """The job object (its kind's job model): the spec and the record's lifecycle fields."""
+    spec_fields = {name: getattr(spec, name) for name in type(spec).model_fields
+                   if name not in ("config", "adapter_name", "model_id")}
+    return kinds.of_record(rec.get("kind")).job_model(
+        **_record_fields(job_id, rec, spec.model_id, spec.adapter_name or ""), **spec_fields,
+        config=spec.config.model_dump())
+
+
+def summary_from_hash(job_id: str, h: dict[bytes, bytes]) -> JobSummary:
+    """The job's summary: its record's fields, model, adapter name and config, without its
+    prompts or datasets (from the record's `summary`; a record written before there was one:
+    its spec)."""
+    rec = {k.decode(): v.decode() for k, v in h.items() if k != b"history"}
+    summary = json.loads(rec["summary"]) if rec.get("summary") else lifecycle.spec_summary(lifecycle.read_spec(rec))
+    return JobSummary(**_record_fields(job_id, rec, summary["model_id"], summary["adapter_name"] or ""),
+                      config=summary["config"])
+
+
+def _record_fields(job_id: str, rec: dict[str, str], model_id: str, adapter_name: str) -> dict[str, Any]:
+    """Every kind's job object's fields that are not its spec's (shared/schemas.py JobRecord)."""
     kind = kinds.of_record(rec.get("kind"))
 
     def num(name: str, cast=float, default=None):
         return cast(rec[name]) if rec.get(name) else default
 
     phase, phase_note = _phase(rec)
-    spec_fields = {name: getattr(spec, name) for name in type(spec).model_fields if name not in ("config", "adapter_name")}
-    return kind.job_model(
-        job_id=job_id, kind=kind.name, **spec_fields, config=spec.config.model_dump(), adapter_name=spec.adapter_name or "",
-        adapter_path=rec.get("adapter_path") or str(adapter_dir(load_settings(), spec.model_id, spec.adapter_name or "")),
+    return dict(
+        job_id=job_id, kind=kind.name, model_id=model_id, adapter_name=adapter_name,
+        adapter_path=rec.get("adapter_path") or str(adapter_dir(load_settings(), model_id, adapter_name)),
         status=rec["status"], created_at=float(rec["created_at"]), started_at=num("started_at", default=kind.unset_time),
         finished_at=num("finished_at", default=kind.unset_time), error=rec.get("error") or "",
         progress=json.loads(rec.get("progress") or "null") or kind.initial_progress, phase=phase, phase_note=phase_note,
         waiting_for_worker=rec.get("waiting_for_worker"), worker=rec.get("worker"),
         checkpoint_step=num("checkpoint_step", int), attempts=num("attempts", int, 0),
-        failed_attempts=num("failed_attempts", int, 0), max_attempts=num("max_attempts", int) or spec.config.max_attempts,
+        failed_attempts=num("failed_attempts", int, 0), max_attempts=num("max_attempts", int, 3),
         resumed_from=num("resumed_from", int), owner=rec.get("owner"),
     )
 
@@ -89,11 +119,12 @@ def _phase(rec: dict[str, str]) -> tuple[str | None, str | None]:
     return None, None
 
 
-def job_or_unreadable(job_id: str, h: dict[bytes, bytes]) -> BaseModel:
-    """The job, or an entry saying its stored record cannot be loaded (written by another
-    version, say): one bad record must not break listing the others."""
+def job_or_unreadable(job_id: str, h: dict[bytes, bytes], build=job_from_hash) -> BaseModel:
+    """The job (build: job_from_hash or summary_from_hash), or an entry saying its stored record
+    cannot be loaded (written by another version, say): one bad record must not break listing
+    the others."""
     try:
-        return job_from_hash(job_id, h)
+        return build(job_id, h)
     except (ValueError, KeyError) as e:  # pydantic's ValidationError is a ValueError
         owner = h.get(b"owner")
         return UnreadableJob(job_id=job_id, error=f"stored record cannot be loaded: {type(e).__name__}: {e}"[:500],
@@ -105,13 +136,22 @@ def get_status(r: redis.Redis, job_id: str) -> JobStatus | None:
     return None if status is None else status.decode()  # type: ignore[return-value]
 
 
+# The record's fields a summary shows (the spec, of any size, only when a record has no summary).
+SUMMARY_FIELDS = ("kind", "status", "owner", "created_at", "started_at", "finished_at", "error", "progress", "phase",
+                  "phase_note", "waiting_for_worker", "worker", "checkpoint_step", "attempts", "failed_attempts",
+                  "max_attempts", "resumed_from", "adapter_path", "summary")
+ENTRY_BYTES = 4096  # what a job object holds besides its spec, about
+
+
 def list_jobs(
     r: redis.Redis, status: JobStatus | None = None, limit: int = 20, after: str | None = None,
-    owner: str | None = None, kind: kinds.Kind | None = None,
+    owner: str | None = None, kind: kinds.Kind | None = None, summary: bool = False, max_bytes: int | None = None,
 ) -> tuple[list[BaseModel], bool]:
-    """Jobs newest first, each its job object or an UnreadableJob. `after` is the last job_id of
-    the previous page; `owner`: only the jobs of that token name; `kind`: only the jobs its
-    routes read (its route_kinds)."""
+    """Jobs newest first, each its job object (summary: its JobSummary) or an UnreadableJob.
+    `after` is the last job_id of the previous page; `owner`: only the jobs of that token name;
+    `kind`: only the jobs its routes read (its route_kinds). max_bytes: the page ends before the
+    job whose spec would take its specs past this many bytes (one job at least); the second
+    value then says True, more follow, as it does when `limit` ends the page."""
     start = 0
     if after is not None:
         rank = r.zrevrank(JOBS_INDEX, after)
@@ -119,29 +159,37 @@ def list_jobs(
             raise KeyError(after)
         start = rank + 1
     jobs: list[BaseModel] = []
+    size = 0
     chunk = max(limit * 2, 50)
     while True:
         ids = [i.decode() for i in r.zrevrange(JOBS_INDEX, start, start + chunk - 1)]
         if not ids:
             return jobs, False
-        with r.pipeline() as p:
+        with r.pipeline() as p:  # the small fields only: a spec may be megabytes
             for job_id in ids:
-                p.hgetall(job_key(job_id))
-            hashes = p.execute()
-        expired = [job_id for job_id, h in zip(ids, hashes) if not h]
+                p.hmget(job_key(job_id), SUMMARY_FIELDS)
+                p.hstrlen(job_key(job_id), "spec")
+            answers = p.execute()
+        fields = [{name.encode(): v for name, v in zip(SUMMARY_FIELDS, values) if v is not None} for values in answers[::2]]
+        expired = [job_id for job_id, h in zip(ids, fields) if b"status" not in h]
         if expired:  # records past their retention time: drop them from the index too
             r.zrem(JOBS_INDEX, *expired)
             start -= len(expired)
-        for job_id, h in zip(ids, hashes):
-            if not h or (status is not None and h.get(b"status") != status.encode()):
+        for job_id, h, spec_bytes in zip(ids, fields, answers[1::2]):
+            if b"status" not in h or (status is not None and h[b"status"] != status.encode()):
                 continue
             if owner is not None and h.get(b"owner") != owner.encode():
                 continue
             if kind is not None and of_kind(h.get(b"kind")) not in kind.route_kinds:
                 continue
-            if len(jobs) == limit:
+            size += ENTRY_BYTES + (0 if summary else spec_bytes)
+            if len(jobs) == limit or (jobs and max_bytes is not None and size > max_bytes):
                 return jobs, True
-            jobs.append(job_or_unreadable(job_id, h))
+            if summary and b"summary" in h:
+                jobs.append(job_or_unreadable(job_id, h, summary_from_hash))
+            else:  # the whole record (also for a summary of a record written before there were summaries)
+                whole = r.hgetall(job_key(job_id))
+                jobs.append(job_or_unreadable(job_id, whole, summary_from_hash if summary else job_from_hash))
         start += chunk
 
 

@@ -17,6 +17,11 @@ def events_key(job_id: str) -> str:
     return f"mtq:job:{job_id}:events"
 
 
+def adapter_name_key(ref: str) -> str:
+    """Set: the jobs that use the adapter name "<model_id>/<adapter_name>" (one owner's: shared/adapters.py claim_name)."""
+    return f"mtq:adapter-name:{ref}"
+
+
 def adapter_key(job_id: str) -> str:
     """Hash: the finished adapter's files (file name -> bytes), readable by any machine."""
     return f"mtq:job:{job_id}:adapter"

@@ -42,6 +42,7 @@ import redis
 from rq import Queue
 
 from shared import kinds, routing, workers
+from shared.adapters import adapter_ref
 from shared.events import append_event
 from shared.fenced_writes import LeaseLost, encode
 from shared.keys import (
@@ -50,6 +51,7 @@ from shared.keys import (
     QUEUED_JOBS,
     RUNNING_JOBS,
     adapter_key,
+    adapter_name_key,
     checkpoint_key,
     events_key,
     job_key,
@@ -96,7 +98,7 @@ def create(r: redis.Redis, job_id: str, kind: str, spec, *, max_attempts: int, *
     """Store a new job as queued and push its rq job on the queue it is routed to, atomically.
     Returns the record as written."""
     now = time.time()
-    record = {"kind": kind, "spec": spec.model_dump_json(by_alias=True), "created_at": repr(now), "attempts": 0,
+    record = {"kind": kind, **spec_fields(spec), "created_at": repr(now), "attempts": 0,
               "failed_attempts": 0, "max_attempts": max_attempts, **fields}
     with r.pipeline() as p:
         p.multi()
@@ -138,11 +140,6 @@ def finish(r: redis.Redis, job_id: str, epoch: int, status: str, event: dict | l
     name = {"completed": "complete", "failed": "fail"}[status]
     ref = None if adapter is None else adapter_ref(*adapter)
     _fenced_commit(r, job_id, name, epoch, lambda rec: Change(status, fields, event, adapter_ref=ref))
-
-
-def adapter_ref(model_id: str, adapter_name: str) -> str:
-    """The adapters index's field: adapter names have no '/', so the last '/' splits it."""
-    return f"{model_id}/{adapter_name}"
 
 
 def hand_back(r: redis.Redis, job_id: str, epoch: int, reason: str) -> None:
@@ -188,7 +185,7 @@ def resume(r: redis.Redis, job_id: str, spec, overrides: dict, *, max_attempts: 
         progress = {**json.loads(rec.get("progress") or "{}"), "total_iters": spec.config.iters}
         if "total_steps" in progress:  # the seed's SFT progress (worker/reports.py)
             progress["total_steps"] = spec.config.iters
-        fields = {"spec": spec.model_dump_json(by_alias=True), "error": None, "finished_at": None, "cancel_requested": None, "need_gb": None,
+        fields = {**spec_fields(spec), "error": None, "finished_at": None, "cancel_requested": None, "need_gb": None,
                   "failed_attempts": 0, "max_attempts": max_attempts, "progress": json.dumps(progress)}
         event = {"type": "resume_requested", "config_overrides": overrides}
         return Change("queued", fields, event, enqueue=True)
@@ -299,10 +296,11 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
     change leaves it, when the caller has it (else an enqueue reads the record's). Returns
     the record's fields as written."""
     keys = [job_key(job_id), events_key(job_id), checkpoint_key(job_id), adapter_key(job_id)]
-    if change.status is None:  # delete
-        if _unqueue(p, rec):
-            p.delete(RQ_JOB_PREFIX + rec["rq_job"])
-        p.delete(*keys, lease_key(job_id))
+    if change.status is None:  # delete: its rq jobs too, every attempt's
+        _unqueue(p, rec)
+        p.delete(*keys, lease_key(job_id), *(RQ_JOB_PREFIX + rq_id for rq_id in _rq_jobs(job_id, rec)))
+        if rec.get("adapter_ref"):  # its claim on the adapter name (shared/adapters.py claim_name)
+            p.srem(adapter_name_key(rec["adapter_ref"]), job_id)
         p.zrem(JOBS_INDEX, job_id)
         p.srem(QUEUED_JOBS, job_id)
         p.srem(RUNNING_JOBS, job_id)
@@ -312,7 +310,7 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
         fields["finished_at"] = repr(time.time())
     if change.enqueue:
         attempt = int(rec.get("enqueues", 0))
-        rq_id = job_id if attempt == 0 else f"{job_id}-r{attempt}"
+        rq_id = _rq_job_id(job_id, attempt)
         fields.update(enqueues=attempt + 1, rq_job=rq_id)
         if rec.get("rq_job"):  # the previous attempt's rq job: rq's own bookkeeping may keep it otherwise
             p.expire(RQ_JOB_PREFIX + rec["rq_job"], _retention_s())
@@ -345,6 +343,8 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
     elif change.status != "running":
         p.delete(lease_key(job_id))
     if change.status in FINISHED:
+        if _unqueue(p, rec):  # cancelled while queued: its rq job will never run
+            p.delete(RQ_JOB_PREFIX + rec["rq_job"])
         if change.status == "completed":
             p.delete(checkpoint_key(job_id))  # nothing left to resume
         for key in keys + ([RQ_JOB_PREFIX + rec["rq_job"]] if rec.get("rq_job") else []):
@@ -352,7 +352,23 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
     elif rec.get("status") in FINISHED:  # resumed: keep everything again
         for key in keys:
             p.persist(key)
+    # Its claim on the adapter name (shared/adapters.py claim_name) lasts while it is queued or
+    # running, and as long as its other keys once it has finished (its last job's, of a name).
+    ref = fields.get("adapter_ref") or rec.get("adapter_ref")
+    if ref:
+        (p.expire(adapter_name_key(ref), _retention_s()) if change.status in FINISHED
+         else p.persist(adapter_name_key(ref)))
     return written
+
+
+def _rq_job_id(job_id: str, enqueue: int) -> str:
+    """The rq job of the job's enqueue number `enqueue` (0, 1, ...)."""
+    return job_id if enqueue == 0 else f"{job_id}-r{enqueue}"
+
+
+def _rq_jobs(job_id: str, rec: dict) -> list[str]:
+    """The ids of every rq job pushed for the job."""
+    return [_rq_job_id(job_id, n) for n in range(int(rec.get("enqueues", 0)))]
 
 
 def _unqueue(p, rec: dict) -> bool:
@@ -361,6 +377,17 @@ def _unqueue(p, rec: dict) -> bool:
         return False
     p.lrem(f"rq:queue:{rec['queue']}", 0, rec["rq_job"])
     return True
+
+
+def spec_summary(spec) -> dict[str, Any]:
+    """What the job list's summary shows of a spec: its model, adapter name and config."""
+    return {"model_id": spec.model_id, "adapter_name": spec.adapter_name, "config": spec.config.model_dump()}
+
+
+def spec_fields(spec) -> dict[str, str]:
+    """The record's fields of a spec: the spec, and its summary (so that the list's summary never
+    reads a spec of megabytes of prompts)."""
+    return {"spec": spec.model_dump_json(by_alias=True), "summary": json.dumps(spec_summary(spec))}
 
 
 def read_spec(rec: dict):

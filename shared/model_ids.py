@@ -10,10 +10,14 @@ its adapter ($MTQ_HOME/adapters/<model_id>/...) to anywhere the operator did not
 """
 
 import os
+import re
 from pathlib import Path
 
-from shared.schemas import MODEL_ID_RE
 from shared.settings import Settings
+
+MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
+# Matched whole (fullmatch, or pydantic's pattern): Python's `$` also matches before a final newline.
+MODEL_ID_RE = re.compile(rf"^(?:{MODEL_NAME}|{MODEL_NAME}/{MODEL_NAME}|/[^\x00]*)$")
 
 
 def under_roots(path: Path, roots: tuple[Path, ...]) -> bool:
@@ -23,7 +27,7 @@ def under_roots(path: Path, roots: tuple[Path, ...]) -> bool:
 def model_id_error(model_id: str, settings: Settings) -> str | None:
     """Why this model_id is not allowed (None if it is). Looks at the text only (the API
     may not share the workers' file system); the worker also resolves symlinks."""
-    if not MODEL_ID_RE.match(model_id) or ".." in Path(model_id).parts:
+    if not MODEL_ID_RE.fullmatch(model_id) or ".." in Path(model_id).parts:
         return f"model_id {model_id[:200]!r}: not a model name, a Hugging Face id (org/name), or an absolute path"
     if model_id.startswith("/") and not under_roots(Path(os.path.normpath(model_id)), settings.model_roots):
         return f"model_id {model_id[:200]!r}: absolute paths are allowed only under MTQ_MODEL_ROOTS"

@@ -9,12 +9,18 @@ the worker again before it runs anything): reward hosts (MTQ_REWARD_HOSTS) and p
 reward functions (the `mtq.rewards` entry points and MTQ_REWARD_MODULES).
 """
 
+import functools
 import ipaddress
 import re
+import socket
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Annotated, Any, Literal, Union
+from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from shared.model_ids import MODEL_ID_RE
 
 REWARD_ENTRY_POINT_GROUP = "mtq.rewards"
 REGEX_MAX_MEM = 8 * 2**20  # RE2's memory budget for one compiled pattern
@@ -119,7 +125,16 @@ class JsonValidReward(_Source):
             outside = [ref for ref in _schema_refs(schema) if not ref.startswith("#")]
             if outside:
                 raise ValueError(f"JSON schema references must stay inside the schema ('#/...'): {outside[0][:200]!r}")
+            if schema_expansion(schema) > MAX_SCHEMA_EXPANSION:
+                raise ValueError(f"the JSON schema expands to more than {MAX_SCHEMA_EXPANSION} subschemas with its $refs "
+                                 "followed: checking a value would take that long")
         return schema
+
+
+REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
+# Subschemas a value may be checked against, every $ref followed where it is used: a bound at
+# submission. (The check itself also runs within config.reward_timeout: worker/rewards/scorer.py.)
+MAX_SCHEMA_EXPANSION = 10_000
 
 
 def _schema_refs(schema: Any) -> list[str]:
@@ -128,11 +143,68 @@ def _schema_refs(schema: Any) -> list[str]:
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
-            refs += [v for k, v in node.items() if k in ("$ref", "$dynamicRef", "$recursiveRef") and isinstance(v, str)]
+            refs += [v for k, v in node.items() if k in REF_KEYS and isinstance(v, str)]
             stack += node.values()
         elif isinstance(node, list):
             stack += node
     return refs
+
+
+def schema_expansion(schema: Any) -> int:
+    """How many subschemas the schema amounts to with each $ref replaced by what it points at
+    ('#', '#/json/pointer', '#anchor'), once per use; a $ref inside its own expansion (a
+    recursive schema) counts 1, the value's depth bounds it. Stops soon after MAX_SCHEMA_EXPANSION."""
+    anchors = {f"#{node[key]}": node for node in _subschemas(schema) for key in ("$anchor", "$dynamicAnchor")
+               if isinstance(node.get(key), str)}
+    sizes: dict[str, int] = {}
+
+    def target(ref: str) -> Any:
+        if ref in anchors:
+            return anchors[ref]
+        if not ref.startswith("#/") and ref != "#":
+            return None
+        node = schema
+        for part in ref[2:].split("/") if ref != "#" else []:  # a JSON pointer, in a URI fragment
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict):
+                node = node.get(part)
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def size(node: Any, expanding: frozenset[str]) -> int:
+        total = 1
+        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if key in REF_KEYS and isinstance(value, str) and isinstance(node, dict):
+                if value in expanding or target(value) is None:
+                    total += 1
+                else:
+                    if value not in sizes:
+                        sizes[value] = size(target(value), expanding | {value})
+                    total += sizes[value]
+            elif isinstance(value, (dict, list)):
+                total += size(value, expanding)
+            if total > MAX_SCHEMA_EXPANSION:
+                break
+        return total
+
+    try:
+        return size(schema, frozenset())
+    except RecursionError:  # $refs chained deeper than Python's stack: far too many in any case
+        return MAX_SCHEMA_EXPANSION + 1
+
+
+def _subschemas(schema: Any):
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            yield node
+            stack += node.values()
+        elif isinstance(node, list):
+            stack += node
 
 
 class PythonReward(_Source):
@@ -167,7 +239,7 @@ class RewardModelReward(_Source):
     worker itself: no HTTP. Prompts are read as raw text (chat prompts: their contents)."""
 
     type: Literal["reward_model"] = "reward_model"
-    model_id: str = Field(..., min_length=1, max_length=512)
+    model_id: str = Field(..., min_length=1, max_length=512, pattern=MODEL_ID_RE.pattern)
     adapter_name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -207,43 +279,102 @@ def endpoint_urls(reward: list | None, reward_endpoint: str) -> list[str]:
     return [s.url for s in reward if isinstance(s, EndpointReward)]
 
 
-def _networks(allowed_hosts: tuple[str, ...]) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
-    networks = []
-    for entry in allowed_hosts:
+@dataclass(frozen=True)
+class RewardHosts:
+    """MTQ_REWARD_HOSTS, read: host names, IP networks (an address is a /32 or /128), `*`, and
+    exact `host:port` entries (`[v6]:port` for an IPv6 address; `localhost:port` stands for
+    127.0.0.1 and ::1 at that port)."""
+
+    names: frozenset[str]
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+    exact: frozenset[tuple[str, int]]  # (a lower-case name or a normalised address, port)
+    anything: bool  # `*`: any name, any address but this host's own
+
+
+@functools.lru_cache
+def reward_hosts(entries: tuple[str, ...]) -> RewardHosts:
+    names, networks, exact = set(), [], set()
+    for entry in entries:
         try:
             networks.append(ipaddress.ip_network(entry, strict=False))
+            continue
         except ValueError:
-            pass  # a host name
-    return networks
+            pass
+        host, sep, port = entry.rpartition(":")
+        if sep and port.isdigit() and host:
+            host = host.lower().removeprefix("[").removesuffix("]")
+            for one in ("127.0.0.1", "::1") if host == "localhost" else (host,):
+                exact.add((_normal(one), int(port)))
+        elif entry != "*":
+            names.add(entry.lower())
+    return RewardHosts(frozenset(names), tuple(networks), frozenset(exact), "*" in entries)
 
 
-def address_allowed(address: str, allowed_hosts: tuple[str, ...]) -> bool:
-    """Is this IP address one of MTQ_REWARD_HOSTS's addresses or inside one of its networks?
-    (Checked by the worker on every address a reward host resolves to, at call time.)"""
-    if "*" in allowed_hosts:
+def _normal(host: str) -> str:
+    """An address as one spelling (an IPv4-mapped IPv6 address as the IPv4 one); a name lower-case."""
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host.lower()
+    return str(ip.ipv4_mapped or ip) if ip.version == 6 else str(ip)
+
+
+def this_host(address: str) -> bool:
+    """Does the address reach this machine: loopback, unspecified (0.0.0.0 is this host), link-local
+    (cloud metadata services live there), or one of this machine's own addresses (a socket binds
+    to it)?"""
+    ip = ipaddress.ip_address(_normal(address))
+    if ip.is_loopback or ip.is_unspecified or ip.is_link_local or ip in ipaddress.ip_network("0.0.0.0/8"):
         return True
-    ip = ipaddress.ip_address(address.split("%")[0])
-    return any(ip.version == net.version and ip in net for net in _networks(allowed_hosts))
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((str(ip), 0))
+        except OSError:
+            return False
+    return True
+
+
+def address_allowed(address: str, port: int, allowed_hosts: tuple[str, ...]) -> bool:
+    """May a reward call connect to this IP address at this port? (Checked by the worker on every
+    address a reward host resolves to, at call time, and by the API on an address in a URL.)
+    This host's own addresses only as an exact address:port entry: a reward call must never
+    reach a local admin service (rq-dashboard, Redis, the API); any other address also when a
+    network of MTQ_REWARD_HOSTS holds it, or with `*`."""
+    hosts = reward_hosts(allowed_hosts)
+    if (_normal(address), port) in hosts.exact:
+        return True
+    if this_host(address):
+        return False
+    ip = ipaddress.ip_address(_normal(address))
+    return hosts.anything or any(ip.version == net.version and ip in net for net in hosts.networks)
+
+
+def url_port(url: "httpx.URL") -> int:
+    return url.port or (443 if url.scheme == "https" else 80)
 
 
 def disallowed_endpoint_hosts(urls: list[str], allowed_hosts: tuple[str, ...]) -> list[str]:
-    """Error messages for URLs that do not parse, or whose host is neither a name listed in
-    MTQ_REWARD_HOSTS nor an address it allows ('*' allows any)."""
+    """Error messages for URLs that do not parse, or whose host MTQ_REWARD_HOSTS does not allow:
+    an address, as address_allowed says; a name, listed (or `*`, or listed exactly with the
+    port), except localhost, which needs an exact entry. (The worker checks the addresses a
+    name resolves to when it calls.)"""
+    hosts = reward_hosts(allowed_hosts)
     errors = []
-    names = {h.lower() for h in allowed_hosts}
     for text in urls:
         try:
             url = parse_reward_url(text)
         except ValueError as e:
             errors.append(str(e))
             continue
-        host = url.host.lower()
+        host, port = url.host.lower(), url_port(url)
         try:
-            allowed = address_allowed(host, allowed_hosts)
+            allowed = address_allowed(host, port, allowed_hosts)
         except ValueError:  # a name, not an address
-            allowed = "*" in allowed_hosts or host in names
+            local = host == "localhost" or host.endswith(".localhost")
+            allowed = (host, port) in hosts.exact or (not local and (hosts.anything or host in hosts.names))
         if not allowed:
-            errors.append(f"reward endpoint host {host!r} is not allowed (MTQ_REWARD_HOSTS={','.join(allowed_hosts)})")
+            errors.append(f"reward endpoint {host}:{port} is not allowed (MTQ_REWARD_HOSTS={','.join(allowed_hosts)}; "
+                          "this host's own addresses only as an exact host:port)")
     return errors
 
 

@@ -37,7 +37,8 @@ from typing import Any
 
 from shared import kinds
 from shared.memory_estimate import GB, ModelShape, loss_bytes, min_need_bytes
-from shared.schemas import DEFAULT_LANE, MODEL_NAME, prompt_chars
+from shared.model_ids import MODEL_NAME
+from shared.schemas import DEFAULT_LANE, prompt_chars
 
 WORKER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_MEMORY_CLASS_GB = 2**20
@@ -53,6 +54,11 @@ def model_key(model_id: str) -> str:
     if model_id.startswith("/"):
         return "path-" + hashlib.sha256(os.path.normpath(model_id).encode()).hexdigest()[:16]
     return model_id.replace("/", ":")
+
+
+def is_hub_id(model_id: str) -> bool:
+    """A Hugging Face id (org/name): a worker with --hub can download it."""
+    return bool(_HF_ID.fullmatch(model_id))
 
 
 def memory_class(need_gb: float | None) -> int:
@@ -163,7 +169,7 @@ def route(kind: str, spec, live: list[dict[str, Any]], floor_gb: float | None = 
     def capable(w):
         return lane in w.get("lanes", [DEFAULT_LANE]) and cls <= (w.get("memory_gb") or 0)
 
-    if not holders and _HF_ID.match(spec.model_id):
+    if not holders and is_hub_id(spec.model_id):
         queue, candidates = hub_queue(lane, cls), [w for w in live if w.get("hub")]
         missing = f"no live worker has model {spec.model_id!r}, and none has hub access (mtq worker --hub)"
     else:

@@ -5,20 +5,16 @@ clients work unchanged; the extra knobs follow Hugging Face TRL's GRPOTrainer.
 """
 
 import math
-import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
+from shared.model_ids import MODEL_ID_RE
 from shared.reward_specs import RewardSource
 
 SEED_MAX = 2**32 - 1
 DEFAULT_LANE = "default"
 LANE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"  # a job's queue (lane): part of rq queue names
-# model_id: a name under MTQ_MODELS_DIR, a Hugging Face id (org/name), or an absolute path
-# (allowed only under MTQ_MODEL_ROOTS, checked by the API and the worker: shared/model_ids.py).
-MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
-MODEL_ID_RE = re.compile(rf"^(?:{MODEL_NAME}|{MODEL_NAME}/{MODEL_NAME}|/[^\x00]*)$")
 
 
 def json_value_error(value: Any, where: str = "body") -> str | None:
@@ -40,6 +36,27 @@ def json_value_error(value: Any, where: str = "body") -> str | None:
                 stack += [(k, f"{path} (a key)"), (v, f"{path}.{k}" if isinstance(k, str) and k.isascii() else path)]
         elif isinstance(node, list):
             stack += [(v, f"{path}[{i}]") for i, v in enumerate(node)]
+    return None
+
+
+MAX_JSON_DEPTH = 32
+TOO_DEEP = f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
+
+
+def json_size_error(value: Any, max_values: int | None = None) -> str | None:
+    """Why a decoded JSON value is too large to take in (None if it is not): nested deeper than
+    MAX_JSON_DEPTH, or (max_values) holding more values than that, every object, array, string
+    and number counted. Stops counting at the limit."""
+    count, stack = 1, [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:  # containers only: a scalar is counted by its container's length
+        node, level = stack.pop()
+        if level > MAX_JSON_DEPTH:
+            return TOO_DEEP
+        children = node.values() if isinstance(node, dict) else node
+        count += len(children)
+        if max_values is not None and count > max_values:
+            return f"the body holds more than {max_values} JSON values (MTQ_MAX_JSON_VALUES)"
+        stack += [(v, level + 1) for v in children if isinstance(v, (dict, list))]
     return None
 
 
@@ -281,6 +298,15 @@ class Job(JobRecord):
     init_adapter: InitAdapter | None = Field(None, description="Where the adapter started (null: a fresh LoRA).")
 
 
+class JobSummary(JobRecord):
+    """A job of any kind in the list's summary form (GET ...?view=summary: the web page's and
+    `mtq jobs`'): its record and config, without its prompts, datasets or reward sources."""
+
+    config: dict[str, Any]
+    started_at: float | None = Field(0.0, description="0.0 until a worker starts it (an SFT job's: null, as the seed's).")
+    finished_at: float | None = Field(0.0, description="0.0 until it finishes (an SFT job's: null).")
+
+
 class UnreadableJob(BaseModel):
     """A stored record this version cannot load (written by another version, say): listed
     as such, so that one bad record never breaks the list. Delete it to get rid of it."""
@@ -293,3 +319,9 @@ class UnreadableJob(BaseModel):
 
 class ErrorBody(BaseModel):
     detail: Any
+
+
+class Deleted(BaseModel):
+    """What a DELETE answers (the seed server's shape)."""
+
+    status: str = "deleted"

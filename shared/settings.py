@@ -22,11 +22,15 @@ class Settings:
     redis_retry_s: float = 600.0  # how long workers retry Redis calls before giving up
     job_retention_s: int = 30 * 86400  # finished jobs' keys expire after this long
     max_attempts_cap: int = 10  # server cap on a job's max_attempts
+    max_stall_timeout_s: float = 3600.0  # server cap on a job's stall_timeout_s (MTQ_MAX_STALL_TIMEOUT_S)
     score_wait_s: float = 20.0  # how long POST .../logprob waits for the workers before answering 202
     # Extra room before a job's first step: MLX compiles kernels on first use (about a minute on
     # a fresh Linux CPU machine, about six on a fresh CUDA machine).
     compile_grace_s: float = 600.0
     memory_gb: float | None = None  # a worker's memory for jobs (MTQ_MEMORY_GB, mtq worker --memory-gb); default: detected
+    hub: bool = False  # a worker may download from the Hugging Face hub (MTQ_HUB, mtq worker --hub)
+    # The API's Redis socket timeout: a Redis that stops answering is a quick 503, not a hung request.
+    redis_timeout_s: float = 3.0
     # Who may do what (api/auth.py): a JSON or YAML file of named tokens with roles.
     tokens_file: Path | None = None
     # Operator allow-lists: python reward modules (prefixes) and directories models may be loaded from.
@@ -35,6 +39,9 @@ class Settings:
     data_roots: tuple[Path, ...] = ()  # directories whose datasets jobs may name by path (MTQ_DATA_ROOTS)
     # Limits, enforced at submission (API) or while calling a reward server (worker).
     max_body_bytes: int = 16 * 2**20
+    max_json_values: int = 250_000  # values (objects, arrays, strings, numbers...) in one JSON body
+    max_job_bytes: int = 8 * 2**20  # a job's stored spec (its JSON)
+    max_list_bytes: int = 16 * 2**20  # a page of the full job list: past it the page ends (X-Has-More)
     max_prompts: int = 10_000
     max_prompt_chars: int = 32_768
     max_step_tokens: int = 262_144
@@ -42,6 +49,7 @@ class Settings:
     max_reward_response_bytes: int = 4 * 2**20
     max_streams_per_token: int = 32
     max_file_bytes: int = 8 * 2**20  # an uploaded dataset file (POST /admin/api/fine-tune/files)
+    max_files_bytes_per_token: int = 64 * 2**20  # a token's uploaded files together
     # Full fine-tuning stores every trained weight and twice that of optimizer state in one Redis
     # value each, and Redis refuses values over 512 MB (proto-max-bulk-len): weights up to this many GB.
     full_finetune_max_gb: float = 0.25
@@ -81,19 +89,25 @@ def load_settings() -> Settings:
         models_dir=models_dir,
         api_host=os.environ.get("MTQ_API_HOST", "127.0.0.1"),
         api_port=int(os.environ.get("MTQ_API_PORT", "8000")),
-        reward_hosts=_list("MTQ_REWARD_HOSTS", "127.0.0.1,localhost,::1"),
+        reward_hosts=_list("MTQ_REWARD_HOSTS"),
         lease_ttl_s=_float("MTQ_LEASE_TTL", Settings.lease_ttl_s),
         redis_retry_s=_float("MTQ_REDIS_RETRY_S", Settings.redis_retry_s),
         job_retention_s=int(_float("MTQ_JOB_RETENTION_S", Settings.job_retention_s)),
         max_attempts_cap=_int("MTQ_MAX_ATTEMPTS", Settings.max_attempts_cap),
+        max_stall_timeout_s=_float("MTQ_MAX_STALL_TIMEOUT_S", Settings.max_stall_timeout_s),
         score_wait_s=_float("MTQ_SCORE_WAIT_S", Settings.score_wait_s),
         compile_grace_s=_float("MTQ_COMPILE_GRACE_S", Settings.compile_grace_s),
         memory_gb=_float("MTQ_MEMORY_GB", 0.0) or None,
+        hub=os.environ.get("MTQ_HUB", "") not in ("", "0"),
+        redis_timeout_s=_float("MTQ_REDIS_TIMEOUT_S", Settings.redis_timeout_s),
         tokens_file=Path(tokens_file).expanduser() if tokens_file else None,
         reward_modules=_list("MTQ_REWARD_MODULES"),
         model_roots=tuple(Path(p).expanduser().resolve() for p in _list("MTQ_MODEL_ROOTS", sep=os.pathsep)),
         data_roots=tuple(Path(p).expanduser().resolve() for p in _list("MTQ_DATA_ROOTS", sep=os.pathsep)),
         max_body_bytes=_int("MTQ_MAX_BODY_BYTES", Settings.max_body_bytes),
+        max_json_values=_int("MTQ_MAX_JSON_VALUES", Settings.max_json_values),
+        max_job_bytes=_int("MTQ_MAX_JOB_BYTES", Settings.max_job_bytes),
+        max_list_bytes=_int("MTQ_MAX_LIST_BYTES", Settings.max_list_bytes),
         max_prompts=_int("MTQ_MAX_PROMPTS", Settings.max_prompts),
         max_prompt_chars=_int("MTQ_MAX_PROMPT_CHARS", Settings.max_prompt_chars),
         max_step_tokens=_int("MTQ_MAX_STEP_TOKENS", Settings.max_step_tokens),
@@ -101,6 +115,7 @@ def load_settings() -> Settings:
         max_reward_response_bytes=_int("MTQ_MAX_REWARD_RESPONSE_BYTES", Settings.max_reward_response_bytes),
         max_streams_per_token=_int("MTQ_MAX_STREAMS_PER_TOKEN", Settings.max_streams_per_token),
         max_file_bytes=_int("MTQ_MAX_FILE_BYTES", Settings.max_file_bytes),
+        max_files_bytes_per_token=_int("MTQ_MAX_FILES_BYTES_PER_TOKEN", Settings.max_files_bytes_per_token),
         full_finetune_max_gb=_float("MTQ_FULL_FINETUNE_MAX_GB", Settings.full_finetune_max_gb),
         samples_events_kept=max(1, _int("MTQ_SAMPLES_EVENTS_KEPT", Settings.samples_events_kept)),
         sse_keepalive_s=max(0.1, _float("MTQ_SSE_KEEPALIVE_S", Settings.sse_keepalive_s)),

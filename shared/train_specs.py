@@ -18,9 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from shared.datasets import (
     PREFERENCE_ROWS, SFT_ROWS, DatasetRef, PreferencePair, RowFormat, fields_error, rows_errors, sft_format,
 )
-from shared.schemas import (
-    DEFAULT_LANE, LANE_PATTERN, MODEL_ID_RE, SEED_MAX, InitAdapter, JobRecord, OptimizerConfig, check_json_values,
-)
+from shared.model_ids import MODEL_ID_RE
+from shared.schemas import DEFAULT_LANE, LANE_PATTERN, SEED_MAX, InitAdapter, JobRecord, OptimizerConfig, check_json_values
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 SCHEDULES = ("cosine_decay", "linear_schedule", "exponential_decay", "step_decay")

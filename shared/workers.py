@@ -32,7 +32,7 @@ from typing import Any
 import redis
 
 from shared.memory_estimate import shape_from_config
-from shared.schemas import MODEL_NAME
+from shared.model_ids import MODEL_NAME
 
 WORKERS = "mtq:workers"  # set of worker names that advertised (entries whose key expired are dropped on read)
 MAX_MODELS = 1000  # directories listed per worker
@@ -78,7 +78,7 @@ def local_models(models_dir: Path, absolute: bool = False) -> list[dict[str, Any
     for config in candidates[:MAX_MODELS]:
         model_dir = config.parent
         parts = model_dir.relative_to(models_dir).parts
-        if not all(_MODEL_NAME.match(p) for p in parts):
+        if not all(_MODEL_NAME.fullmatch(p) for p in parts):
             continue  # not a name a job could use (hidden, temporary...)
         found.append(model_info(str(model_dir) if absolute else "/".join(parts), model_dir))
     return found
@@ -92,7 +92,7 @@ def hub_cache_models() -> list[dict[str, Any]]:
     for config in sorted(Path(constants.HF_HUB_CACHE).glob("models--*--*/snapshots/*/config.json"))[:MAX_MODELS]:
         org_name = config.parents[2].name.removeprefix("models--").split("--", 1)
         model_id = "/".join(org_name)
-        if all(_MODEL_NAME.match(p) for p in org_name):
+        if all(_MODEL_NAME.fullmatch(p) for p in org_name):
             found[model_id] = model_info(model_id, config.parent)
     return list(found.values())
 

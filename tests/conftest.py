@@ -22,9 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR") or ROOT / "test-artifacts")  # screenshots
-# The tests' own reward functions are on the operator allow-list (the API's and the workers',
-# which inherit this environment); tests/test_security.py checks that nothing else is.
-os.environ.setdefault("MTQ_REWARD_MODULES", "reward_fns,tests.reward_fns")
 
 
 def read_events(r, job_id: str, after_id: str = "0-0", count: int = 100) -> list[tuple[str, dict]]:
@@ -41,6 +38,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The tests' own reward functions are on the operator allow-list (the API's and the workers',
+# which inherit this environment); tests/test_security.py checks that nothing else is.
+os.environ.setdefault("MTQ_REWARD_MODULES", "reward_fns,tests.reward_fns")
+# Reward servers on this host are reached only at an exact host:port of MTQ_REWARD_HOSTS: the
+# tests' reward servers listen on REWARD_PORT (tests/reward_server.py), and nothing listens on
+# CLOSED_PORT (a server that is down).
+REWARD_PORT, CLOSED_PORT = free_port(), free_port()
+os.environ.setdefault("MTQ_REWARD_HOSTS", f"127.0.0.1:{REWARD_PORT},127.0.0.1:{CLOSED_PORT}")
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -52,8 +59,9 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, bind: str = "127.0.0.1"):
+    def __init__(self, workdir: Path, bind: str = "127.0.0.1", args: tuple[str, ...] = ()):
         self.bind = bind  # addresses, space-separated (besides loopback: tests/test_netns.py)
+        self.args = args  # more redis-server options (e.g. --maxmemory: tests/test_redis_trouble.py)
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -66,7 +74,7 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", *self.bind.split(), "--dir", str(self.dir),
              "--appendonly", "yes", "--save", "", "--daemonize", "no",
-             "--protected-mode", "yes" if self.bind == "127.0.0.1" else "no"],
+             "--protected-mode", "yes" if self.bind == "127.0.0.1" else "no", *self.args],
             stdout=open(self.dir / "redis.log", "ab"), stderr=subprocess.STDOUT,
         )
         client = redis.Redis.from_url(self.url)
@@ -88,10 +96,10 @@ def _pings(client) -> bool:
 class Stack:
     """A redis-server, the API, and workers started on demand; all real processes."""
 
-    def __init__(self, workdir: Path, tiny_model: Path, redis_bind: str = "127.0.0.1"):
+    def __init__(self, workdir: Path, tiny_model: Path, redis_bind: str = "127.0.0.1", redis_args: tuple[str, ...] = ()):
         self.workdir = workdir
         self.tiny_model = tiny_model
-        self.redis_server = RedisServer(workdir / "redis", redis_bind)
+        self.redis_server = RedisServer(workdir / "redis", redis_bind, redis_args)
         self.api_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.api_port}"
         self.procs: list[subprocess.Popen] = []

@@ -1,12 +1,14 @@
-"""A real HTTP reward server for the tests: 127.0.0.1, a free port, a thread of its own."""
+"""A real HTTP reward server for the tests: 127.0.0.1, the port MTQ_REWARD_HOSTS lists for them
+(conftest.REWARD_PORT; one server at a time), a thread of its own."""
 
 import json
-import socket
 import threading
 import time
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
+
+from conftest import CLOSED_PORT, REWARD_PORT
 
 
 class RewardServer:
@@ -15,7 +17,7 @@ class RewardServer:
     {"status": code} with that status, {"json": answer} or {"raw": text} with that body.
     `requests` records each request: path, headers, body, the rewards answered, delayed."""
 
-    def __init__(self, answer: Callable[[dict, int], dict]):
+    def __init__(self, answer: Callable[[dict, int], dict], port: int = REWARD_PORT):
         self.answer = answer
         self.requests: list[dict] = []
         self.replies: list[dict] = []
@@ -29,7 +31,7 @@ class RewardServer:
             def log_message(self, *args):  # keep pytest's output clean
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_port}/reward"
 
     def _handle(self, handler: BaseHTTPRequestHandler):
@@ -57,8 +59,8 @@ class RewardServer:
 
 
 @contextmanager
-def serving(answer: Callable[[dict, int], dict]):
-    server = RewardServer(answer)
+def serving(answer: Callable[[dict, int], dict], port: int = REWARD_PORT):
+    server = RewardServer(answer, port)
     thread = threading.Thread(target=server.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     try:
@@ -79,8 +81,5 @@ def slow_rewards(delay_s: float = 0.2) -> Callable[[dict, int], dict]:
 
 
 def closed_port_url() -> str:
-    """A URL nobody listens on: connections are refused at once."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}/reward"
+    """A URL MTQ_REWARD_HOSTS allows and nobody listens on: connections are refused at once."""
+    return f"http://127.0.0.1:{CLOSED_PORT}/reward"

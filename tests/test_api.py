@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import read_events
+from conftest import CLOSED_PORT, read_events
 from shared import fenced_writes, lifecycle
 from shared.events import append_event
 
@@ -147,8 +147,9 @@ def test_disallowed_reward_host_is_400(stack, client, body):
 
 
 def test_allowed_reward_host_is_accepted(client):
-    job = create(client, config={"reward_endpoint": "http://127.0.0.1:9/reward"})
-    assert job["config"]["reward_endpoint"] == "http://127.0.0.1:9/reward"
+    url = f"http://127.0.0.1:{CLOSED_PORT}/reward"  # listed with its port (tests/conftest.py)
+    job = create(client, config={"reward_endpoint": url})
+    assert job["config"]["reward_endpoint"] == url
 
 
 # --- unknown ids ------------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """rq-dashboard (`mtq dashboard`) on the stack's Redis: queues, workers, and a running job whose
 rq meta holds its training progress, read through rq-dashboard's own JSON endpoints."""
 
+import base64
 import json
 import subprocess
 import sys
 
 import httpx
 
-from conftest import ARTIFACTS, ROOT, free_port, wait_for
+from conftest import ARTIFACTS, ROOT, TOKEN, free_port, wait_for
+
+AUTH = {"Authorization": "Basic " + base64.b64encode(f"mtq:{TOKEN}".encode()).decode()}  # on loopback too
 
 
 def test_dashboard_shows_queue_workers_and_a_running_jobs_progress(stack, workers, tmp_path):
@@ -43,6 +46,8 @@ def test_dashboard_shows_queue_workers_and_a_running_jobs_progress(stack, worker
 
     browser = Browser(tmp_path / "chromium")
     try:
+        browser.send("Network.enable")
+        browser.send("Network.setExtraHTTPHeaders", headers=AUTH)
         browser.goto(f"http://127.0.0.1:{port}/0/view/job/{info['id']}")
         browser.wait("document.getElementById('job-data').textContent.includes('mtq_job_id')")
         shown = browser.eval("document.getElementById('job-data').textContent")
@@ -57,16 +62,16 @@ def test_dashboard_shows_queue_workers_and_a_running_jobs_progress(stack, worker
     assert worker.poll() is None
 
 
-def test_dashboard_refuses_a_public_address_without_a_token(stack):
+def test_dashboard_refuses_to_start_without_a_token(stack):
     env = dict(stack.env, MTQ_API_TOKEN="", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "dashboard", "--host", "0.0.0.0", "--port", str(free_port())],
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "dashboard", "--port", str(free_port())],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "MTQ_API_TOKEN" in proc.stdout
 
 
 def _get(url):
     try:
-        resp = httpx.get(url, timeout=5)
+        resp = httpx.get(url, headers=AUTH, timeout=5)
         return resp.json() if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None

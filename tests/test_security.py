@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ROOT, TOKEN, Stack, running, wait_for, worker_for_later_tests
+from conftest import REWARD_PORT, ROOT, TOKEN, Stack, running, wait_for, worker_for_later_tests
 from reward_server import serving
 from shared import jobstore
 from shared.keys import JOBS_INDEX, job_key
@@ -395,8 +395,8 @@ class TrickleServer:
 
     def __init__(self, mode: str):
         self.mode, self.arrivals = mode, []
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/reward"
+        self.sock = socket.create_server(("127.0.0.1", REWARD_PORT))  # the port MTQ_REWARD_HOSTS lists
+        self.url = f"http://127.0.0.1:{REWARD_PORT}/reward"
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self):
@@ -428,6 +428,7 @@ class TrickleServer:
         return self
 
     def __exit__(self, *exc):
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept(): the port is free for the next server
         self.sock.close()
 
 
@@ -512,14 +513,14 @@ def scorer_for(source: dict, **settings):
 def test_rebinding_the_name_to_another_address_is_refused_at_call_time():
     """The name passes the check; at call time it resolves (our resolver) to an address the
     allow-list does not have: refused without connecting. While it resolves to an allowed
-    address, the connection goes to exactly that address."""
+    address (on loopback: listed with its port), the connection goes to exactly that address."""
     from worker.rewards.batch import RewardError
 
     with serving(lambda body, k: {"rewards": [1.0] * len(body["completions"])}) as server:
         port = int(server.url.split(":")[2].split("/")[0])
         answers = {"now": ["127.0.0.1"]}
         make = scorer_for({"type": "endpoint", "url": f"http://rewards.test:{port}/reward", "retries": 0},
-                          reward_hosts=("rewards.test", "127.0.0.1"))
+                          reward_hosts=("rewards.test", f"127.0.0.1:{port}"))
         with make(lambda host, p: answers["now"] if host == "rewards.test" else []) as scorer:
             rewards, _ = scorer.score(1, [scorer_item()], [["a", "b"]])
             assert rewards.tolist() == [[1.0, 1.0]]
@@ -605,7 +606,10 @@ def test_model_errors_name_the_model_not_the_file_system(tmp_path, monkeypatch):
     with pytest.raises(ModelNotFound):
         resolve_model(str(tmp_path / "roots" / "link"), settings)
 
-    # A Hugging Face id on a worker without the hub: said at once.
+    # A Hugging Face id on a worker without hub access (--hub), or without the hub: said at once.
+    with pytest.raises(ModelNotFound, match="no hub access: mtq worker --hub"):
+        resolve_model("some-org/some-model", settings)
+    settings = dataclasses.replace(settings, hub=True)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     t0 = time.monotonic()
     with pytest.raises(ModelNotFound, match="HF_HUB_OFFLINE"):

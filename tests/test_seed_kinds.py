@@ -235,24 +235,25 @@ def test_a_queued_and_a_cancelled_sft_job_decode_in_the_macos_app(stack, client)
 def test_this_services_reward_score_as_a_reward_endpoint_is_its_reward_model(stack, client):
     """The seed's RL loop names .../reward/score as a GRPO job's reward_endpoint: here the URL
     names the reward model, and the job scores with it on its worker (no HTTP to itself: the
-    loop runs on one worker, tests/test_train_kinds.py); a reward/score of another server is an
-    endpoint like any."""
+    loop runs on one worker, tests/test_train_kinds.py). So the URL is checked as a reward
+    model is (one of the token's own; none is here), not as an endpoint; a reward/score of
+    another server is an endpoint like any."""
     grpo, url = f"{API}/grpo/jobs", f"{stack.base_url}{SCORE}"
     body = {"model_id": "tiny", "prompts": ["hi"]}
-    job = ok(client.post(grpo, json={**body, "config": {"reward_endpoint": f"{url}?model_id=tiny&adapter_name=rm"}}))
-    assert job["reward"] == [{"type": "reward_model", "model_id": "tiny", "adapter_name": "rm", "name": "endpoint", "weight": 1.0}]
-    assert job["config"]["reward_endpoint"] == f"{url}?model_id=tiny&adapter_name=rm"  # as sent
+    missing = "reward_model: Adapter not found: tiny/rm"
+    res = client.post(grpo, json={**body, "config": {"reward_endpoint": f"{url}?model_id=tiny&adapter_name=rm"}})
+    assert res.status_code == 400 and res.json()["detail"] == missing, res.text
     mine = f"http://localhost:{stack.api_port}{SCORE}?adapter_name=rm&model_id=tiny"
-    job = ok(client.post(grpo, json={**body, "reward": [{"type": "endpoint", "url": mine, "weight": 2.0, "name": "judge"},
-                                                        {"type": "length"}]}))
-    assert job["reward"] == [{"type": "reward_model", "model_id": "tiny", "adapter_name": "rm", "name": "judge", "weight": 2.0},
-                             {"type": "length", "name": None, "weight": 1.0, "unit": "chars", "target": None}]
+    res = client.post(grpo, json={**body, "reward": [{"type": "endpoint", "url": mine, "weight": 2.0, "name": "judge"},
+                                                     {"type": "length"}]})
+    assert res.status_code == 400 and res.json()["detail"] == missing, res.text
     res = client.post(grpo, json={**body, "config": {"reward_endpoint": url}})
     assert res.status_code == 400 and res.json()["detail"] == (
         f"reward endpoint {url}: this service's reward/score route as a reward endpoint needs "
         "?model_id=...&adapter_name=... (the reward model to score with)")
-    other = f"http://127.0.0.1:{stack.api_port + 1}{SCORE}?model_id=tiny&adapter_name=rm"
-    assert ok(client.post(grpo, json={**body, "config": {"reward_endpoint": other}}))["reward"] is None
+    other = f"http://127.0.0.1:{stack.api_port + 1}{SCORE}?model_id=tiny&adapter_name=rm"  # checked as egress
+    res = client.post(grpo, json={**body, "config": {"reward_endpoint": other}})
+    assert res.status_code == 400 and f"reward endpoint 127.0.0.1:{stack.api_port + 1} is not allowed" in res.json()["detail"]
 
 
 # --- with the module's worker -------------------------------------------------------------------------

@@ -52,6 +52,7 @@ def test_page_logs_in_lists_jobs_draws_live_curves_and_cancels(stack, worker, br
         row = f"document.querySelector('tr[data-job-id=\"{job_id}\"]')"
         browser.wait(f"{row} && {row}.classList.contains('status-running')")
         assert browser.eval("sessionStorage.getItem('mtq-token')") == TOKEN
+        assert "GET /admin/api/jobs?limit=100&view=summary" in stack.logs("api")  # no prompts every 2 s
         browser.goto(stack.base_url + "/ui")  # a reload stays logged in
         browser.wait(f"{row} !== null")
 

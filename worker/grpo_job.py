@@ -4,6 +4,7 @@ What is GRPO's own around the steps: the reward scorer (closed with the job), pr
 and /metrics timings around scoring, and a `samples` event per step."""
 
 import contextlib
+import functools
 import time
 from typing import Iterator
 
@@ -29,7 +30,8 @@ def load(job, spec: JobCreate, settings) -> Iterator[Run]:
         job.publish_loaded()
     init = init_adapter_dir(job.lease.r, settings, spec.init_adapter)
     job.write(event={"type": "model_ready", "cached": cached, "load_s": time.perf_counter() - t0, **started_from(spec)})
-    with build_scorer(spec, job.job_id, reward_model=scoring.reward_model_rewards) as scorer:
+    reward_model = functools.partial(scoring.reward_model_rewards, tenant=job.tenant)  # its owner's reward models
+    with build_scorer(spec, job.job_id, reward_model=reward_model) as scorer:
         mx.random.seed(cfg.seed)  # LoRA init and dropout
         attach_adapter(model, cfg, init=init)
         try:

@@ -6,8 +6,9 @@ the job through the same kind of handle. Every write is fenced by the epoch in
 shared/lifecycle.py, so a worker that lost the job (paused past its lease, then resumed)
 writes nothing more: it gets LeaseLost and drops the job.
 
-Redis being restarted must not fail a job, so every call here retries connection errors
-with backoff for up to MTQ_REDIS_RETRY_S seconds.
+Redis being restarted, or out of memory for a while, must not fail a job, so every call here
+retries connection errors, timeouts and out-of-memory refusals with backoff for up to
+MTQ_REDIS_RETRY_S seconds.
 """
 
 import logging
@@ -32,7 +33,8 @@ def retrying(fn: Callable[[], T], what: str) -> T:
     while True:
         try:
             return fn()
-        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError) as e:
+        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError,
+                redis.exceptions.OutOfMemoryError) as e:
             if time.monotonic() > deadline:
                 raise
             log.warning("redis unavailable during %s (%s); retrying in %.1fs", what, e, delay)

@@ -34,8 +34,8 @@ class ModelNotFound(Exception):
 def resolve_model(model_id: str, settings: Settings) -> str:
     """Where to load the model from (shared/model_ids.py says what a model_id may be): a
     directory under MTQ_MODELS_DIR, an absolute path under MTQ_MODEL_ROOTS (symlinks
-    resolved), or a Hugging Face id from the local cache, else from the hub if this worker
-    reaches it. Errors name the model, never the worker's directories."""
+    resolved), or a Hugging Face id from the local cache, else from the hub if this worker has
+    hub access (--hub) and reaches it. Errors name the model, never the worker's directories."""
     error = model_id_error(model_id, settings)
     if error:
         raise ModelNotFound(error)
@@ -49,16 +49,20 @@ def resolve_model(model_id: str, settings: Settings) -> str:
         return str(local.resolve())
     if "/" not in model_id:
         raise ModelNotFound(f"model not found: {model_id!r} (no model of that name in the models directory)")
-    return _hub_snapshot(model_id)
+    return _hub_snapshot(model_id, settings.hub)
 
 
-def _hub_snapshot(repo_id: str) -> str:
-    """A Hugging Face id: the local cache if it has it; else the hub, but only after a short
-    probe, so that a worker without network says so at once instead of retrying for minutes."""
+def _hub_snapshot(repo_id: str, hub: bool) -> str:
+    """A Hugging Face id: the local cache if it has it; else the hub, only on a worker with hub
+    access (mtq worker --hub: MTQ_HUB) and only after a short probe, so that a worker without
+    network says so at once instead of retrying for minutes."""
     try:
         return snapshot_download(repo_id, local_files_only=True)
     except Exception:
         pass  # not in the cache
+    if not hub:  # whatever asked for it: a job, a log-prob or reward-score request, a reward model
+        raise ModelNotFound(f"model not found: {repo_id!r} (not in the models directory or the local Hugging Face "
+                            "cache, and this worker has no hub access: mtq worker --hub)")
     if constants.HF_HUB_OFFLINE:
         raise ModelNotFound(f"model not found: {repo_id!r} (not in the models directory or the local Hugging Face cache, and HF_HUB_OFFLINE is set)")
     if not _reaches(constants.ENDPOINT):

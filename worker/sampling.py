@@ -7,6 +7,11 @@ change while decoding, and the whole decode step (model forward, filtering, samp
 EOS bookkeeping) is one `mx.compile`d function. The host looks at the rows only once per
 chunk of tokens (all finished? cancelled?).
 
+On a GPU a decode step costs about its number of MLX primitives (host work per primitive,
+not arithmetic), so the step keeps that number down: what all layers share (positions,
+mask, write slot) is computed once (`Slots`), and on CUDA each row feeds its token twice
+so that MLX fuses the masked attention (`fused_queries`). bench/decode.py counts them.
+
 The prompt of each group is prefilled once and its cache repeated group_size times.
 """
 
@@ -20,6 +25,18 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 CHUNK = 16  # decode steps between host checks (early stop when all rows ended, cancel)
 
 
+class Slots:
+    """Where one forward pass of n new tokens goes in the fixed-size KV buffers, computed once
+    for every layer: RoPE offsets, the attention mask, and (for one token) the slot it is
+    written to. The graph of a decode step then holds these once, not once per layer."""
+
+    def __init__(self, capacity: int, write_pos: mx.array, left_pad: mx.array, n: int):
+        self.write_pos = write_pos  # () int32: buffer slot of the first new token (same for all rows)
+        self.offset = write_pos - left_pad  # (rows,) RoPE position of the first new token
+        self.mask = attention_mask(write_pos + mx.arange(n), mx.arange(capacity), left_pad)
+        self.one = (mx.arange(capacity) == write_pos)[None, None, :, None] if n == 1 else None
+
+
 class StaticKVCache:
     """One layer's KV cache in a fixed-size buffer shared by left-padded rows.
 
@@ -27,38 +44,34 @@ class StaticKVCache:
     token, per row), `update_and_fetch`, `make_mask`.
     """
 
-    def __init__(self, capacity: int, write_pos: mx.array, left_pad: mx.array, keys=None, values=None):
-        self.capacity = capacity
+    def __init__(self, capacity: int, slots: Slots, keys=None, values=None):
+        self.capacity, self.slots = capacity, slots
         self.keys, self.values = keys, values  # (rows, kv_heads, capacity, head_dim); made on first write
-        self.write_pos = write_pos  # () int32: buffer slot of the next token (same for all rows)
-        self.left_pad = left_pad  # (rows,) int32: padding slots at the start of each row
 
     @property
     def offset(self) -> mx.array:
-        return self.write_pos - self.left_pad
+        return self.slots.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self.keys is None:
             rows, heads, _, _ = keys.shape
             self.keys = mx.zeros((rows, heads, self.capacity, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((rows, heads, self.capacity, values.shape[3]), values.dtype)
-        n = keys.shape[2]
-        if n == 1:
-            # A select, not slice_update: a pure op, safe to reuse buffers inside mx.compile.
-            slot = (mx.arange(self.capacity) == self.write_pos)[None, None, :, None]
-            self.keys = mx.where(slot, keys.astype(self.keys.dtype), self.keys)
-            self.values = mx.where(slot, values.astype(self.values.dtype), self.values)
+        if self.slots.one is not None:
+            if keys.shape[2] > 1:  # a decode step's second query (make_decode_step): not written
+                keys, values = keys[:, :, :1], values[:, :, :1]
+            # A select, not slice_update: one kernel, a pure op inside mx.compile (slice_update
+            # copies the buffer unless it can donate it, then computes the offset, then writes).
+            self.keys = mx.where(self.slots.one, keys.astype(self.keys.dtype), self.keys)
+            self.values = mx.where(self.slots.one, values.astype(self.values.dtype), self.values)
         else:
-            start = self.write_pos.reshape(1)
+            start = self.slots.write_pos.reshape(1)
             self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), start, axes=(2,))
             self.values = mx.slice_update(self.values, values.astype(self.values.dtype), start, axes=(2,))
-        self.write_pos = self.write_pos + keys.shape[2]
         return self.keys, self.values
 
     def make_mask(self, n: int, return_array: bool = False, window_size=None) -> mx.array:
-        q_pos = self.write_pos + mx.arange(n)
-        k_pos = mx.arange(self.capacity)
-        return attention_mask(q_pos, k_pos, self.left_pad)
+        return self.slots.mask
 
 
 class PaddingMaskCache:
@@ -112,41 +125,73 @@ class Samples:
     steps: int  # decode steps actually run
 
 
+def log_softmax(logits: mx.array, temperature: float) -> mx.array:
+    """log softmax(logits / temperature) in float32 (temperature 0, greedy, counts as 1)."""
+    logits = logits.astype(mx.float32) / (temperature if temperature > 0 else 1.0)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def pick(logp_all: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+    """log p(token) and the entropy of the distribution, from log_softmax's output."""
+    logp = mx.take_along_axis(logp_all, tokens[..., None], axis=-1)[..., 0]
+    return logp, -(mx.exp(logp_all) * logp_all).sum(-1)
+
+
 def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> tuple[mx.array, mx.array]:
     """log p(token) and entropy of softmax(logits / temperature), in float32.
 
     Shared by sampling (pi_old) and the loss (pi_theta) so both see the same distribution.
     """
-    t = temperature if temperature > 0 else 1.0
-    logits = logits.astype(mx.float32) / t
-    logp_all = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    logp = mx.take_along_axis(logp_all, tokens[..., None], axis=-1)[..., 0]
-    entropy = -(mx.exp(logp_all) * logp_all).sum(-1)
-    return logp, entropy
+    return pick(log_softmax(logits, temperature), tokens)
 
 
-def _choose(logits: mx.array, key: mx.array, p: SamplingParams) -> mx.array:
+def draw(logits: mx.array, key: mx.array, p: SamplingParams) -> tuple[mx.array, mx.array, mx.array]:
+    """The next token of every row, its log-prob and the entropy (one log-softmax for all three)."""
+    logp_all = log_softmax(logits, p.temperature)
     if p.temperature == 0:
-        return mx.argmax(logits, axis=-1)
-    logp = logits.astype(mx.float32) / p.temperature
-    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-    if p.top_k > 0:
-        logp = apply_top_k(logp, p.top_k)
-    if p.top_p < 1.0:
-        logp = apply_top_p(logp, p.top_p)
-    if p.min_p > 0.0:
-        logp = apply_min_p(logp, p.min_p)
-    return mx.random.categorical(logp, key=key)
+        tokens = mx.argmax(logits, axis=-1)
+    else:
+        filtered = logp_all
+        if p.top_k > 0:
+            filtered = apply_top_k(filtered, p.top_k)
+        if p.top_p < 1.0:
+            filtered = apply_top_p(filtered, p.top_p)
+        if p.min_p > 0.0:
+            filtered = apply_min_p(filtered, p.min_p)
+        tokens = mx.random.categorical(filtered, key=key)
+    tokens = tokens.astype(mx.int32)
+    return (tokens, *pick(logp_all, tokens))
 
 
-def make_decode_step(model: nn.Module, params: SamplingParams, eos_ids: list[int], pad_id: int) -> Callable:
-    """One compiled decode step for all rows: forward one token, pick the next, track EOS."""
+def fused_queries(keys: mx.array) -> int:
+    """Queries per row that let MLX fuse a decode step's masked attention (MLX 0.32): its CUDA
+    backend runs attention with an array mask as five unfused kernels for one query (the
+    vector kernel takes no mask) but hands it to cuDNN from two queries on (half precision,
+    head dim a multiple of 8 up to 128). Metal's vector kernel takes the mask for one query;
+    the CPU has no fused attention."""
+    cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    d = keys.shape[-1]
+    return 2 if cuda and keys.dtype in (mx.float16, mx.bfloat16) and d % 8 == 0 and d <= 128 else 1
+
+
+def make_decode_step(
+    model: nn.Module, params: SamplingParams, eos_ids: list[int], pad_id: int, queries: int | None = None,
+) -> Callable:
+    """One compiled decode step for all rows: forward one token, pick the next, track EOS.
+
+    queries=2 feeds every row's token twice, the copy one position further: it is masked
+    like the token (sees the same keys), its keys and values are never written and its
+    output is dropped, so the results are those of one query; it is there only for MLX to
+    fuse the attention (fused_queries, the default when queries is None)."""
+    head = lm_head(model)
+
     def step(tokens, keys, values, write_pos, left_pad, finished, key):
-        capacity = keys[0].shape[2]
-        caches = [StaticKVCache(capacity, write_pos, left_pad, k, v) for k, v in zip(keys, values)]
-        logits = model(tokens[:, None], cache=caches)[:, -1, :]
-        nxt = _choose(logits, key, params).astype(mx.int32)
-        logp, ent = token_logprobs(logits, nxt, params.temperature)
+        rows, capacity = tokens.shape[0], keys[0].shape[2]
+        slots = Slots(capacity, write_pos, left_pad, 1)
+        caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
+        x = mx.broadcast_to(tokens[:, None], (rows, queries or fused_queries(keys[0])))
+        logits = head(model.model(x, cache=caches)[:, 0])
+        nxt, logp, ent = draw(logits, key, params)
         nxt = mx.where(finished, pad_id, nxt)
         valid = ~finished
         finished = finished | is_eos(nxt, eos_ids)
@@ -184,8 +229,9 @@ def sample(
     width = prompt_tokens.shape[1]
 
     # Prefill each distinct prompt once, into buffers sized for the whole completion.
-    start = mx.array(0, dtype=mx.int32)
-    caches = [StaticKVCache(width + params.max_tokens, start, pad) for _ in model.layers]
+    capacity = width + params.max_tokens
+    slots = Slots(capacity, mx.array(0, dtype=mx.int32), pad, width)
+    caches = [StaticKVCache(capacity, slots) for _ in model.layers]
     logits = lm_head(model)(model.model(prompt_tokens, cache=caches)[:, -1, :])  # last position's logits only
 
     # Repeat to group_size rows per prompt.
@@ -197,8 +243,7 @@ def sample(
     write_pos = mx.array(width, dtype=mx.int32)
 
     step_keys = mx.random.split(key, params.max_tokens + 1)
-    first = _choose(logits, step_keys[0], params).astype(mx.int32)
-    first_logp, first_ent = token_logprobs(logits, first, params.temperature)
+    first, first_logp, first_ent = draw(logits, step_keys[0], params)
 
     out_tokens, out_logp, out_ent, out_valid = [first], [first_logp], [first_ent], [mx.ones((rows,), dtype=mx.bool_)]
     finished = is_eos(first, eos_ids)
@@ -216,7 +261,9 @@ def sample(
             out_valid.append(valid)
             finished = finished_next
             write_pos = write_pos + 1
-            mx.async_eval(tokens, finished)
+            # All of it now: a step's log-prob and entropy left lazy would keep its
+            # full-vocabulary log-probs alive until the end of sampling.
+            mx.async_eval(tokens, logp, ent, valid, finished)
         steps += n
         if should_stop():
             return None

@@ -148,11 +148,13 @@ class PreferenceTrainer(Trainer):
 # --------------------------------------------------------------------------- the job
 
 
-def load_datasets(r, spec, settings) -> tuple[list[dict], list[dict] | None]:
-    """The training rows (or pairs) and the valid rows, if any (shared/datasets.py)."""
+def load_datasets(r, spec, settings, tenant: str | None = None) -> tuple[list[dict], list[dict] | None]:
+    """The training rows (or pairs) and the valid rows, if any (shared/datasets.py); a
+    trainer's job (tenant) reads only that trainer's files."""
     train = getattr(spec, "preference_pairs", None)
-    train = [p.model_dump() for p in train] if train else load_rows(r, spec.dataset, settings, spec.row_format, "dataset")
-    valid = load_rows(r, spec.valid_dataset, settings, spec.row_format, "valid_dataset", split="valid")
+    train = [p.model_dump() for p in train] if train else load_rows(r, spec.dataset, settings, spec.row_format, "dataset",
+                                                                     tenant=tenant)
+    valid = load_rows(r, spec.valid_dataset, settings, spec.row_format, "valid_dataset", split="valid", tenant=tenant)
     if valid is None and isinstance(spec.dataset, str):  # a data directory's valid.jsonl
         valid = load_rows(r, spec.dataset, settings, spec.row_format, "dataset", split="valid")
     return train, valid
@@ -176,7 +178,7 @@ def load(job, spec, settings, make_trainer: Callable, fine_tune_type: str = "lor
     if not cached:  # a model loaded, or (private copy) the shared one dropped: the advertisement says so
         job.publish_loaded()
     try:
-        train, valid = load_datasets(job.lease.r, spec, settings)
+        train, valid = load_datasets(job.lease.r, spec, settings, job.tenant)
         init = init_adapter_dir(job.lease.r, settings, spec.init_adapter)
         job.write(event={"type": "model_ready", "cached": cached, "private_copy": private,
                          "load_s": time.perf_counter() - t0, "train_rows": len(train), "valid_rows": len(valid or []),

@@ -35,6 +35,7 @@ import time
 import redis
 from pydantic import ValidationError
 from rq import Queue, SimpleWorker
+from rq.exceptions import StopRequested
 from rq.worker import WorkerStatus
 
 from shared import kinds, lifecycle, routing, workers
@@ -52,6 +53,7 @@ POLL_S = 0.2
 SHUTDOWN_GRACE_S = 30.0
 LEASE_LOST_GRACE_S = 10.0
 READY_TIMEOUT_S = 300.0  # importing MLX and the trainer
+MAX_BACKOFF_S = 30.0  # between two tries of rq's work loop while Redis is in trouble
 
 
 def training_entry(conn, marks: Marks, worker: str, parent_pid: int) -> None:
@@ -140,6 +142,7 @@ class Supervisor(SimpleWorker):
         self._running = None  # (rq job, execution) while a job runs
         self.lanes, self.declared_models, self.declared_memory_gb, self.hub = lanes, models, memory_gb, hub
         self.current_job: str | None = None
+        self.stopping = False  # a warm shutdown was requested
         self.models: dict[str, dict] = {}  # model key -> what it advertises of the models it has on disk
         self._advertising = threading.Lock()
         self._started_at = time.time()
@@ -176,7 +179,7 @@ class Supervisor(SimpleWorker):
         try:
             self.training.start()
             self._advertise()  # now with the device's memory: the queues of every memory class that fits
-            return super().work(*args, **kwargs)
+            return self._work_through_redis_trouble(*args, **kwargs)
         finally:
             stop.set()
             self.training.stop()
@@ -185,6 +188,42 @@ class Supervisor(SimpleWorker):
                 workers.withdraw(self.connection, self.name)
             except redis.RedisError:
                 pass  # it expires on its own
+
+    def handle_warm_shutdown_request(self):
+        # rq's hook on SIGTERM / Ctrl-C; an idle rq worker then leaves its loop by an exception
+        # without setting _stop_requested, so the loop below needs its own word for it.
+        self.stopping = True
+        super().handle_warm_shutdown_request()
+
+    def _work_through_redis_trouble(self, *args, **kwargs) -> bool:
+        """rq's work loop, again after a pause when it ends on a Redis error (out of memory, or a
+        timeout: rq then quits) rather than on a stop: the worker backs off instead of exiting
+        (and being restarted at once, over and over, by `mtq up` or a service manager)."""
+        delay = 1.0
+        while True:
+            try:
+                worked = super().work(*args, **kwargs)
+            except redis.RedisError as e:  # raised where rq registers or retires the worker
+                log.warning("worker loop: redis error %s", e)
+                worked = False
+            if self.stopping:
+                return worked
+            self._forget_registration()
+            log.warning("worker loop ended on Redis trouble; again in %.0f s", delay)
+            try:
+                time.sleep(delay)  # rq's signal handlers stay installed: a SIGTERM here ends the wait
+            except StopRequested:
+                return worked
+            delay = min(delay * 2, MAX_BACKOFF_S)
+
+    def _forget_registration(self) -> None:
+        """What rq's loop may leave when a Redis error ends it: its pubsub thread, and its worker
+        key without a death date (rq would refuse to register the name again)."""
+        try:
+            self.unsubscribe()
+            self.connection.delete(self.key)  # allowed at maxmemory
+        except redis.RedisError as e:
+            log.warning("worker loop: redis error %s", e)
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         ttl = load_settings().lease_ttl_s
@@ -279,7 +318,8 @@ class Supervisor(SimpleWorker):
                 error = f"the stored job record cannot be loaded: {unreadable}"
                 lease.finish("failed", {"type": "failed", "error": error}, error=error)
                 return "failed"
-            return self.watch(lease, spec.config.stall_timeout_s)
+            # The server's cap too: a record written around the API (or before the cap) may ask for a day.
+            return self.watch(lease, min(spec.config.stall_timeout_s, load_settings().max_stall_timeout_s))
         except LeaseLost:
             return "lease lost"
         except BaseException:  # e.g. a cold shutdown (second Ctrl-C): end the child, give the job back now
@@ -380,10 +420,12 @@ def run_worker(lanes: list[str], name: str | None = None, models: list[str] = ()
     openblas.preload_for_children()  # before the training process starts (and imports mlx)
     if memory_gb:
         os.environ["MTQ_MEMORY_GB"] = repr(memory_gb)
+    if hub:  # the training process may download models (worker/models.py), for every kind of request
+        os.environ["MTQ_HUB"] = "1"
     settings = load_settings()
     name = name or re.sub(r"[^A-Za-z0-9._-]", "-", f"{socket.gethostname().split('.')[0]}-{os.getpid()}")[-64:]
     # Until the training process has reported its device (and memory), only the worker's own queues.
     _current = Supervisor([routing.own_queue(lane, name) for lane in lanes], connection=connect(settings.redis_url),
                           name=name, lanes=list(lanes), models=list(models), memory_gb=memory_gb or settings.memory_gb,
-                          hub=hub)
+                          hub=settings.hub)
     _current.work(with_scheduler=False, logging_level="INFO")

@@ -13,11 +13,13 @@ supervisor starts it in a fresh interpreter.
 
 import importlib
 import logging
+import math
 import os
 import shutil
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections import deque
 from pathlib import Path
@@ -61,9 +63,10 @@ class JobRun:
     """What a job kind gets: fenced writes for its job, progress marks, stop checks,
     checkpoints and the adapter commit."""
 
-    def __init__(self, lease: Lease, marks: Marks, parent_pid: int):
+    def __init__(self, lease: Lease, marks: Marks, parent_pid: int, tenant: str | None = None):
         self.lease, self.marks, self.parent_pid = lease, marks, parent_pid
         self.job_id = lease.job_id
+        self.tenant = tenant  # a trainer's job uses only that trainer's adapters and files (None: anyone's)
         self.shown_phase: str | None = None  # the phase in the job record
         self.kept: dict[str, deque] = {}  # event type -> stream ids of the kept events of that type
 
@@ -109,7 +112,7 @@ class JobRun:
     def between_steps(self, model_id: str) -> None:
         """Answer waiting log-prob requests for the model this job trains (worker/scoring.py)."""
         self.marks.mark()
-        scoring.serve_waiting(self.lease.r, load_settings(), model_id)
+        retrying(lambda: scoring.serve_waiting(self.lease.r, load_settings(), model_id), "scoring")
         self.marks.mark()
 
     def publish_loaded(self) -> None:
@@ -150,8 +153,8 @@ class JobRun:
 def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: int) -> str:
     """Run one job whose lease the supervisor holds; every outcome is written by this process."""
     lease = Lease(r, job_id, worker, epoch)
-    job = JobRun(lease, marks, parent_pid)
-    record = retrying(lambda: r.hmget(job_key(job_id), "kind", "spec"), "job read")
+    record = retrying(lambda: r.hmget(job_key(job_id), "kind", "spec", "tenant"), "job read")
+    job = JobRun(lease, marks, parent_pid, None if record[2] is None else record[2].decode())
     if record[1] is None:
         return "deleted"
     try:
@@ -213,16 +216,19 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
 
     publish_changes()  # a fresh process holds none
     conn.send(("ready", device_description()))  # the supervisor advertises the device and routes by its memory
+    queues, read_at = [], -math.inf
     while True:
-        # Idle: answer log-prob requests for any model; a job waiting gets the process after
-        # the requests already queued (scoring comes before training work).
+        # Idle: answer scoring requests for the models this worker offers; a job waiting gets the
+        # process after the requests already queued (scoring comes before training work).
         try:
             while not conn.poll(0):
-                if retrying(lambda: scoring.serve_waiting(r, settings, wait_s=IDLE_WAIT_S), "scoring"):
+                if time.monotonic() - read_at > scoring.QUEUES_REREAD_S:
+                    queues, read_at = retrying(lambda: scoring.idle_queues(r, worker, settings), "scoring queues"), time.monotonic()
+                if retrying(lambda: scoring.serve_waiting(r, settings, queues=queues, wait_s=IDLE_WAIT_S), "scoring"):
                     publish_changes()  # a request may have loaded a model
                 if os.getppid() != parent_pid:
                     return
-            retrying(lambda: scoring.serve_waiting(r, settings), "scoring")
+            retrying(lambda: scoring.serve_waiting(r, settings, queues=queues), "scoring")
             job_id, epoch = conn.recv()
         except (EOFError, OSError):
             return

@@ -16,7 +16,7 @@ from api.deps import ADMIN_ERRORS, PrincipalDep, RedisDep, WriterDep, require_to
 from api.json_body import JSONBodyRoute
 from shared import adapters
 from shared.keys import job_key
-from shared.schemas import ErrorBody
+from shared.schemas import Deleted, ErrorBody
 
 router = APIRouter(
     prefix="/admin/api/fine-tune/adapters",
@@ -47,10 +47,6 @@ class AdapterRef(BaseModel):
     # Both optional here so that a missing one is the seed's 400 "model_id and adapter_name required".
     model_id: str | None = Field(None, max_length=512)
     adapter_name: str | None = Field(None, max_length=128)
-
-
-class Deleted(BaseModel):
-    status: str = "deleted"
 
 
 def _owner(who: Principal) -> str | None:

@@ -3,7 +3,8 @@ cancel, delete, stream, resume, history and the job's adapter, with the seed ser
 and messages:
 
     POST   {prefix}                   the job (status "queued"); 400 with a readable `detail`
-    GET    {prefix}                   a plain JSON array, newest first; headers X-Has-More, X-Next-After (the next page's `after`)
+    GET    {prefix}                   a plain JSON array, newest first; headers X-Has-More, X-Next-After (the next page's `after`);
+                                      ?view=summary: without prompts and datasets
     GET    {prefix}/{id}              404 "Job not found: <id>"
     POST   {prefix}/{id}/cancel       the job, already "cancelled"; 404 "Job not found or not cancellable: <id>"
     DELETE {prefix}/{id}              {"status": "deleted"} (queued or finished); 404 "Job not found or currently running: <id>"
@@ -27,7 +28,7 @@ changes); a trainer's token sees only the jobs it created (others' are 404).
 """
 
 import re
-from typing import Annotated, Any, Callable, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
@@ -36,14 +37,15 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from api import sse
 from api.auth import Principal
-from api.deps import ADMIN_ERRORS, PrincipalDep, RedisDep, SettingsDep, WriterDep, get_async_redis, get_settings, require_token
+from api.deps import (ADMIN_ERRORS, PrincipalDep, RedisDep, SettingsDep, WriterDep, get_async_redis, get_settings,
+                      get_stream_redis, require_token)
 from api.json_body import JSONBodyRoute
 from api.routes.adapters import archive_response
 from api.submission import check_datasets, check_spec, prepared
 from shared import adapters, jobstore, lifecycle
 from shared.keys import job_key
 from shared.kinds import KINDS, Kind
-from shared.schemas import ErrorBody, JobStatus, UnreadableJob, check_json_values
+from shared.schemas import Deleted, ErrorBody, JobStatus, JobSummary, UnreadableJob, check_json_values
 
 # Job ids are uuid4 hex; anything with a ':' would name another of the job's keys (mtq:job:<id>:events).
 JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -52,7 +54,8 @@ ERRORS = {
           "missing or wrong (`detail` says which, in words)."},
     403: {"model": ErrorBody, "description": "A viewer token cannot change anything."},
     404: {"model": ErrorBody, "description": "No job of this kind with this id (or not one of this trainer token's)."},
-    409: {"model": ErrorBody, "description": "Not possible in the job's current status (or its stored record cannot be loaded)."},
+    409: {"model": ErrorBody, "description": "Not possible in the job's current status (or its stored record cannot be "
+          "loaded); on create: another owner's job uses the adapter name."},
     413: {"model": ErrorBody, "description": "Body larger than MTQ_MAX_BODY_BYTES."},
     429: {"model": ErrorBody, "description": "This token has MTQ_MAX_STREAMS_PER_TOKEN streams open already."},
     **ADMIN_ERRORS,
@@ -68,10 +71,6 @@ class ResumeRequest(BaseModel):
     config: dict[str, Any] = Field(default_factory=dict, description="Config fields to change, e.g. {\"learning_rate\": 1e-5}.")
 
     _json_values = model_validator(mode="before")(check_json_values)
-
-
-class Deleted(BaseModel):
-    status: str = "deleted"
 
 
 class ChartInfo(BaseModel):
@@ -91,6 +90,8 @@ class KindInfo(BaseModel):
 StatusQuery = Annotated[JobStatus | None, Query(alias="status", description="Only jobs in this status.")]
 LimitQuery = Annotated[int, Query(ge=1, le=1000)]
 AfterQuery = Annotated[str | None, Query(max_length=64, description="X-Next-After of the previous page.")]
+ViewQuery = Annotated[Literal["full", "summary"], Query(description="summary: each job without its prompts, datasets "
+                                                        "and reward sources (the web page's and `mtq jobs`' form).")]
 PAGED = {200: {"headers": {
     "X-Has-More": {"description": "`true` if more jobs follow this page.", "schema": {"type": "string"}},
     "X-Next-After": {"description": "Pass as `after` to get the next page (only when X-Has-More is true).",
@@ -103,7 +104,7 @@ def only(*codes: int) -> dict:
 
 def visible(r, job_id: str, who: Principal, kind: Kind | None = None):
     """The job (or its unreadable record), if `kind`'s routes read it (None: any kind) and this principal may see it."""
-    h = r.hgetall(job_key(job_id)) if JOB_ID.match(job_id) else {}
+    h = r.hgetall(job_key(job_id)) if JOB_ID.fullmatch(job_id) else {}
     if not h or (kind is not None and jobstore.of_kind(h.get(b"kind")) not in kind.route_kinds):
         return None
     found = jobstore.job_or_unreadable(job_id, h)
@@ -116,11 +117,12 @@ def not_found(job_id: str, what: str = "Job not found") -> HTTPException:
 
 
 def page(r, who: Principal, response: Response, status_: JobStatus | None, limit: int, after: str | None,
-         kind: Kind | None) -> list:
-    """A page of jobs, newest first (a trainer: its own), of `kind` (None: every kind), with the paging headers."""
-    owner = who.name if who.role == "trainer" else None
+         kind: Kind | None, view: str) -> list:
+    """A page of jobs, newest first (a trainer: its own), of `kind` (None: every kind), with the paging headers.
+    A full page also ends where its jobs' specs reach MTQ_MAX_LIST_BYTES (X-Has-More says so)."""
     try:
-        jobs, has_more = jobstore.list_jobs(r, status=status_, limit=limit, after=after, owner=owner, kind=kind)
+        jobs, has_more = jobstore.list_jobs(r, status=status_, limit=limit, after=after, owner=who.tenant, kind=kind,
+                                            summary=view == "summary", max_bytes=get_settings().max_list_bytes)
     except KeyError:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"unknown job id in 'after': {after}") from None
     response.headers["X-Has-More"] = "true" if has_more else "false"
@@ -156,19 +158,22 @@ def job_router(k: Kind) -> APIRouter:
             raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id}: {found.error}; it can only be deleted")
         return found
 
-    @router.post("", response_model=k.job_model, responses=only(403), summary=f"Create {k.what} (queued)")
+    @router.post("", response_model=k.job_model, responses=only(403, 409), summary=f"Create {k.what} (queued)")
     def create_job(spec: k.spec_model, request: Request, r: RedisDep, settings: SettingsDep,  # type: ignore[valid-type]
                    who: WriterDep):
         spec = prepared(r, spec, who, request)
-        check(r, spec, settings, ("body",))
-        return jobstore.create_job(r, spec, owner=who.name)
+        check(r, spec, settings, who, ("body",))
+        try:
+            return jobstore.create_job(r, spec, owner=who.name, tenant=who.tenant)
+        except jobstore.AdapterNameTaken as e:
+            raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from None
 
-    @router.get("", response_model=list[k.job_model | UnreadableJob],  # type: ignore[name-defined]
+    @router.get("", response_model=list[k.job_model | JobSummary | UnreadableJob],  # type: ignore[name-defined]
                 summary="List jobs, newest first (a trainer token: its own): a plain array, as the seed server",
                 responses=PAGED)
     def list_jobs(r: RedisDep, who: PrincipalDep, response: Response, status_: StatusQuery = None,
-                  limit: LimitQuery = 100, after: AfterQuery = None) -> list:
-        return page(r, who, response, status_, limit, after, k)
+                  limit: LimitQuery = 100, after: AfterQuery = None, view: ViewQuery = "full") -> list:
+        return page(r, who, response, status_, limit, after, k, view)
 
     @router.get("/{job_id}", response_model=k.job_model | UnreadableJob, responses=only(404), summary="Get one job")
     def get_job(job_id: str, r: RedisDep, who: PrincipalDep):
@@ -200,7 +205,7 @@ def job_router(k: Kind) -> APIRouter:
         overrides = (body or ResumeRequest()).config
         spec = jobstore.get_spec(r, job_id)
         try:
-            check(r, jobstore.with_config_overrides(spec, overrides), settings, ("body", "config"))
+            check(r, jobstore.with_config_overrides(spec, overrides), settings, who, ("body", "config"))
             resumed = jobstore.resume_job(r, job_id, spec, overrides)
         except ValidationError as e:
             raise RequestValidationError([{**err, "loc": ("body", "config", *err["loc"])} for err in e.errors()]) from None
@@ -242,7 +247,7 @@ def job_router(k: Kind) -> APIRouter:
         # Everything here runs on the event loop (no sync dependency: those take a pool thread).
         r, settings = get_async_redis(), get_settings()
         job_status, owner = None, None
-        if JOB_ID.match(job_id) and jobstore.of_kind(await r.hget(job_key(job_id), "kind")) in k.route_kinds:
+        if JOB_ID.fullmatch(job_id) and jobstore.of_kind(await r.hget(job_key(job_id), "kind")) in k.route_kinds:
             job_status, owner = await sse.status_and_owner(r, job_id)
         if job_status is None or not who.sees(owner):  # before the stream starts: afterwards no 404 can be sent
             raise not_found(job_id)
@@ -251,7 +256,8 @@ def job_router(k: Kind) -> APIRouter:
         if sse.open_streams[who.name] >= settings.max_streams_per_token:
             raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS,
                                 f"token {who.name!r} has {settings.max_streams_per_token} event streams open (MTQ_MAX_STREAMS_PER_TOKEN)")
-        return sse.CountedStream(sse.job_events(r, job_id, after=last_event_id or "0-0", keepalive_s=settings.sse_keepalive_s), who.name)
+        events = sse.job_events(get_stream_redis(), job_id, after=last_event_id or "0-0", keepalive_s=settings.sse_keepalive_s)
+        return sse.CountedStream(events, who.name)
 
     return router
 
@@ -262,11 +268,11 @@ def any_kind_router() -> APIRouter:
                        responses={code: ERRORS[code] for code in (400, 401, 503)})
     any_job = Union[tuple(dict.fromkeys(k.job_model for k in KINDS.values())) + (UnreadableJob,)]  # type: ignore[valid-type]
 
-    @router.get("/jobs", response_model=list[any_job], responses=PAGED,  # type: ignore[valid-type]
+    @router.get("/jobs", response_model=list[any_job | JobSummary], responses=PAGED,  # type: ignore[valid-type]
                 summary="List jobs of every kind, newest first (a trainer token: its own)")
     def list_jobs(r: RedisDep, who: PrincipalDep, response: Response, status_: StatusQuery = None,
-                  limit: LimitQuery = 100, after: AfterQuery = None) -> list:
-        return page(r, who, response, status_, limit, after, None)
+                  limit: LimitQuery = 100, after: AfterQuery = None, view: ViewQuery = "full") -> list:
+        return page(r, who, response, status_, limit, after, None, view)
 
     @router.get("/jobs/{job_id}", response_model=any_job,
                 responses={404: {"model": ErrorBody, "description": "No job with this id (or not one of this trainer token's)."}},

@@ -7,23 +7,29 @@
 The API never scores: it queues the request (shared/scoring.py) for the workers' training
 processes, which keep models loaded and answer even while training (between optimizer
 steps). It waits up to MTQ_SCORE_WAIT_S for the answer, then answers 202 with an id that
-GET /admin/api/fine-tune/logprob/{id} resolves.
+GET /admin/api/fine-tune/logprob/{id} resolves (for the token that asked, a viewer or an
+admin). A model no live worker offers is a 404 at once: it never waits in a queue.
 """
 
 import json
 import re
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from api.deps import ADMIN_ERRORS, AsyncRedisDep, RedisDep, SettingsDep, WriterDep, require_token
+from starlette.concurrency import run_in_threadpool
+
+from api.auth import Principal
+from api.deps import ADMIN_ERRORS, AsyncRedisDep, PrincipalDep, RedisDep, SettingsDep, WriterDep, require_token
 from api.json_body import JSONBodyRoute
 from shared import scoring
+from shared.adapters import adapter_ref
 from shared.keys import ADAPTERS_INDEX, job_key
-from shared.lifecycle import adapter_ref
 from shared.model_ids import model_id_error
+from shared.routing import is_hub_id
 from shared.schemas import ChatMessage, ErrorBody, check_json_values
 
 router = APIRouter(
@@ -110,10 +116,11 @@ def check_chars(chars: int, settings) -> None:
                             f"{settings.max_step_tokens} (MTQ_MAX_STEP_TOKENS)")
 
 
-async def stored_request(ar, request_id: str) -> dict[bytes, bytes]:
-    """The record of a scoring request, or 404."""
-    raw = await ar.hgetall(scoring.score_key(request_id)) if REQUEST_ID.match(request_id) else {}
-    if not raw:
+async def stored_request(ar, request_id: str, who: Principal) -> dict[bytes, bytes]:
+    """The record of a scoring request the token may read (a trainer: its own), or 404."""
+    raw = await ar.hgetall(scoring.score_key(request_id)) if REQUEST_ID.fullmatch(request_id) else {}
+    owner = raw.get(b"owner")
+    if not raw or not who.sees(None if owner is None else owner.decode()):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"scoring request not found: {request_id[:64]}")
     return raw
 
@@ -128,11 +135,24 @@ async def check_adapter(ar, who, model_id: str, adapter_name: str) -> str:
     return job_id.decode()
 
 
-async def submit_and_wait(r, ar, settings, model_id: str, request: dict) -> tuple[str, dict]:
-    """Queue a scoring request for the workers and wait up to MTQ_SCORE_WAIT_S for its answer:
-    (request id, record as scoring.decode_record gives it)."""
-    request_id = scoring.submit(r, model_id, request)
-    await ar.blpop([scoring.done_key(request_id)], timeout=settings.score_wait_s)
+WAIT_SLICE_S = 1.0  # one BLPOP of the wait for an answer: below the client's socket timeout (MTQ_REDIS_TIMEOUT_S)
+
+
+async def submit_and_wait(r, ar, settings, who: Principal, request: dict) -> tuple[str, dict]:
+    """Queue a scoring request of `who` for the workers and wait up to MTQ_SCORE_WAIT_S for its
+    answer: (request id, record as scoring.decode_record gives it). 404 at once when no live
+    worker can load its model (shared/scoring.py route)."""
+    model_id = request["model_id"]
+    # The sync client's calls in a thread: the event loop never waits on Redis.
+    queue = await run_in_threadpool(scoring.route, r, model_id)
+    if queue is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"Model not found: {model_id} (no live worker has it"
+                            f"{', and none has hub access' if is_hub_id(model_id) else ''})")
+    request_id = await run_in_threadpool(scoring.submit, r, queue, who.name, {**request, "tenant": who.tenant})
+    deadline = time.monotonic() + settings.score_wait_s
+    while (left := deadline - time.monotonic()) > 0:
+        if await ar.blpop([scoring.done_key(request_id)], timeout=min(left, WAIT_SLICE_S)):
+            break
     return request_id, scoring.decode_record(await ar.hgetall(scoring.score_key(request_id)))
 
 
@@ -165,12 +185,13 @@ async def score(request: Request, r: RedisDep, ar: AsyncRedisDep, settings: Sett
     check_chars(sum(len(str(it.prompt)) + len(it.completion) for it in req.items), settings)
     if req.adapter_name:
         await check_adapter(ar, who, req.model_id, req.adapter_name)
-    request_id, record = await submit_and_wait(r, ar, settings, req.model_id, {**req.model_dump(mode="json"), "single": single})
+    request_id, record = await submit_and_wait(r, ar, settings, who, {**req.model_dump(mode="json"), "single": single})
     return _answer(record, request_id, single)
 
 
-@router.get("/{request_id}", summary="The answer to a scoring request that was still running",
-            responses={200: {"model": TokenScores | BatchScores}, 202: {"model": Pending}})
-async def scoring_result(request_id: str, ar: AsyncRedisDep, who: WriterDep):
-    raw = await stored_request(ar, request_id)
+@router.get("/{request_id}", summary="The answer to a scoring request that was still running (a trainer token: its own)",
+            responses={200: {"model": TokenScores | BatchScores}, 202: {"model": Pending},
+                       404: {"model": ErrorBody, "description": "No such request (or not one of this trainer token's)."}})
+async def scoring_result(request_id: str, ar: AsyncRedisDep, who: PrincipalDep):
+    raw = await stored_request(ar, request_id, who)
     return _answer(scoring.decode_record(raw), request_id, json.loads(raw[b"request"]).get("single", False))

@@ -74,7 +74,7 @@ def list_workers(r: RedisDep) -> list[dict]:
 @router.get("/admin/api/workers/{name}", response_model=Worker, summary="One live worker",
             responses={404: {"model": ErrorBody, "description": "Worker not found: <name>"}})
 def get_worker(name: str, r: RedisDep) -> dict:
-    worker = workers.get_worker(r, name) if WORKER_NAME.match(name) else None
+    worker = workers.get_worker(r, name) if WORKER_NAME.fullmatch(name) else None
     if worker is None:
         raise HTTPException(404, f"Worker not found: {name[:100]}")
     return worker

@@ -21,7 +21,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from pydantic import BaseModel, Field, ValidationError
 
-from api.deps import ADMIN_ERRORS, AsyncRedisDep, RedisDep, SettingsDep, WriterDep, require_token
+from api.deps import ADMIN_ERRORS, AsyncRedisDep, PrincipalDep, RedisDep, SettingsDep, WriterDep, require_token
 from api.json_body import JSONBodyRoute
 from api.routes.logprob import Pending, check_adapter, check_chars, stored_request, submit_and_wait, unfinished
 from shared import scoring
@@ -110,12 +110,12 @@ async def score(request: Request, r: RedisDep, ar: AsyncRedisDep, settings: Sett
     check_chars(len(req.prompt) * len(req.completions) + sum(len(c) for c in req.completions), settings)
     job_id = await check_adapter(ar, who, req.model_id, req.adapter_name)
     await check_reward_model(ar, job_id)
-    request_id, record = await submit_and_wait(r, ar, settings, req.model_id, {**req.model_dump(), "type": "reward"})
+    request_id, record = await submit_and_wait(r, ar, settings, who, {**req.model_dump(), "type": "reward"})
     return unfinished(record, f"{router.prefix}/{request_id}") or record["result"]
 
 
 @router.get("/{request_id}", response_model=RewardScores, responses={202: {"model": Pending}},
-            summary="The answer to a reward scoring request that was still running")
-async def scoring_result(request_id: str, ar: AsyncRedisDep, who: WriterDep):
-    record = scoring.decode_record(await stored_request(ar, request_id))
+            summary="The answer to a reward scoring request that was still running (a trainer token: its own)")
+async def scoring_result(request_id: str, ar: AsyncRedisDep, who: PrincipalDep):
+    record = scoring.decode_record(await stored_request(ar, request_id, who))
     return unfinished(record, f"{router.prefix}/{request_id}") or record["result"]

@@ -108,7 +108,8 @@ async function showJobs(signal) {
   const refresh = async () => {
     const status = $("status-filter").value;
     const known = await loadKinds();
-    const body = await apiJSON(`${JOBS}?limit=100${status ? `&status=${status}` : ""}`);
+    // The summary form: every 2 s, and a job's prompts may be megabytes.
+    const body = await apiJSON(`${JOBS}?limit=100&view=summary${status ? `&status=${status}` : ""}`);
     const jobs = Array.isArray(body) ? body : body.data;  // a plain array, or {data: [...]}
     const rows = $("job-rows");
     rows.replaceChildren();

@@ -1,6 +1,6 @@
 """The network guard of reward calls: every connection goes to an address MTQ_REWARD_HOSTS
-allows (checked on the resolved address the socket then connects to), within the call's
-deadline, and stops when the job is cancelled."""
+allows (checked on the resolved address the socket then connects to; this host's own addresses
+only as an exact address:port), within the call's deadline, and stops when the job is cancelled."""
 
 import math
 import socket
@@ -51,7 +51,7 @@ class CallGuard(httpcore.SyncBackend):
             addresses = self.resolver(host, port)
         except OSError as e:
             raise httpcore.ConnectError(f"cannot resolve {host}: {e}") from e
-        refused = [a for a in addresses if not address_allowed(a, self.allowed_hosts)]
+        refused = [a for a in addresses if not address_allowed(a, port, self.allowed_hosts)]
         if refused or not addresses:
             raise RewardError(
                 f"reward host {host!r} resolves to {refused[0] if refused else 'no address'}, which MTQ_REWARD_HOSTS "

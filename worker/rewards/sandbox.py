@@ -1,6 +1,7 @@
 """Python reward functions (TRL's convention: f(prompts=..., completions=..., **fields)): imported
 only from the operator's allow-list, called with the prompt items' fields they name, for at most
-the job's reward_timeout, their answers checked."""
+the job's reward_timeout (`within`, which also bounds the JSON-schema reward), their answers
+checked."""
 
 import contextlib
 import importlib
@@ -55,6 +56,16 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+@contextlib.contextmanager
+def within(seconds: float, what: str):
+    """The reward's time limit (config.reward_timeout): a RewardError naming `what` past it."""
+    try:
+        with time_limit(seconds):
+            yield
+    except _TimedOut:
+        raise RewardError(f"{what} timed out after {seconds:g}s (config.reward_timeout)") from None
+
+
 def declared_fields(function: Callable, fields: dict[str, list]) -> dict[str, list]:
     """The prompt-item fields the function receives: those it names as parameters, and all
     of them if it takes **kwargs (TRL's convention). `prompts` and `completions` are never
@@ -75,10 +86,10 @@ def call_reward_function(
     """Call it the way TRL calls reward functions: f(prompts=..., completions=..., **fields),
     for at most `timeout` seconds."""
     try:
-        with time_limit(timeout):
+        with within(timeout, f"reward function {path}"):
             values = function(prompts=prompts, completions=completions, **declared_fields(function, fields))
-    except _TimedOut:
-        raise RewardError(f"reward function {path} timed out after {timeout:g}s (config.reward_timeout)") from None
+    except RewardError:
+        raise
     except Exception as e:
         raise RewardError(f"reward function {path} raised {type(e).__name__}: {e}") from e
     return check_rewards(values, len(completions), f"reward function {path}")

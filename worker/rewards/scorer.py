@@ -16,7 +16,7 @@ from worker.rewards import functions
 from worker.rewards.batch import Reward, RewardError, RewardFn, ScoringBatch
 from worker.rewards.endpoint import EndpointCaller
 from worker.rewards.guard import CallGuard, Resolver, guarded_client, resolve_host
-from worker.rewards.sandbox import call_reward_function, load_reward_function
+from worker.rewards.sandbox import call_reward_function, load_reward_function, within
 
 # (settings, model_id, adapter_name, prompts, completions) -> rewards: the training process's
 # reward models (worker/scoring.py reward_model_rewards), given by the job; this package has no MLX.
@@ -51,7 +51,13 @@ def bind_math_answer(source, scorer: "RewardScorer") -> RewardFn:
 
 def bind_json_valid(source, scorer: "RewardScorer") -> RewardFn:
     validator = functions.make_json_validator(source.json_schema)
-    return lambda b: functions.json_valid_rewards(b.flat_completions(), validator)
+
+    def json_valid(b: ScoringBatch) -> list[Reward]:
+        # A schema's checks are Python code too (and its `pattern`s Python's backtracking `re`).
+        with within(scorer.default_timeout, "json_valid reward"):
+            return functions.json_valid_rewards(b.flat_completions(), validator)
+
+    return json_valid
 
 
 def bind_python(source, scorer: "RewardScorer") -> RewardFn:

@@ -1,0 +1,294 @@
+"""Decode speed of the GRPO sampler (worker/sampling.py) beside mlx_lm's own decoders, in one run.
+
+    python3 bench/decode.py MODEL_DIR --rows 8 32 64 --tokens 128 [--group-size 8] [--prompt-len 24]
+                            [--reps 3] [--sampling FILE ...] [--queries 1 2] [--count-only] [--json OUT]
+
+For each row count R, one after the other in this process (B = R / group size prompts of
+slightly different lengths, so rows are left-padded; temperature 1; EOS off everywhere, so
+every row decodes --tokens tokens):
+
+  ours      sample() of worker/sampling.py (or of each --sampling FILE: an older copy of
+            that module, to compare versions in one sitting); with --queries 1 2, once with
+            each number of queries per row make_decode_step can be given (see fused_queries)
+  batch     mlx_lm's batch_generate of the same R rows (completion and prefill batch = R)
+  single    mlx_lm's generate_step of one row (its own single-sequence decode)
+
+  ms/pos    wall time to generate --tokens tokens for all rows, divided by --tokens (prompt
+            prefill included, as in a GRPO step); median of --reps after one warm-up run
+  prims     MLX primitives in one decode step's graph (mx.export_to_dot of the step's outputs
+            with its inputs evaluated; views such as Reshape and Transpose included): what
+            the device evaluates per decode position. Ours: the compiled step's graph
+            (after mx.compile's simplification and fusion); mlx_lm: its uncompiled step
+  gpu       on CPU only: the same count with the fused ops (RMSNorm, LayerNorm, RoPE, and
+            attention where MLX's CUDA backend has a fused kernel for it: no array mask and
+            at most 3 queries, or cuDNN with at least 2 queries) counted as the single
+            primitive they are on a CUDA GPU. MLX's CPU backend expands them into a dozen
+            primitives each, so the CPU's own count says little about a GPU's.
+
+Ratios: ours / batch and ours / single (ms/pos). --count-only skips the timings (e.g. the
+28-layer model on a CPU). On Linux CPU the process re-executes itself with the system
+OpenBLAS (worker/openblas.py, standard library only). Imports nothing else from this
+repository than worker/sampling.py, so it runs on a machine with only mlx, mlx_lm and numpy.
+"""
+
+import argparse
+import collections
+import contextlib
+import importlib.util
+import inspect
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from worker.openblas import reexec_with_openblas  # noqa: E402
+
+reexec_with_openblas()
+
+import mlx.core as mx  # noqa: E402
+import mlx_lm  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
+from mlx_lm.sample_utils import make_sampler  # noqa: E402
+
+
+def load_sampling(path: Path):
+    spec = importlib.util.spec_from_file_location(f"sampling_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def primitives(*outputs) -> collections.Counter:
+    """Primitive nodes in the graph of the (unevaluated) outputs, by primitive name."""
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outputs)
+        return collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', Path(f.name).read_text()))
+
+
+# ------------------------------------------------------------------ counting as a CUDA GPU runs it
+
+def _single(x, *inputs):
+    """One primitive standing for a fused op: x's shape and dtype, depending on all inputs.
+    (A CumSum, plus a Depends node that the count leaves out.)"""
+    y = mx.cumsum(x, axis=-1)
+    deps = [a for a in inputs if isinstance(a, mx.array)]
+    return mx.depends([y], deps)[0] if deps else y
+
+
+@contextlib.contextmanager
+def fused_as_on_cuda():
+    """mx.fast's ops as MLX's CUDA backend builds them (mlx/backend/cuda/scaled_dot_product_attention.cpp,
+    0.32): RMSNorm, LayerNorm and RoPE are one primitive each; attention is fused by the vector
+    kernel (head dim 64/96/128, fewer than 4 queries, no array mask) or by cuDNN (at least 2
+    queries, head dim a multiple of 8 up to 128, half precision; an array mask is allowed, a
+    boolean one first turned additive), and otherwise falls back to plain ops."""
+    fast = mx.fast
+    saved = fast.rms_norm, fast.layer_norm, fast.rope, fast.scaled_dot_product_attention
+    sdpa = saved[3]
+
+    def attention(q, k, v, *, scale, mask=None, sinks=None):
+        array_mask = isinstance(mask, mx.array)
+        d, n_q = q.shape[-1], q.shape[2]
+        vector = not array_mask and n_q < 4 and d == v.shape[-1] and d in (64, 96, 128)
+        cudnn = n_q > 1 and d % 8 == 0 and d <= 128 and v.shape[-1] <= 128 and q.dtype in (mx.float16, mx.bfloat16)
+        if not (vector or cudnn):
+            return sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks)
+        if array_mask and mask.dtype == mx.bool_:
+            mask = mx.where(mask, mx.array(0, q.dtype), mx.array(-mx.inf, q.dtype))
+        return _single(q, k, v, mask if array_mask else None, sinks)
+
+    fast.rms_norm = lambda x, weight, eps: _single(x, weight)
+    fast.layer_norm = lambda x, weight, bias, eps: _single(x, weight, bias)
+    fast.rope = lambda x, dims, *, traditional, base, scale, offset, freqs=None: _single(x, offset, freqs)
+    fast.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        fast.rms_norm, fast.layer_norm, fast.rope, fast.scaled_dot_product_attention = saved
+
+
+def count(counter: collections.Counter) -> int:
+    return sum(counter.values()) - counter["Depends"]
+
+
+# ------------------------------------------------------------------ the three decoders
+
+class _Counted(Exception):
+    pass
+
+
+def make_step(S, model, p, queries):
+    return S.make_decode_step(model, p, [], 0, *([queries] if queries else []))
+
+
+def ours_counts(S, model, prompts, group_size, queries) -> collections.Counter:
+    """The graph of our second decode step (the first one's inputs still hold the prefill)."""
+    p = S.SamplingParams(max_tokens=4, temperature=1.0)  # the step's graph does not depend on the length
+    step = make_step(S, model, p, queries)
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        if len(calls) < 2:
+            return step(*args)
+        mx.eval(args)
+        raise _Counted(primitives(*[a for _, a in tree_flatten(list(step(*args)))]))
+
+    try:
+        S.sample(model, counted, prompts, group_size, p, [], mx.random.key(0))
+    except _Counted as counted_step:
+        return counted_step.args[0]
+    raise RuntimeError("sample() made fewer than two decode steps")
+
+
+def ours_time(S, model, prompts, group_size, queries, tokens, reps) -> list[float]:
+    p = S.SamplingParams(max_tokens=tokens, temperature=1.0)
+    step = make_step(S, model, p, queries)
+    times = []
+    for i in range(reps + 1):  # the first run compiles
+        t0 = time.perf_counter()
+        samples = S.sample(model, step, prompts, group_size, p, [], mx.random.key(i))
+        times.append(time.perf_counter() - t0)
+        assert samples.steps == tokens
+    return times[1:]
+
+
+def left_padded(rows):
+    width = max(len(r) for r in rows)
+    return mx.array([[0] * (width - len(r)) + r for r in rows]), [width - len(r) for r in rows]
+
+
+def batch_counts(model, rows) -> collections.Counter:
+    """One step of mlx_lm's GenerationBatch._step on a left-padded BatchKVCache."""
+    x, pad = left_padded(rows)
+    cache = [BatchKVCache(pad) for _ in model.layers]
+    model(x, cache=cache)
+    mx.eval([c.state for c in cache], mx.random.state)  # the sampler splits the global key
+    logits = model(x[:, -1:], cache=cache)[:, -1, :]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return primitives(make_sampler(temp=1.0)(logprobs), logprobs)
+
+
+def batch_time(model, tokenizer, rows, tokens, reps) -> list[float]:
+    sampler = make_sampler(temp=1.0)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        out = mlx_lm.batch_generate(model, tokenizer, rows, max_tokens=tokens, sampler=sampler,
+                                    completion_batch_size=len(rows), prefill_batch_size=len(rows))
+        times.append(time.perf_counter() - t0)
+        assert out.stats.generation_tokens == tokens * len(rows)
+    return times[1:]
+
+
+def single_counts(model, row) -> collections.Counter:
+    """One step of mlx_lm's generate_step: the model on one token, log-softmax, sampler."""
+    cache = make_prompt_cache(model)
+    model(mx.array(row)[None], cache=cache)
+    mx.eval([c.state for c in cache], mx.random.state)
+    logits = model(mx.array(row[-1:])[None], cache=cache)[:, -1, :]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return primitives(make_sampler(temp=1.0)(logprobs), logprobs)
+
+
+def single_time(model, row, tokens, reps) -> list[float]:
+    sampler = make_sampler(temp=1.0)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        n = sum(1 for _ in generate_step(mx.array(row), model, max_tokens=tokens, sampler=sampler))
+        times.append(time.perf_counter() - t0)
+        assert n == tokens
+    return times[1:]
+
+
+# ------------------------------------------------------------------ main
+
+def make_prompts(vocab: int, n: int, length: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab, size=max(1, length - 3 * i % 8)).tolist() for i in range(n)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_dir")
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--tokens", type=int, default=128, help="tokens decoded per row")
+    ap.add_argument("--group-size", type=int, default=8, help="rows per distinct prompt (GRPO's G)")
+    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sampling", type=Path, nargs="+", default=[ROOT / "worker" / "sampling.py"],
+                    help="copies of worker/sampling.py to measure (e.g. an older commit's)")
+    ap.add_argument("--queries", type=int, nargs="+", choices=[1, 2], default=[None],
+                    help="also force make_decode_step's queries per row (versions that have it; default: its own choice)")
+    ap.add_argument("--count-only", action="store_true", help="primitive counts only, no timings")
+    ap.add_argument("--json", type=Path, help="write the records here as a JSON list")
+    args = ap.parse_args()
+
+    model, tokenizer = mlx_lm.load(args.model_dir)
+    tokenizer.eos_token_ids = []  # batch_generate stops on these
+    versions = {str(path): load_sampling(path) for path in args.sampling}
+    on_cpu = mx.default_device() == mx.cpu
+    print(f"device {mx.default_device()}, mlx {mx.__version__}, mlx_lm {mlx_lm.__version__}, "
+          f"{len(model.layers)} layers, {args.tokens} tokens per row", flush=True)
+    records = []
+
+    def record(name, rows, counter, gpu_counter, times):
+        rec = {"decoder": name, "rows": rows, "tokens": args.tokens, "device": str(mx.default_device()),
+               "primitives": count(counter), "primitives_by_type": dict(counter.most_common())}
+        if gpu_counter is not None:
+            rec["primitives_gpu"] = count(gpu_counter)
+            rec["primitives_gpu_by_type"] = dict(gpu_counter.most_common())
+        if times:
+            rec["ms_per_position"] = round(1000 * statistics.median(times) / args.tokens, 3)
+            rec["seconds"] = [round(t, 4) for t in times]
+        records.append(rec)
+        gpu = f" gpu {rec['primitives_gpu']:5d}" if gpu_counter is not None else ""
+        ms = f" {rec['ms_per_position']:8.2f} ms/pos" if times else ""
+        print(f"  {name:40s} rows {rows:3d}  prims {rec['primitives']:5d}{gpu}{ms}", flush=True)
+        return rec
+
+    for R in args.rows:
+        G = min(args.group_size, R)
+        prompts = make_prompts(model.args.vocab_size, R // G, args.prompt_len)
+        rows = [p for p in prompts for _ in range(G)]
+
+        def both(fn):
+            counter = fn()
+            if not on_cpu:
+                return counter, None
+            with fused_as_on_cuda():
+                return counter, fn()
+
+        ours = []
+        for name, S in versions.items():
+            has_queries = "queries" in inspect.signature(S.make_decode_step).parameters
+            for q in args.queries if has_queries else [None]:
+                counts = both(lambda: ours_counts(S, model, prompts, G, q))
+                times = None if args.count_only else ours_time(S, model, prompts, G, q, args.tokens, args.reps)
+                label = f"ours {Path(name).name if len(versions) == 1 else name}" + (f" queries={q}" if q else "")
+                ours.append(record(label, R, *counts, times))
+        counts = both(lambda: batch_counts(model, rows))
+        batch = record("mlx_lm batch_generate", R, *counts,
+                       None if args.count_only else batch_time(model, tokenizer, rows, args.tokens, args.reps))
+        counts = both(lambda: single_counts(model, rows[0]))
+        single = record("mlx_lm generate_step (1 row)", 1, *counts,
+                        None if args.count_only else single_time(model, rows[0], args.tokens, args.reps))
+        if not args.count_only:
+            for rec in ours:
+                print(f"  {rec['decoder']}: {rec['ms_per_position'] / batch['ms_per_position']:.2f}x mlx_lm batch, "
+                      f"{rec['ms_per_position'] / single['ms_per_position']:.2f}x mlx_lm single", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()
