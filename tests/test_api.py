@@ -27,12 +27,6 @@ SEED_CONFIG_DEFAULTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    with stack.client() as c:
-        yield c
-
-
 def create(client, **body) -> dict:
     res = client.post(JOBS, json={"model_id": "tiny", "prompts": ["What is 2+2?", "Say hello."], **body})
     assert res.status_code == 200, res.text

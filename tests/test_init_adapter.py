@@ -30,12 +30,6 @@ def stack(tmp_path_factory, tiny_model):
         yield started
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    with stack.client() as c:
-        yield c
-
-
 def ok(res) -> dict:
     assert res.status_code == 200, res.text
     return res.json()

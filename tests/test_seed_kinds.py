@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TOKEN, Stack, running, wait_for, worker_for_later_tests
+from conftest import ROOT, TOKEN, Stack, running, wait_for
 
 API = "/admin/api/fine-tune"
 SFT, DPO, ORPO, REWARD, SCORE = (f"{API}/jobs", f"{API}/dpo/jobs", f"{API}/orpo/jobs", f"{API}/reward/jobs",
@@ -107,17 +107,6 @@ def stack(tmp_path_factory, tiny_model):
     s.data_root = tmp_path_factory.mktemp("data")
     s.env.update(MTQ_DATA_ROOTS=str(s.data_root))
     yield from running(s)
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    with stack.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def worker(stack):
-    yield from worker_for_later_tests(stack)
 
 
 def ok(res) -> dict:

@@ -70,12 +70,6 @@ def stack(tmp_path_factory, tiny_model):
         yield started
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    with stack.client() as c:
-        yield c
-
-
 # A new job's times and progress, as the seed server shows them: SFT's (mlx_lm's reports) or the others'.
 SFT_FRESH = {"started_at": None, "finished_at": None, "progress": {
     "step": 0, "total_steps": 0, "train_loss": 0.0, "val_loss": None, "learning_rate": 0.0, "tokens_per_second": 0.0,
