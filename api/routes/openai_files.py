@@ -68,8 +68,10 @@ def not_found(file_id: str) -> OpenAIError:
 
 
 def visible_meta(r, file_id: str, who: Principal) -> dict | None:
+    """A dataset file this principal may see (an `adapter` upload is the native route's alone:
+    OpenAI has no such purpose)."""
     meta = file_meta(r, file_id) if re.fullmatch(FILE_ID, file_id) else None
-    return meta if meta is not None and who.sees(meta.get("owner")) else None
+    return meta if meta is not None and who.sees(meta.get("owner")) and meta.get("purpose", "fine-tune") in PURPOSES else None
 
 
 @router.post("", response_model=FileObject, summary="Upload a fine-tuning file (JSON Lines, checked per format)")
@@ -83,9 +85,9 @@ async def upload(r: RedisDep, settings: SettingsDep, who: WriterDep, file: Annot
         raise OpenAIError(413, f"file larger than {settings.max_file_bytes} bytes (MTQ_MAX_FILE_BYTES)", "file")
     filename = (file.filename or "data.jsonl")[:200]
     try:
-        await run_in_threadpool(check_file, content, filename)
+        rows, _ = await run_in_threadpool(check_file, content, filename)
         meta = await run_in_threadpool(store_file, r, content, filename, who.name, settings.job_retention_s,
-                                       settings.max_files_bytes_per_token, purpose)
+                                       settings.max_files_bytes_per_token, purpose=purpose, rows=len(rows))
     except DatasetError as e:
         raise OpenAIError(400, str(e), "file", "invalid_file_format") from None
     except QuotaExceeded as e:
@@ -99,7 +101,8 @@ def list_files(r: RedisDep, settings: SettingsDep, who: PrincipalDep,
                after: Annotated[str | None, Query(max_length=64)] = None,
                order: Literal["asc", "desc"] = "desc", purpose: Annotated[str | None, Query(max_length=64)] = None,
                ) -> FileList:
-    metas = [m for m in owner_files(r, who.name) if purpose is None or m.get("purpose", "fine-tune") == purpose]
+    metas = [m for m in owner_files(r, who.name) if m.get("purpose", "fine-tune") in PURPOSES
+             and (purpose is None or m.get("purpose", "fine-tune") == purpose)]
     if order == "asc":
         metas.reverse()
     if after is not None:
