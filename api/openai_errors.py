@@ -12,13 +12,14 @@ from typing import Callable
 from fastapi import HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.deps import redis_trouble
-from api.json_body import JSONBodyRoute
+from api.json_body import JSONBodyRequest
 
 # status -> (OpenAI's error type, code)
 TYPES = {400: ("invalid_request_error", None), 401: ("invalid_request_error", "invalid_api_key"),
@@ -67,16 +68,17 @@ def validation_envelope(exc: RequestValidationError) -> JSONResponse:
     return envelope(400, f"{param}: {message}" if param else message, param, "invalid_value" if param else None)
 
 
-class OpenAIRoute(JSONBodyRoute):
-    """A /v1 route: every error it raises, its dependencies' included (the token check), answers
-    in OpenAI's envelope."""
+class OpenAIRoute(APIRoute):
+    """A /v1 route: a JSON body goes through api/json_body.py's parser (a multipart upload keeps
+    its content type: the SDK says what it sends), and every error it raises, its dependencies'
+    included (the token check), answers in OpenAI's envelope."""
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
 
         async def answer(request: Request) -> Response:
             try:
-                return await handler(request)
+                return await handler(JSONBodyRequest(request.scope, request.receive))
             except RequestValidationError as e:
                 return validation_envelope(e)
             except HTTPException as e:

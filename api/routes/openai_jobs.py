@@ -64,7 +64,7 @@ def create(body: JobCreateRequest, r: RedisDep, settings: SettingsDep, who: Writ
         first = e.errors()[0]
         raise OpenAIError(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}",
                           "model" if first["loc"][:1] == ("model_id",) else "training_file") from None
-    check, _ = FAMILIES[KINDS[created.spec.kind].family]
+    check = FAMILIES[KINDS[created.spec.kind].family]
     check(r, created.spec, settings, who, ("body", "training_file"))
     try:
         job = jobstore.create_job(r, created.spec, owner=who.name, tenant=who.tenant, openai=json.dumps(created.record))
