@@ -28,14 +28,8 @@ def jsonl(rows: list[dict]) -> bytes:
 def stack(tmp_path_factory, tiny_model):
     s = Stack(tmp_path_factory.mktemp("openai"), tiny_model)
     s.env.update(MTQ_PYTHON_GRADERS="1", MTQ_PYTHON_GRADER_TIMEOUT_S="2")
+    s.use_tokens([{"name": "reader", "token": "reader-token-0123456789", "role": "viewer"}])
     yield from running(s)
-
-
-@pytest.fixture(scope="module")
-def worker(stack):
-    proc = stack.start_worker()
-    yield proc
-    stack.stop_proc(proc)
 
 
 def sdk(stack, strict: bool = True, key: str = TOKEN) -> openai.OpenAI:
@@ -83,6 +77,8 @@ def test_files_and_errors(stack):
     assert e.value.body["code"] == "not_found"
     with pytest.raises(openai.AuthenticationError):
         sdk(stack, key="wrong").files.list()
+    with pytest.raises(openai.PermissionDeniedError):  # a viewer token reads only
+        upload(sdk(stack, key="reader-token-0123456789"), SFT_ROWS)
     with pytest.raises(openai.NotFoundError):
         client.fine_tuning.jobs.retrieve("ftjob-nope")
     with pytest.raises(openai.BadRequestError) as e:  # a file of the wrong format for the method
@@ -125,6 +121,9 @@ def test_supervised_and_dpo_jobs(stack, worker, tmp_path):
     assert [e.data["step"] for e in metrics] == [4, 3, 2, 1] and all("train_loss" in e.data for e in metrics)
     second = client.fine_tuning.jobs.list_events(sft.id, after=events[0].id, limit=1)
     assert second.data[0].id == events[1].id and second.has_more
+    with pytest.raises(openai.BadRequestError) as e:
+        client.fine_tuning.jobs.list_events(sft.id, after="ftevent-x")
+    assert e.value.param == "after"
     # checkpoints: one per epoch (steps 2 and 4), newest first, with the step's metrics
     ckpts = client.fine_tuning.jobs.checkpoints.list(sft.id).data
     assert [c.step_number for c in ckpts] == [4, 2]

@@ -16,6 +16,7 @@ every route (api/deps.py); errors in OpenAI's envelope (api/openai_errors.py).
 """
 
 import json
+import re
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -137,6 +138,8 @@ def resume(job_id: str, r: RedisDep, who: WriterDep) -> FineTuningJob:
 @router.get("/{job_id}/events", response_model=Page, summary="A job's events, newest first")
 def events(job_id: str, r: RedisDep, who: PrincipalDep, after: AfterQuery = None, limit: LimitQuery = 20) -> Page:
     own_id, rec, _ = _found(r, job_id, who)
+    if after is not None and not re.fullmatch(r"ftevent-\d{1,20}-\d{1,20}", after):
+        raise OpenAIError(400, f"'after' is not an event id: {after[:100]}", "after")
     kind = of_record(rec.get("kind"))
     return openai_jobs.events(r, own_id, after, limit, kind.step_event, kind.first_step)
 
