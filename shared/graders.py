@@ -12,7 +12,10 @@ their models, as the SDK sends them, and their scores, with OpenAI's documented 
                      graders' names, min max abs floor ceil exp sqrt log): nothing is evaluated.
     python           `grade(sample, item) -> float` (shared/grader_sandbox.py), only where the
                      operator sets MTQ_PYTHON_GRADERS=1.
-    score_model, label_model: refused (no local judge model in this version).
+    score_model      a reward model of this project (a reward job's adapter, `model`:
+                     "<model_id>/<adapter_name>") scores the rendered input as prompt and the
+                     sample as completion; its score, squashed by a sigmoid into `range`.
+    label_model      refused (no generative judge model in this version).
 
 Templates: `{{ sample.output_text }}`, `{{ sample.output_json.key }}`, `{{ item.field.sub }}`,
 `{{ item.list.0 }}`; a value that is not a string is written as JSON. A name that is not there
@@ -91,26 +94,55 @@ class PythonGrader(_Grader):
         return source
 
 
-class _ModelGrader(_Grader):
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str = Field(..., max_length=MAX_TEXT, description="Text (content parts are not supported).")
+    type: Literal["message"] | None = None
+
+
+ADAPTER_REF = re.compile(r"^(?P<model_id>.+)/(?P<adapter_name>[A-Za-z0-9][A-Za-z0-9._-]{0,127})$")
+
+
+class ScoreModelGrader(_Grader):
+    """A reward model trained by a reward job of this project scores the sample: `model` is
+    "<model_id>/<adapter_name>" of its adapter; its score s becomes lo + (hi - lo) * sigmoid(s)
+    for `range` [lo, hi]. The prompt it scores is the rendered input messages' contents, one per
+    line; the completion is sample.output_text."""
+
+    type: Literal["score_model"]
+    input: list[InputMessage] = Field(..., max_length=64)
+    model: str = Field(..., max_length=700)
+    range: list[float] | None = Field(None, min_length=2, max_length=2)
+    sampling_params: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _reward_model(self):
+        if not ADAPTER_REF.fullmatch(self.model):
+            raise ValueError(f"score_model: model {self.model[:100]!r} must name a reward job's adapter as "
+                             "<model_id>/<adapter_name> (this server has no judge model of OpenAI's)")
+        lo, hi = self.range or (0.0, 1.0)
+        if not lo < hi:
+            raise ValueError("score_model: range must be [low, high] with low < high")
+        return self
+
+    @property
+    def adapter(self) -> tuple[str, str]:
+        found = ADAPTER_REF.fullmatch(self.model)
+        return found["model_id"], found["adapter_name"]  # type: ignore[index]
+
+
+class LabelModelGrader(_Grader):
+    type: Literal["label_model"]
     input: list[dict[str, Any]]
     model: str
+    labels: list[str]
+    passing_labels: list[str]
 
     @model_validator(mode="after")
     def _refused(self):
-        raise ValueError(f"{self.type} graders need a judge model; this version has none (use string_check, "
-                         "text_similarity, python or multi)")
-
-
-class ScoreModelGrader(_ModelGrader):
-    type: Literal["score_model"]
-    range: list[float] | None = None
-    sampling_params: dict[str, Any] | None = None
-
-
-class LabelModelGrader(_ModelGrader):
-    type: Literal["label_model"]
-    labels: list[str]
-    passing_labels: list[str]
+        raise ValueError("label_model graders need a generative judge model; this version has none (use "
+                         "score_model with a reward model, string_check, text_similarity, python or multi)")
 
 
 SimpleGrader = Annotated[Union[StringCheckGrader, TextSimilarityGrader, PythonGrader, ScoreModelGrader,
@@ -254,9 +286,19 @@ def similarity(metric: str, text: str, reference: str) -> float:
     return float(rouge_scorer.RougeScorer([name], use_stemmer=True).score(reference, text)[name].fmeasure)
 
 
-def score(grader, output_text: str, item: dict, run_python=None) -> tuple[float, dict[str, float]]:
+def judge_prompt(grader: ScoreModelGrader, sample: dict, item: dict) -> str:
+    return "\n".join(render(m.content, sample, item) for m in grader.input)
+
+
+def in_range(grader: ScoreModelGrader, raw: float) -> float:
+    lo, hi = grader.range or (0.0, 1.0)
+    return lo + (hi - lo) / (1.0 + math.exp(-max(-500.0, min(500.0, raw))))
+
+
+def score(grader, output_text: str, item: dict, run_python=None, judge=None) -> tuple[float, dict[str, float]]:
     """(the sample's score, the sub-scores of a multi grader by name). run_python(source,
-    sample, item) -> float: how this process runs python graders (None: refused)."""
+    sample, item) -> float: how this process runs python graders (None: refused);
+    judge(model_id, adapter_name, prompt, completion) -> float: a reward model's score."""
     sample = sample_namespace(output_text)
     if isinstance(grader, StringCheckGrader):
         text, reference = render(grader.input, sample, item), render(grader.reference, sample, item)
@@ -271,12 +313,25 @@ def score(grader, output_text: str, item: dict, run_python=None) -> tuple[float,
             raise GraderError("python graders are off on this server (MTQ_PYTHON_GRADERS=1 turns them on)",
                               "python_grader_server_error")
         return run_python(grader.source, sample, item), {}
+    if isinstance(grader, ScoreModelGrader):
+        if judge is None:
+            raise GraderError("score_model graders are scored by a worker's reward model", "model_grader_server_error")
+        return in_range(grader, judge(*grader.adapter, judge_prompt(grader, sample, item), output_text)), {}
     if isinstance(grader, MultiGrader):
-        subs = {name: score(g, output_text, item, run_python)[0] for name, g in grader.graders.items()}
+        subs = {name: score(g, output_text, item, run_python, judge)[0] for name, g in grader.graders.items()}
         return calculate(parse_formula(grader.calculate_output, set(subs)), subs), subs
     raise GraderError(f"{grader.type} graders are not available", "other_error")
 
 
+def parts(grader) -> list:
+    """The grader, or a multi grader's graders."""
+    return list(grader.graders.values()) if isinstance(grader, MultiGrader) else [grader]
+
+
 def uses_python(grader) -> bool:
-    return isinstance(grader, PythonGrader) or (isinstance(grader, MultiGrader) and any(
-        isinstance(g, PythonGrader) for g in grader.graders.values()))
+    return any(isinstance(g, PythonGrader) for g in parts(grader))
+
+
+def reward_models(grader) -> list[tuple[str, str]]:
+    """(model_id, adapter_name) of each reward model its score_model graders use."""
+    return [g.adapter for g in parts(grader) if isinstance(g, ScoreModelGrader)]

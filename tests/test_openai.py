@@ -236,11 +236,12 @@ def test_graders_run(stack):
         with pytest.raises(openai.BadRequestError, match="calculate_output"):
             client.fine_tuning.alpha.graders.validate(grader={**multi, "calculate_output": formula})
     assert client.fine_tuning.alpha.graders.validate(grader=multi).grader.type == "multi"
-    for model_grader in ({"type": "score_model", "name": "j", "model": "tiny", "input": []},
-                         {"type": "label_model", "name": "l", "model": "tiny", "input": [], "labels": ["a"],
-                          "passing_labels": ["a"]}):
-        with pytest.raises(openai.BadRequestError, match="judge model"):
-            client.fine_tuning.alpha.graders.validate(grader=model_grader)
+    with pytest.raises(openai.BadRequestError, match="judge model"):
+        client.fine_tuning.alpha.graders.validate(grader={"type": "label_model", "name": "l", "model": "tiny", "input": [],
+                                                          "labels": ["a"], "passing_labels": ["a"]})
+    with pytest.raises(openai.BadRequestError, match="model_id>/<adapter_name"):  # OpenAI's judge models: none here
+        client.fine_tuning.alpha.graders.validate(grader={"type": "score_model", "name": "j", "model": "gpt-4o",
+                                                          "input": []})
 
 
 @pytest.mark.parametrize("source, why", [
@@ -260,3 +261,32 @@ def test_python_grader_scores(stack):
     client = sdk(stack, strict=False)
     assert run_grader(client, {"type": "python", "name": "p", "source": source}, "4", {"answer": "4"}).reward == 1.0
     assert run_grader(client, {"type": "python", "name": "p", "source": source}, "5", {"answer": "4"}).reward == 0.0
+
+
+def test_score_model_grader_is_a_reward_model(stack, worker):
+    """A score_model grader names a reward job's adapter: graders/run asks a worker for its score,
+    squashed into `range`; a reinforcement job trains on it."""
+    with stack.client() as c:
+        made = c.post("/admin/api/fine-tune/reward/jobs", json={"model_id": "tiny", "adapter_name": "judge", "preference_pairs": [
+            {"prompt": "Q?", "chosen": "yes", "rejected": "no"}], "config": {"iters": 2, "batch_size": 1, "lora_layers": -1}})
+        assert made.status_code == 200, made.text
+    wait_for(lambda: stack.redis.hget(f"mtq:job:{made.json()['job_id']}", "status") == b"completed", 240, "the reward job")
+    client = sdk(stack, strict=False)
+    judge = {"type": "score_model", "name": "j", "model": "tiny/judge", "range": [-2, 3],
+             "input": [{"role": "user", "content": "Is {{ item.q }} answered by {{ sample.output_text }}?"}]}
+    a, b = (run_grader(client, judge, text, {"q": "Q?"}).reward for text in ("yes", "no"))
+    assert -2 < a < 3 and -2 < b < 3 and a != b
+    assert run_grader(client, judge, "yes", {"q": "Q?"}).reward == a  # the same sample, the same score
+    with pytest.raises(openai.NotFoundError):
+        run_grader(client, {**judge, "model": "tiny/nobody"}, "yes", {"q": "Q?"})
+    file_id = upload(client, RFT_ROWS).id
+    method = {"type": "reinforcement", "reinforcement": {"grader": {**judge, "input": [
+        {"role": "user", "content": "{{ item.target }}"}]}, "hyperparameters": {"n_epochs": 1, "max_completion_tokens": 4}}}
+    with pytest.raises(openai.BadRequestError, match="Adapter not found"):
+        client.fine_tuning.jobs.create(model="tiny", training_file=file_id, method={**method, "reinforcement": {
+            **method["reinforcement"], "grader": {**judge, "model": "tiny/nobody"}}})
+    job = client.fine_tuning.jobs.create(model="tiny", training_file=file_id, method=method)
+    done = wait(client, job.id)
+    assert done.status == "succeeded", done.error
+    rewards = [e.data["reward"] for e in client.fine_tuning.jobs.list_events(job.id).data if e.type == "metrics"]
+    assert rewards and all(-2 < r < 3 for r in rewards)

@@ -4,7 +4,9 @@
     POST /v1/fine_tuning/alpha/graders/validate   {grader} -> {grader}
 
 The same graders and scores as a reinforcement job's rewards (shared/graders.py); python
-graders run in their sandbox (shared/grader_sandbox.py) only where MTQ_PYTHON_GRADERS=1.
+graders run in their sandbox (shared/grader_sandbox.py) only where MTQ_PYTHON_GRADERS=1; a
+score_model grader's reward model answers on the workers, as reward scoring does
+(api/routes/reward_score.py).
 """
 
 import time
@@ -12,9 +14,12 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
-from api.deps import PrincipalDep, require_token
+from api.deps import AsyncRedisDep, PrincipalDep, RedisDep, SettingsDep, require_token
 from api.openai_errors import ERRORS, OpenAIError, OpenAIRoute
+from api.routes.logprob import check_adapter, check_chars, submit_and_wait
+from api.routes.reward_score import check_reward_model
 from shared import grader_sandbox, graders
 from shared.graders import Grader
 
@@ -60,9 +65,41 @@ def _python_allowed(grader) -> None:
         raise OpenAIError(400, "python graders are off on this server (the operator sets MTQ_PYTHON_GRADERS=1)", "grader")
 
 
+async def reward_model_scores(r, ar, settings, who, grader, sample_text: str, item: dict) -> dict:
+    """The scores its score_model graders' reward models give the sample, asked of the workers
+    as POST /admin/api/fine-tune/reward/score asks them: {(model_id, adapter_name, prompt): score}."""
+    answers = {}
+    for g in graders.parts(grader):
+        if not isinstance(g, graders.ScoreModelGrader):
+            continue
+        try:
+            prompt = graders.judge_prompt(g, graders.sample_namespace(sample_text), item)
+        except graders.GraderError:
+            continue  # scored as the grader's error
+        if who.role == "viewer":
+            raise OpenAIError(403, f"token {who.name!r} has the viewer role: it cannot ask for a reward model's score")
+        model_id, adapter_name = g.adapter
+        check_chars(len(prompt) + len(sample_text), settings)
+        await check_reward_model(ar, await check_adapter(ar, who, model_id, adapter_name))
+        _, record = await submit_and_wait(r, ar, settings, who, {"type": "reward", "model_id": model_id,
+                                                                 "adapter_name": adapter_name, "prompt": prompt,
+                                                                 "completions": [sample_text]})
+        if record["status"] == "failed":
+            raise OpenAIError(record["error_status"], record["error"], "grader")
+        if record["status"] != "done":
+            raise OpenAIError(503, "the reward model has not answered yet (MTQ_SCORE_WAIT_S); try again")
+        answers[model_id, adapter_name, prompt] = record["result"]["rewards"][0]
+    return answers
+
+
 @router.post("/run", response_model=RunResponse, summary="Score one sample with a grader")
-def run(body: RunRequest, who: PrincipalDep) -> RunResponse:
+async def run(body: RunRequest, r: RedisDep, ar: AsyncRedisDep, settings: SettingsDep, who: PrincipalDep) -> RunResponse:
     _python_allowed(body.grader)
+    judged = await reward_model_scores(r, ar, settings, who, body.grader, body.model_sample, body.item or {})
+    return await run_in_threadpool(grade, body, judged)  # a python grader's subprocess: off the event loop
+
+
+def grade(body: RunRequest, judged: dict) -> RunResponse:
     errors: dict[str, Any] = {flag: False for flag in ERROR_FLAGS}
     failures: list[str] = []
 
@@ -74,7 +111,8 @@ def run(body: RunRequest, who: PrincipalDep) -> RunResponse:
 
     started = time.monotonic()
     try:
-        reward, subs = graders.score(body.grader, body.model_sample, body.item or {}, run_python)
+        reward, subs = graders.score(body.grader, body.model_sample, body.item or {}, run_python,
+                                     lambda model_id, adapter_name, prompt, _: judged[model_id, adapter_name, prompt])
     except graders.GraderError as e:
         reward, subs = 0.0, {}
         errors[e.kind] = True

@@ -86,16 +86,22 @@ def bind_reward_model(source, scorer: "RewardScorer") -> RewardFn:
 def bind_grader(source, scorer: "RewardScorer") -> RewardFn:
     """An OpenAI grader: each completion is its sample, the prompt item's fields its item; a
     sample it cannot score (a missing template variable, a python grader that raised) scores
-    0, as OpenAI scores it."""
+    0, as OpenAI scores it. score_model graders ask the job's reward models (as reward_model
+    sources do)."""
     if graders.uses_python(source.grader) and not grader_sandbox.enabled():
         raise RewardError("python graders are off on this worker (MTQ_PYTHON_GRADERS=1 turns them on)")
 
     def run_python(code: str, sample: dict, item: dict) -> float:
         return grader_sandbox.run_grader(code, sample, item)[0]
 
+    def judge(model_id: str, adapter_name: str, prompt: str, completion: str) -> float:
+        if scorer.reward_model is None:
+            raise RewardError("score_model graders are scored by a worker's training process")
+        return scorer.reward_model(scorer.settings, model_id, adapter_name, [prompt], [completion])[0]
+
     def one(completion: str, item: dict) -> float:
         try:
-            return graders.score(source.grader, completion, item, run_python)[0]
+            return graders.score(source.grader, completion, item, run_python, judge)[0]
         except graders.GraderError:
             return 0.0
 
