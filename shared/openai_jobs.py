@@ -317,6 +317,24 @@ def job_id_of(openai_id: str) -> str | None:
     return openai_id.removeprefix(JOB_PREFIX) if openai_id.startswith(JOB_PREFIX) else None
 
 
+def adapter_of(name: str, rec: dict[bytes, bytes | None]) -> tuple[str, str] | None:
+    """(model_id, adapter_name) of a fine-tuned model's name, given its job's record fields
+    `summary`, `owner`, `openai` and `status` (as HMGET returns them); None unless the name is
+    exactly that succeeded job's fine_tuned_model."""
+    job_id = job_id_of(name) if name.startswith("ft:") else None
+    if job_id is None or rec.get(b"openai") is None or rec.get(b"status") != b"completed":
+        return None
+    summary, ft = json.loads(rec[b"summary"] or "{}"), json.loads(rec[b"openai"])  # type: ignore[arg-type]
+    owner = rec.get(b"owner")
+    fields = {"owner": owner.decode() if owner else None}
+    if name != model_name(fields, job_id, ft["suffix"], summary.get("model_id", "")):
+        return None
+    return summary["model_id"], summary["adapter_name"]
+
+
+NAME_FIELDS = ("summary", "owner", "openai", "status")  # what adapter_of reads
+
+
 def organization(owner: str | None) -> str:
     return f"org-{owner or 'local'}"
 

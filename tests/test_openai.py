@@ -141,6 +141,18 @@ def test_supervised_and_dpo_jobs(stack, worker, tmp_path):
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         assert (out / "adapters.safetensors").stat().st_size > 0
+    # ... and the log-prob route: the same scores as with its base model and adapter named
+    with stack.client() as c:
+        by_name = c.post("/admin/api/fine-tune/logprob", json={"model_id": sft.fine_tuned_model, "prompt": "Colour?",
+                                                                "completion": "red"})
+        assert by_name.status_code == 200, by_name.text
+        adapter = by_name.json()["adapter_name"]
+        direct = c.post("/admin/api/fine-tune/logprob", json={"model_id": "tiny", "adapter_name": adapter,
+                                                               "prompt": "Colour?", "completion": "red"}).json()
+        assert adapter.startswith("colours-") and by_name.json()["logprob"] == direct["logprob"]
+        wrong = c.post("/admin/api/fine-tune/logprob", json={"model_id": sft.fine_tuned_model.replace("colours", "x"),
+                                                              "prompt": "Colour?", "completion": "red"})
+        assert wrong.status_code == 404
     with pytest.raises(openai.ConflictError) as e:  # a succeeded job cannot be cancelled; the SDK does not retry
         client.fine_tuning.jobs.cancel(sft.id)
     assert e.value.response.headers["x-should-retry"] == "false"

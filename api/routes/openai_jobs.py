@@ -86,16 +86,23 @@ def list_jobs(request: Request, r: RedisDep, who: PrincipalDep, after: AfterQuer
             raise OpenAIError(400, f"unknown fine-tuning job id in 'after': {after[:100]}", "after")
         ids = ids[ids.index(start) + 1:]
     data: list[FineTuningJob] = []
-    for job_id in ids:
-        found = openai_jobs.openai_record(r, job_id)
-        if found is None or not who.sees(found[0].get("owner")):
-            continue
-        metadata = found[1].get("metadata") or {}
-        if any(metadata.get(k) != v for k, v in wanted.items()):
-            continue
-        if len(data) == limit:
-            return Page(data=data, has_more=True)
-        data.append(openai_jobs.to_job(job_id, *found))
+    for start in range(0, len(ids), 200):  # the small fields first: a record's spec may be megabytes
+        chunk = ids[start:start + 200]
+        with r.pipeline() as p:
+            for job_id in chunk:
+                p.hmget(job_key(job_id), "owner", "openai")
+            heads = p.execute()
+        for job_id, (owner, ft) in zip(chunk, heads):
+            if ft is None or not who.sees(owner and owner.decode()):
+                continue
+            metadata = json.loads(ft).get("metadata") or {}
+            if any(metadata.get(k) != v for k, v in wanted.items()):
+                continue
+            if len(data) == limit:
+                return Page(data=data, has_more=True)
+            found = openai_jobs.openai_record(r, job_id)
+            if found is not None:  # not deleted meanwhile
+                data.append(openai_jobs.to_job(job_id, *found))
     return Page(data=data, has_more=False)
 
 
