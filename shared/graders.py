@@ -267,7 +267,15 @@ def calculate(tree: ast.expr, scores: dict[str, float]) -> float:
 # --------------------------------------------------------------------------- scores
 
 
+MAX_SIMILARITY_CHARS = 20_000  # each side; rouge_l's table is words x words, in Python
+MAX_LCS_CELLS = 4_000_000
+
+
 def similarity(metric: str, text: str, reference: str) -> float:
+    if max(len(text), len(reference)) > MAX_SIMILARITY_CHARS:
+        raise GraderError(f"text_similarity: input and reference are at most {MAX_SIMILARITY_CHARS} characters each")
+    if metric == "rouge_l" and len(text.split()) * len(reference.split()) > MAX_LCS_CELLS:
+        raise GraderError(f"rouge_l: input words x reference words above {MAX_LCS_CELLS}")
     if metric == "fuzzy_match":
         from rapidfuzz import fuzz, utils
 

@@ -28,7 +28,8 @@ def jsonl(rows: list[dict]) -> bytes:
 def stack(tmp_path_factory, tiny_model):
     s = Stack(tmp_path_factory.mktemp("openai"), tiny_model)
     s.env.update(MTQ_PYTHON_GRADERS="1", MTQ_PYTHON_GRADER_TIMEOUT_S="2")
-    s.use_tokens([{"name": "reader", "token": "reader-token-0123456789", "role": "viewer"}])
+    s.use_tokens([{"name": "reader", "token": "reader-token-0123456789", "role": "viewer"},
+                  {"name": "team-b", "token": "team-b-token-0123456789", "role": "trainer"}])
     yield from running(s)
 
 
@@ -79,6 +80,14 @@ def test_files_and_errors(stack):
         sdk(stack, key="wrong").files.list()
     with pytest.raises(openai.PermissionDeniedError):  # a viewer token reads only
         upload(sdk(stack, key="reader-token-0123456789"), SFT_ROWS)
+    other = sdk(stack, key="team-b-token-0123456789")  # a trainer token sees its own files only
+    theirs = upload(other, SFT_ROWS).id
+    assert [f.id for f in other.files.list()] == [theirs]
+    with pytest.raises(openai.NotFoundError):
+        other.files.retrieve(ids[0])
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        other.fine_tuning.jobs.create(model="tiny", training_file=ids[0])
+    other.files.delete(theirs)
     with pytest.raises(openai.NotFoundError):
         client.fine_tuning.jobs.retrieve("ftjob-nope")
     with pytest.raises(openai.BadRequestError) as e:  # a file of the wrong format for the method
@@ -233,6 +242,8 @@ def test_graders_run(stack):
     scores = {m: run_grader(client, {**similar, "evaluation_metric": m}, "the cat sat on the mat").reward
               for m in ("fuzzy_match", "bleu", "gleu", "rouge_1", "rouge_2", "rouge_l")}
     assert all(abs(v - 1.0) < 1e-9 for v in scores.values()), scores
+    huge = run_grader(client, {**similar, "evaluation_metric": "rouge_l", "reference": "w " * 9000}, "w " * 9000)
+    assert huge.reward == 0.0 and huge.metadata.errors.other_error  # bounded, not minutes of Python
     partial = {m: run_grader(client, {**similar, "evaluation_metric": m}, "the dog sat on a mat").reward
                for m in ("fuzzy_match", "gleu", "rouge_1", "rouge_l")}
     assert all(0.0 < v < 1.0 for v in partial.values()), partial
