@@ -15,6 +15,7 @@ request (field `openai`: files, resolved hyperparameters, suffix, metadata) and 
     event                          FineTuningJobEvent
     <kind>_step                    info, metrics: {step, train_loss, train_mean_token_accuracy, ...}
     requeued, rerouted, truncated  warn, message
+    waiting_for_worker             warn, message (written at create: no live worker has the model)
     failed                         error, message
     anything else                  info, message
 
@@ -384,7 +385,7 @@ def to_job(job_id: str, rec: dict, ft: dict) -> FineTuningJob:
     )
 
 
-WARN_EVENTS = ("requeued", "rerouted", "truncated")
+WARN_EVENTS = ("requeued", "rerouted", "truncated", "waiting_for_worker")
 METRIC_NAMES = {"loss": "train_loss", "mean_token_accuracy": "train_mean_token_accuracy", "val_loss": "valid_loss",
                 "val_mean_token_accuracy": "valid_mean_token_accuracy"}
 

@@ -185,6 +185,11 @@ def test_pause_resume_continues_from_checkpoint(stack, worker):
     assert resumes and resumes[0].data["from_step"] >= 1
     cancelled = client.fine_tuning.jobs.create(model="tiny", training_file=file_id)
     assert client.fine_tuning.jobs.cancel(cancelled.id).status == "cancelled"
+    # An OpenAI model name that no worker has waits, as any job does, and says so.
+    waiting = client.fine_tuning.jobs.create(model="gpt-4o-mini", training_file=file_id)
+    event = client.fine_tuning.jobs.list_events(waiting.id).data[0]
+    assert waiting.status == "queued" and event.level == "warn" and "gpt-4o-mini" in event.message
+    assert client.fine_tuning.jobs.cancel(waiting.id).status == "cancelled"
 
 
 # Of the tiny model's 16-token completions at temperature 0.1, about one in six holds a "y".

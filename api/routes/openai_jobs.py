@@ -27,6 +27,7 @@ from api.deps import PrincipalDep, RedisDep, SettingsDep, WriterDep, require_tok
 from api.openai_errors import ERRORS, OpenAIError, OpenAIRoute
 from api.routes.job_routes import FAMILIES
 from shared import grader_sandbox, graders, jobstore, lifecycle, openai_jobs
+from shared.events import append_event
 from shared.keys import JOBS_INDEX, job_key
 from shared.kinds import KINDS, of_record
 from shared.openai_jobs import CheckpointPage, FineTuningJob, JobCreateRequest, Page
@@ -71,6 +72,8 @@ def create(body: JobCreateRequest, r: RedisDep, settings: SettingsDep, who: Writ
         job = jobstore.create_job(r, created.spec, owner=who.name, tenant=who.tenant, openai=json.dumps(created.record))
     except jobstore.AdapterNameTaken as e:
         raise OpenAIError(409, str(e), "suffix") from None
+    if job.waiting_for_worker:  # e.g. an OpenAI model name that no worker has: it waits, as any job does
+        append_event(r, job.job_id, {"type": "waiting_for_worker", "reason": job.waiting_for_worker})
     return _answer(r, job.job_id)
 
 
