@@ -17,7 +17,8 @@
     running            lose            queued      worker died, stalled or lease expired: lease_epoch + 1;
                                                    failed_attempts + 1; rq job pushed
     running            lose            failed      ...once failed_attempts reaches max_attempts; retention
-    failed|cancelled   resume          queued      spec replaced; failed_attempts = 0; TTLs removed; rq job pushed
+    failed|cancelled   resume          queued      spec replaced; failed_attempts = 0; `paused` cleared; TTLs removed;
+                                                   rq job pushed
     queued|finished    delete          -           every key of the job deleted (a queued one's rq job too)
     finished           (time)          -           Redis TTLs of MTQ_JOB_RETENTION_S expire every key
 

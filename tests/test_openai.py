@@ -213,8 +213,9 @@ def test_reinforcement_with_string_check_beats_lr0_control(stack, worker):
     loose = sdk(stack, strict=False)
     multi = loose.fine_tuning.jobs.create(model="tiny", training_file=file_id, method={
         "type": "reinforcement", "reinforcement": {"grader": {
-            "type": "multi", "name": "m", "calculate_output": "0.5 * a + 0.5 * max(a, 1 - a)",
-            "graders": {"a": ILIKE_Y}}, "hyperparameters": {"n_epochs": 1, "batch_size": 4, "max_completion_tokens": 8}}})
+            "type": "multi", "name": "m", "calculate_output": "0.5 * a + 0.5 * p",  # p: 1, when the sandbox runs it
+            "graders": {"a": ILIKE_Y, "p": {"type": "python", "name": "p", "source": "def grade(s, i):\n    return 1.0"}}},
+            "hyperparameters": {"n_epochs": 1, "batch_size": 4, "max_completion_tokens": 8}}})
     rewards = {}
     for j in (learned, control, multi):
         done = wait(loose, j.id)
