@@ -337,6 +337,14 @@ def adapter_of(name: str, rec: dict[bytes, bytes | None]) -> tuple[str, str] | N
 NAME_FIELDS = ("summary", "owner", "openai", "status")  # what adapter_of reads
 
 
+def fine_tuned_adapter(r, name: str) -> tuple[str, str] | None:
+    """(model_id, adapter_name) of a fine-tuned model's name (ft:...); None if it names none."""
+    job_id = job_id_of(name) if name.startswith("ft:") else None
+    if job_id is None or not job_id.isalnum():
+        return None
+    return adapter_of(name, dict(zip((f.encode() for f in NAME_FIELDS), r.hmget(job_key(job_id), NAME_FIELDS))))
+
+
 def organization(owner: str | None) -> str:
     return f"org-{owner or 'local'}"
 

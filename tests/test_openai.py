@@ -159,6 +159,9 @@ def test_supervised_and_dpo_jobs(stack, worker, tmp_path):
         direct = c.post("/admin/api/fine-tune/logprob", json={"model_id": "tiny", "adapter_name": adapter,
                                                                "prompt": "Colour?", "completion": "red"}).json()
         assert adapter.startswith("colours-") and by_name.json()["logprob"] == direct["logprob"]
+        archive = c.get(f"/admin/api/fine-tune/adapters/{sft.fine_tuned_model}/download")  # ... and the adapter routes
+        assert archive.status_code == 200 and archive.headers["content-type"] == "application/gzip"
+        assert c.get(f"/admin/api/fine-tune/adapters/{sft.fine_tuned_model}x/download").status_code == 404
         wrong = c.post("/admin/api/fine-tune/logprob", json={"model_id": sft.fine_tuned_model.replace("colours", "x"),
                                                               "prompt": "Colour?", "completion": "red"})
         assert wrong.status_code == 404
