@@ -441,15 +441,12 @@ def _all_events(r, job_id: str) -> list[tuple[str, dict]]:
 def checkpoints(r, job_id: str, rec: dict, ft: dict, kind_step: str, first_step: int, after: str | None,
                 limit: int) -> CheckpointPage:
     """The job's checkpoint events (and a succeeded job's last step), newest first, each with
-    the metrics of its step's event."""
+    the metrics of its step's event (an evaluation's val_* among them: steps_per_eval is an epoch)."""
     steps: dict[int, dict] = {}
     made: dict[int, int] = {}
     for stream_id, e in _all_events(r, job_id):
         if e.get("type") == kind_step:
             steps[e["iter"] + 1 - first_step] = _metrics({**e, "iter": e["iter"] + 1 - first_step})
-        elif e.get("type") == "eval":
-            steps.setdefault(e["iter"], {}).update({METRIC_NAMES.get(f"val_{k}", f"val_{k}"): v for k, v in e.items()
-                                                    if isinstance(v, (int, float)) and k != "iter"})
         elif e.get("type") == "checkpoint":
             made[e["step"]] = int(stream_id.split("-")[0]) // 1000
         elif e.get("type") == "done":

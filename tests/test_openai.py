@@ -108,7 +108,7 @@ def test_supervised_and_dpo_jobs(stack, worker, tmp_path):
     client = sdk(stack)
     sft_file, dpo_file = upload(client, SFT_ROWS).id, upload(client, DPO_ROWS).id
     # The deprecated top-level hyperparameters mean supervised.
-    sft = client.fine_tuning.jobs.create(model="tiny", training_file=sft_file, suffix="colours", seed=7,
+    sft = client.fine_tuning.jobs.create(model="tiny", training_file=sft_file, validation_file=sft_file, suffix="colours", seed=7,
                                          hyperparameters={"n_epochs": 2, "batch_size": 2}, metadata={"team": "a"})
     dpo = client.fine_tuning.jobs.create(model="tiny", training_file=dpo_file, metadata={"team": "b"}, method={
         "type": "dpo", "dpo": {"hyperparameters": {"beta": 0.2, "n_epochs": 1}}})
@@ -136,7 +136,7 @@ def test_supervised_and_dpo_jobs(stack, worker, tmp_path):
     # checkpoints: one per epoch (steps 2 and 4), newest first, with the step's metrics
     ckpts = client.fine_tuning.jobs.checkpoints.list(sft.id).data
     assert [c.step_number for c in ckpts] == [4, 2]
-    assert ckpts[0].metrics.train_loss is not None and ckpts[0].fine_tuned_model_checkpoint.startswith(sft.fine_tuned_model)
+    assert ckpts[0].metrics.train_loss is not None and ckpts[1].metrics.valid_loss is not None and ckpts[0].fine_tuned_model_checkpoint.startswith(sft.fine_tuned_model)
     # result_files: the metrics CSV
     results = client.files.retrieve(sft.result_files[0])
     assert results.purpose == "fine-tune-results"
