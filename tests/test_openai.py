@@ -136,7 +136,8 @@ def test_supervised_and_dpo_jobs(stack, worker, tmp_path):
     # checkpoints: one per epoch (steps 2 and 4), newest first, with the step's metrics
     ckpts = client.fine_tuning.jobs.checkpoints.list(sft.id).data
     assert [c.step_number for c in ckpts] == [4, 2]
-    assert ckpts[0].metrics.train_loss is not None and ckpts[1].metrics.valid_loss is not None and ckpts[0].fine_tuned_model_checkpoint.startswith(sft.fine_tuned_model)
+    assert ckpts[0].metrics.train_loss is not None and ckpts[1].metrics.valid_loss is not None
+    assert ckpts[0].fine_tuned_model_checkpoint.startswith(sft.fine_tuned_model)
     # result_files: the metrics CSV
     results = client.files.retrieve(sft.result_files[0])
     assert results.purpose == "fine-tune-results"
@@ -226,6 +227,8 @@ def test_reinforcement_with_string_check_beats_lr0_control(stack, worker):
         steps = [e.data for e in loose.fine_tuning.jobs.list_events(j.id, limit=1000).data if e.type == "metrics"]
         rewards[j.id] = [s["reward"] for s in sorted(steps, key=lambda s: s["step"])]
     mean = lambda r: sum(r) / len(r)  # noqa: E731
+    for name, j in (("learned", learned), ("lr-0 control", control)):
+        print(f"\nreward per step, {name}: " + " ".join(f"{r:.3f}" for r in rewards[j.id]) + f" (mean {mean(rewards[j.id]):.3f})")
     assert rewards[learned.id][0] == rewards[control.id][0]  # the same first step: same seed, same model
     assert mean(rewards[learned.id]) > mean(rewards[control.id]) + 0.2, rewards
     assert all(0.5 <= r <= 1.0 for r in rewards[multi.id])
@@ -322,3 +325,39 @@ def test_score_model_grader_is_a_reward_model(stack, worker):
     assert done.status == "succeeded", done.error
     rewards = [e.data["reward"] for e in client.fine_tuning.jobs.list_events(job.id).data if e.type == "metrics"]
     assert rewards and all(-2 < r < 3 for r in rewards)
+
+
+def test_python_graders_are_off_unless_the_operator_turns_them_on(stack, tmp_path):
+    """Without MTQ_PYTHON_GRADERS=1 the API refuses a python grader (graders/run, validate, a
+    job), and so does a worker's scorer."""
+    import httpx
+
+    from conftest import free_port
+    from shared.reward_specs import GraderReward
+    from worker.rewards.batch import RewardError
+    from worker.rewards.scorer import RewardScorer
+
+    port = free_port()
+    api = stack.spawn("api-off", "api", env={**stack.env, "MTQ_PYTHON_GRADERS": "0", "MTQ_API_PORT": str(port)})
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 30, "the second API")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0)
+        grader = {"type": "python", "name": "p", "source": "def grade(s, i):\n    return 1.0"}
+        for call in (lambda: run_grader(client, grader, "x"),
+                     lambda: client.fine_tuning.alpha.graders.validate(grader=grader),
+                     lambda: client.fine_tuning.jobs.create(model="tiny", training_file=upload(client, RFT_ROWS).id, method={
+                         "type": "reinforcement", "reinforcement": {"grader": grader}})):
+            with pytest.raises(openai.BadRequestError, match="MTQ_PYTHON_GRADERS"):
+                call()
+    finally:
+        stack.stop_proc(api)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MTQ_PYTHON_GRADERS", raising=False)
+        with pytest.raises(RewardError, match="MTQ_PYTHON_GRADERS"):
+            RewardScorer([GraderReward(grader=grader)], "job")

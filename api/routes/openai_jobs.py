@@ -55,7 +55,8 @@ def _answer(r, job_id: str) -> FineTuningJob:
 @router.post("", response_model=FineTuningJob, summary="Create a fine-tuning job (supervised, dpo or reinforcement)")
 def create(body: JobCreateRequest, r: RedisDep, settings: SettingsDep, who: WriterDep) -> FineTuningJob:
     method = body.resolved_method()
-    if method.type == "reinforcement" and graders.uses_python(method.reinforcement.grader) and not grader_sandbox.enabled():  # type: ignore[union-attr]
+    grader = method.reinforcement.grader if method.reinforcement is not None else None
+    if grader is not None and graders.uses_python(grader) and not grader_sandbox.enabled():
         raise OpenAIError(400, "python graders are off on this server (the operator sets MTQ_PYTHON_GRADERS=1)",
                           "method.reinforcement.grader")
     try:
