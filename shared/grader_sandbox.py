@@ -59,12 +59,15 @@ def wall_s() -> float:
 
 def _limits() -> None:
     cpu = max(1, int(wall_s()))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_BYTES, FILE_BYTES))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    limits = [(resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, MEMORY_BYTES), (resource.RLIMIT_FSIZE, FILE_BYTES),
+              (resource.RLIMIT_NOFILE, 64)]
     if os.geteuid() != 0:  # root ignores RLIMIT_NPROC; the audit hook refuses new processes anyway
-        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+        limits.append((resource.RLIMIT_NPROC, 0))
+    for which, value in limits:
+        try:
+            resource.setrlimit(which, (value, value))
+        except (ValueError, OSError):  # macOS refuses to lower RLIMIT_AS; the wall time still bounds the child
+            pass
 
 
 def run_grader(source: str, sample: dict, item: dict) -> tuple[float, str | None]:

@@ -284,6 +284,8 @@ def test_graders_run(stack):
     ("def grade(s, i):\n    open('/tmp/mtq-grader-escape', 'w').write('x')\n    return 1.0", "inside its directory"),
     ("def grade(s, i):\n    while True:\n        pass", "time limit"),
     ("def grade(s, i):\n    raise ValueError('no')", "ValueError"),
+    ("def grade(s, i):\n    return len(bytearray(2 << 30))", "MemoryError"),
+    ("import subprocess\ndef grade(s, i):\n    return float(subprocess.run(['true']).returncode)", "not allowed"),
 ])
 def test_python_grader_sandbox(stack, source, why):
     got = run_grader(sdk(stack, strict=False), {"type": "python", "name": "p", "source": source}, "x")
