@@ -169,6 +169,11 @@ def test_supervised_and_dpo_jobs(stack, worker, tmp_path):
     with pytest.raises(openai.ConflictError) as e:  # a succeeded job cannot be cancelled; the SDK does not retry
         client.fine_tuning.jobs.cancel(sft.id)
     assert e.value.response.headers["x-should-retry"] == "false"
+    # A record this version cannot read (another version's, say) is a 409; it does not break the list.
+    stack.redis.hset(f"mtq:job:{dpo.id.removeprefix('ftjob-')}", "spec", "{}")
+    with pytest.raises(openai.ConflictError, match="cannot be loaded"):
+        client.fine_tuning.jobs.retrieve(dpo.id)
+    assert sft.id in [j.id for j in client.fine_tuning.jobs.list()]
 
 
 def test_pause_resume_continues_from_checkpoint(stack, worker):

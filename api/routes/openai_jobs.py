@@ -30,7 +30,7 @@ from shared import grader_sandbox, graders, jobstore, lifecycle, openai_jobs
 from shared.events import append_event
 from shared.keys import JOBS_INDEX, job_key
 from shared.kinds import KINDS, of_record
-from shared.openai_jobs import CheckpointPage, FineTuningJob, JobCreateRequest, Page
+from shared.openai_jobs import JOB_PREFIX, CheckpointPage, FineTuningJob, JobCreateRequest, Page
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["OpenAI: fine-tuning jobs"],
                    dependencies=[Depends(require_token)], route_class=OpenAIRoute, responses=ERRORS)
@@ -47,9 +47,17 @@ def _found(r, openai_id: str, who: Principal) -> tuple[str, dict, dict]:
     return job_id, *found
 
 
+def _job(job_id: str, rec: dict, ft: dict) -> FineTuningJob:
+    try:
+        return openai_jobs.to_job(job_id, rec, ft)
+    except (ValueError, KeyError) as e:  # a record this version cannot read (another version's)
+        raise OpenAIError(409, f"job {JOB_PREFIX}{job_id}: stored record cannot be loaded: {type(e).__name__}",
+                          "fine_tuning_job_id") from None
+
+
 def _answer(r, job_id: str) -> FineTuningJob:
     rec, ft = openai_jobs.openai_record(r, job_id)  # type: ignore[misc]
-    return openai_jobs.to_job(job_id, rec, ft)
+    return _job(job_id, rec, ft)
 
 
 @router.post("", response_model=FineTuningJob, summary="Create a fine-tuning job (supervised, dpo or reinforcement)")
@@ -105,14 +113,17 @@ def list_jobs(request: Request, r: RedisDep, who: PrincipalDep, after: AfterQuer
             if len(data) == limit:
                 return Page(data=data, has_more=True)
             found = openai_jobs.openai_record(r, job_id)
-            if found is not None:  # not deleted meanwhile
-                data.append(openai_jobs.to_job(job_id, *found))
+            try:
+                if found is not None:  # not deleted meanwhile
+                    data.append(openai_jobs.to_job(job_id, *found))
+            except (ValueError, KeyError):  # a record this version cannot read: one must not break the list
+                continue
     return Page(data=data, has_more=False)
 
 
 @router.get("/{job_id}", response_model=FineTuningJob, summary="Get a fine-tuning job")
 def retrieve(job_id: str, r: RedisDep, who: PrincipalDep) -> FineTuningJob:
-    return openai_jobs.to_job(*_found(r, job_id, who))
+    return _job(*_found(r, job_id, who))
 
 
 def _conflict(openai_id: str, rec: dict, what: str) -> OpenAIError:
