@@ -1,0 +1,110 @@
+"""One job across several workers (docs/distributed.md): gang scheduling and data-parallel
+training over mx.distributed's ring backend, with real worker processes over loopback on the
+CPU. This machine has 2 cores and ring's socket threads busy-poll, so the gangs here have two
+ranks; the 3-worker test checks the waiting and its count, not a 3-rank run.
+
+A gang's step must be the step of one worker for the same global batch: the losses and the
+adapter agree to within the reduction-order tolerance measured here (TOLERANCE)."""
+
+import io
+import signal
+import tarfile
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from conftest import Stack, running, wait_for
+
+SFT = "/admin/api/fine-tune/jobs"
+GRPO = "/admin/api/fine-tune/grpo/jobs"
+ROWS = [{"prompt": f"Q{i}?", "completion": c} for i, c in enumerate(
+    ["red apple", "blue river and sea", "green", "a yellow sun over hills", "black cat", "white snow falls"])]
+SFT_CONFIG = dict(lora_layers=-1, lora_rank=8, lora_alpha=4, learning_rate=1e-2, batch_size=4, iters=4,
+                  steps_per_report=1, steps_per_save=2, seed=3)
+# Relative (Euclidean norm) differences allowed between a gang's result and one worker's: the
+# sums' order differs. Measured on this machine (printed by the tests): losses ~1e-6; the adapter
+# after 4 Adam steps ~1.4e-4 (Adam's m / sqrt(v) turns a near-zero gradient's rounding into a step).
+LOSS_TOLERANCE, ADAPTER_TOLERANCE = 1e-5, 1e-3
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    s = Stack(tmp_path_factory.mktemp("gang"), tiny_model)
+    s.env.update(MTQ_LEASE_TTL="2", MTQ_GANG_JOIN_S="60")
+    yield from running(s)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with stack.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def pair(stack):
+    """Two workers: a gang of two, or two solo jobs."""
+    procs = [stack.start_worker("--name", name) for name in ("gang-a", "gang-b")]
+    yield procs
+    for p in procs:
+        stack.stop_proc(p)
+
+
+def submit(client, path: str, body: dict) -> str:
+    res = client.post(path, json=body)
+    assert res.status_code == 200, res.text
+    return res.json()["job_id"]
+
+
+def wait_done(stack, client, path: str, job_id: str, timeout: float = 300) -> dict:
+    def done():
+        job = client.get(f"{path}/{job_id}").json()
+        return job if job["status"] in ("completed", "failed", "cancelled") else None
+    try:
+        job = wait_for(done, timeout, f"job {job_id}", interval=0.2)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}\n{stack.logs('worker')}") from None
+    assert job["status"] == "completed", f"{job['error']}\n{stack.logs('worker')}"
+    return job
+
+
+def step_losses(stack, job_id: str, kind: str) -> list[float]:
+    return [e["loss"] for _, e in stack.events(job_id) if e["type"] == f"{kind}_step"]
+
+
+def adapter(client, adapter_name: str) -> dict[str, np.ndarray]:
+    res = client.get(f"/admin/api/fine-tune/adapters/tiny/{adapter_name}/download")
+    assert res.status_code == 200, res.text
+    with tarfile.open(fileobj=io.BytesIO(res.content)) as tar:
+        blob = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("adapters.safetensors"))).read()
+    return safetensors.numpy.load(blob)
+
+
+def rel_diff(a, b) -> float:
+    """|a - b| / |b| (Euclidean norms)."""
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def adapter_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return rel_diff(np.concatenate([a[k].ravel() for k in sorted(a)]), np.concatenate([b[k].ravel() for k in sorted(b)]))
+
+
+def test_sft_on_a_gang_of_two_equals_one_worker(stack, client, pair):
+    body = {"model_id": "tiny", "dataset": ROWS}
+    solo = submit(client, SFT, {**body, "adapter_name": "sft-solo", "config": SFT_CONFIG})
+    wait_done(stack, client, SFT, solo)
+    gang = submit(client, SFT, {**body, "adapter_name": "sft-gang", "config": {**SFT_CONFIG, "workers": 2}})
+    job = wait_done(stack, client, SFT, gang)
+    started = [e for _, e in stack.events(gang) if e["type"] == "started"]
+    assert [e.get("rank") for e in started] == [0] and started[0]["gang_size"] == 2
+    a, b = step_losses(stack, gang, "sft"), step_losses(stack, solo, "sft")
+    assert len(a) == len(b) == SFT_CONFIG["iters"]
+    loss_diff = rel_diff(a, b)
+    weight_diff = adapter_diff(adapter(client, "sft-gang"), adapter(client, "sft-solo"))
+    print(f"\nSFT gang of 2 vs 1 worker: losses {a} vs {b}; max relative difference: losses {loss_diff:.2e}, "
+          f"adapter {weight_diff:.2e}")
+    assert b[0] != b[-1]  # it learned: the comparison is not of constants
+    assert loss_diff < LOSS_TOLERANCE and weight_diff < ADAPTER_TOLERANCE
+    assert job["worker"] in ("gang-a", "gang-b")
