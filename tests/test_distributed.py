@@ -7,8 +7,11 @@ A gang's step must be the step of one worker for the same global batch: the loss
 adapter agree to within the reduction-order tolerance measured here (TOLERANCE)."""
 
 import io
+import os
 import signal
 import tarfile
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,3 +111,44 @@ def test_sft_on_a_gang_of_two_equals_one_worker(stack, client, pair):
     assert b[0] != b[-1]  # it learned: the comparison is not of constants
     assert loss_diff < LOSS_TOLERANCE and weight_diff < ADAPTER_TOLERANCE
     assert job["worker"] in ("gang-a", "gang-b")
+
+
+def training_pid(supervisor_pid: int) -> int | None:
+    """The training process of a worker (its supervisor's multiprocessing child), if running."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == supervisor_pid and b"spawn_main" in cmdline:
+            return int(stat.parent.name)
+    return None
+
+
+def test_a_killed_or_stopped_rank_ends_the_gangs_attempt_and_the_job_resumes_on_a_new_gang(stack, client, pair):
+    iters = 16
+    config = {**SFT_CONFIG, "workers": 2, "iters": iters, "steps_per_save": 2, "stall_timeout_s": 4, "max_attempts": 3}
+    job_id = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "sft-chaos", "config": config})
+    by_name = dict(zip(("gang-a", "gang-b"), pair))
+
+    def at_step(n):
+        return lambda: (j := client.get(f"{SFT}/{job_id}").json())["status"] == "running" and \
+            (j["progress"] or {}).get("iter", 0) >= n and j
+    for n, sig in ((3, signal.SIGKILL), (9, signal.SIGSTOP)):
+        job = wait_for(at_step(n), 120, f"step {n} on a gang")
+        leader = job["worker"]
+        member = next(name for name in by_name if name != leader)
+        victim, other = training_pid(by_name[member].pid), training_pid(by_name[leader].pid)
+        os.kill(victim, sig)  # rank 1's training process
+        t0 = time.monotonic()
+        wait_for(lambda: training_pid(by_name[leader].pid) != other, 30, "the other rank's process to be ended")
+        print(f"\n{sig.name} of rank 1: rank 0's training process ended after {time.monotonic() - t0:.1f}s")
+    job = wait_done(stack, client, SFT, job_id)
+    requeued = [e for _, e in stack.events(job_id) if e["type"] == "requeued"]
+    assert [e["counted"] for e in requeued] == [True, True], requeued
+    assert job["failed_attempts"] == 2
+    resumed = [e["from_step"] for _, e in stack.events(job_id) if e["type"] == "resumed"]
+    assert len(resumed) == 2 and all(step >= 2 for step in resumed), resumed
+    history = client.get(f"{SFT}/{job_id}/history").json()["history"]
+    assert [h["step"] for h in history] == list(range(1, iters + 1))
