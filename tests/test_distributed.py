@@ -7,6 +7,7 @@ A gang's step must be the step of one worker for the same global batch: the loss
 adapter agree to within the reduction-order tolerance measured here (TOLERANCE)."""
 
 import io
+import json
 import os
 import signal
 import tarfile
@@ -152,3 +153,24 @@ def test_a_killed_or_stopped_rank_ends_the_gangs_attempt_and_the_job_resumes_on_
     assert len(resumed) == 2 and all(step >= 2 for step in resumed), resumed
     history = client.get(f"{SFT}/{job_id}/history").json()["history"]
     assert [h["step"] for h in history] == list(range(1, iters + 1))
+
+
+def test_a_gang_of_three_waits_on_two_workers_naming_what_it_lacks_and_starts_when_a_third_joins(stack, client, pair):
+    config = {**SFT_CONFIG, "workers": 3, "iters": 2}
+    job_id = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "sft-three", "config": config})
+    waiting = wait_for(lambda: client.get(f"{SFT}/{job_id}").json()["waiting_for_worker"], 20, "waiting_for_worker")
+    assert "needs 3 free workers" in waiting and "has 2 (gang-a, gang-b)" in waiting, waiting
+    time.sleep(3)  # the two workers keep taking it and putting it back: never started
+    job = client.get(f"{SFT}/{job_id}").json()
+    assert job["status"] == "queued" and job["started_at"] == 0.0, job
+    # Routed so from its creation on: each retry is silent (an event only when what it waits for changes).
+    assert not [e for _, e in stack.events(job_id) if e["type"] in ("waiting", "rerouted")]
+    third = stack.start_worker("--name", "gang-c")
+    try:
+        t0 = time.monotonic()
+        job = wait_done(stack, client, SFT, job_id, timeout=120)
+        print(f"\na gang of three ran {config['iters']} steps in {time.monotonic() - t0:.1f}s after the third worker joined")
+        assert sorted(json.loads(stack.redis.hget(f"mtq:job:{job_id}", "gang"))) == ["gang-a", "gang-b", "gang-c"]
+        assert job["failed_attempts"] == 0 and len(step_losses(stack, job_id, "sft")) == config["iters"]
+    finally:
+        stack.stop_proc(third)
