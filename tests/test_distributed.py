@@ -114,6 +114,33 @@ def test_sft_on_a_gang_of_two_equals_one_worker(stack, client, pair):
     assert job["worker"] in ("gang-a", "gang-b")
 
 
+PROMPTS = ["Tell me", "A long prompt about rivers and seas", "Why", "Count to three please"]
+GRPO_CONFIG = dict(batch_size=4, group_size=2, max_completion_len=8, iters=3, learning_rate=5e-3, lora_layers=-1,
+                   lora_alpha=4, scale_rewards="batch", seed=5, checkpoint_every=2)
+
+
+def test_grpo_on_a_gang_of_two_equals_one_worker(stack, client, pair):
+    """Each rank samples and scores every other prompt's group, padded and drawn as in the whole
+    batch; scale_rewards "batch" needs every rank's rewards, the loss every rank's tokens."""
+    body = {"model_id": "tiny", "prompts": PROMPTS}
+    solo = submit(client, GRPO, {**body, "adapter_name": "grpo-solo", "config": GRPO_CONFIG})
+    wait_done(stack, client, GRPO, solo)
+    gang = submit(client, GRPO, {**body, "adapter_name": "grpo-gang", "config": {**GRPO_CONFIG, "workers": 2}})
+    wait_done(stack, client, GRPO, gang)
+    steps = {j: [e for _, e in stack.events(j) if e["type"] == "grpo_step"] for j in (solo, gang)}
+    a, b = ([e["loss"] for e in steps[j]] for j in (gang, solo))
+    assert len(a) == len(b) == GRPO_CONFIG["iters"]
+    rewards, norms = ([[e[k] for e in steps[j]] for j in (gang, solo)] for k in ("reward", "grad_norm"))
+    # On-policy GRPO's loss is the mean of normalised advantages, 0 up to rounding: compared
+    # absolutely; the gradient's norm, which every rank's rows make, relatively.
+    loss_diff = float(np.max(np.abs(np.subtract(a, b))))
+    norm_diff, weight_diff = rel_diff(*norms), adapter_diff(adapter(client, "grpo-gang"), adapter(client, "grpo-solo"))
+    print(f"\nGRPO gang of 2 vs 1 worker: rewards {rewards[0]} vs {rewards[1]}; grad norms {norms[0]} vs {norms[1]}; "
+          f"differences: losses {loss_diff:.1e} (absolute), grad norms {norm_diff:.2e}, adapter {weight_diff:.2e}")
+    assert rewards[0] == rewards[1]  # the same completions were sampled
+    assert loss_diff < 1e-6 and norm_diff < LOSS_TOLERANCE and weight_diff < ADAPTER_TOLERANCE
+
+
 def training_pid(supervisor_pid: int) -> int | None:
     """The training process of a worker (its supervisor's multiprocessing child), if running."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
