@@ -322,6 +322,7 @@ class Supervisor(SimpleWorker):
             reason = f"worker {self.name} is claimed by the gang of job {claimed}"
             rq_job_id = self._running[0].id
             retrying(lambda: lifecycle.reroute(self.connection, job_id, rq_job_id, reason), "reroute")
+            time.sleep(GANG_RETRY_S)  # not at once again, should the job come back here
             return f"not started: {reason}"
         if spec is not None and spec.config.workers > 1:
             return self.lead_gang(job_id, kinds.of_record(kind).name, spec)
