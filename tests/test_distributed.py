@@ -40,12 +40,6 @@ def stack(tmp_path_factory, tiny_model):
 
 
 @pytest.fixture(scope="module")
-def client(stack):
-    with stack.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def pair(stack):
     """Two workers: a gang of two, or two solo jobs."""
     procs = [stack.start_worker("--name", name) for name in ("gang-a", "gang-b")]
@@ -61,13 +55,7 @@ def submit(client, path: str, body: dict) -> str:
 
 
 def wait_done(stack, client, path: str, job_id: str, timeout: float = 300) -> dict:
-    def done():
-        job = client.get(f"{path}/{job_id}").json()
-        return job if job["status"] in ("completed", "failed", "cancelled") else None
-    try:
-        job = wait_for(done, timeout, f"job {job_id}", interval=0.2)
-    except TimeoutError as e:
-        raise TimeoutError(f"{e}\n{stack.logs('worker')}") from None
+    job = stack.wait_job(job_id, timeout=timeout, path=path)
     assert job["status"] == "completed", f"{job['error']}\n{stack.logs('worker')}"
     return job
 
