@@ -143,7 +143,7 @@ def training_pid(supervisor_pid: int) -> int | None:
 
 
 def test_a_killed_or_stopped_rank_ends_the_gangs_attempt_and_the_job_resumes_on_a_new_gang(stack, client, pair):
-    iters = 16
+    iters = 12
     config = {**SFT_CONFIG, "workers": 2, "iters": iters, "steps_per_save": 2, "stall_timeout_s": 4, "max_attempts": 3}
     job_id = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "sft-chaos", "config": config})
     by_name = dict(zip(("gang-a", "gang-b"), pair))
@@ -177,7 +177,7 @@ def test_a_gang_of_three_waits_on_two_workers_naming_what_it_lacks_and_starts_wh
     assert "needs 3 free workers" in waiting and "has 2 (gang-a, gang-b)" in waiting, waiting
     time.sleep(3)  # the two workers keep taking it and putting it back: never started
     job = client.get(f"{SFT}/{job_id}").json()
-    assert job["status"] == "queued" and job["started_at"] == 0.0, job
+    assert job["status"] == "queued" and not job["started_at"], job
     # Routed so from its creation on: each retry is silent (an event only when what it waits for changes).
     assert not [e for _, e in stack.events(job_id) if e["type"] in ("waiting", "rerouted")]
     third = stack.start_worker("--name", "gang-c")

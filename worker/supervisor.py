@@ -421,7 +421,7 @@ class Supervisor(SimpleWorker):
 
     def watch(self, lease: Lease, stall_timeout_s: float, gang: tuple[int, list[list[str]]] | None = None) -> str:
         t = self.training
-        if gang is not None:  # MLX joins one group per process: a fresh one, for this attempt's
+        if t.in_gang:  # MLX joins one group per process: one that has joined one never serves again
             t.kill()
         if not t.alive():
             t.start()
