@@ -14,8 +14,8 @@ any job's, by one worker: the leader, its rank 0 (worker/supervisor.py Superviso
     ranks     a rank job (worker.jobs.run_rank: job, E, rank, hostfile) on each member's own
               queue, which it serves first; it runs its part under epoch E, watched by its own
               supervisor as any job (death, stall, lease)
-    join      every rank's training process (a fresh one: MLX forms one group per process)
-              joins the ring group of the hostfile (the members' advertised addresses, by
+    join      every rank's training process (one that never joined a group: MLX forms one per
+              process, so it is replaced after the attempt) joins the ring group of the hostfile (the members' advertised addresses, by
               rank) within MTQ_GANG_JOIN_S
 
 Any rank's death or stall ends the attempt for all: its supervisor loses the job (epoch E + 1,

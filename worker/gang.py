@@ -9,7 +9,7 @@ weighted by its share of the normaliser, so the gradients, the loss and its stat
 summed across ranks after that weighting (`sum_tree`, in buckets as mlx_lm's average_gradients).
 
 The ring backend (TCP; every platform) forms from MLX_RANK and MLX_HOSTFILE, once per process:
-a rank's training process is a fresh one for every attempt (worker/supervisor.py).
+a process that joined one is replaced after its attempt (worker/supervisor.py).
 """
 
 import json

@@ -20,9 +20,10 @@ While a job runs, the supervisor's main thread watches (Supervisor.watch):
   or it was cancelled)                             killed after LEASE_LOST_GRACE_S (a gang's rank: at once,
                                                    a collective cannot be left)
 
-A gang job (shared/gangs.py) runs as one rank per worker, each in a fresh training process
-watched as above; the worker that took its rq job leads (rank 0, `lead_gang`), the others run
-the rank jobs it pushes on their own queues (`run_rank`).
+A gang job (shared/gangs.py) runs as one rank per worker, each in a training process watched
+as above that has never joined a group (MLX forms one per process: after a gang's attempt the
+process is replaced); the worker that took its rq job leads (rank 0, `lead_gang`), the others
+run the rank jobs it pushes on their own queues (`run_rank`).
 """
 
 import ctypes
