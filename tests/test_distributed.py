@@ -32,6 +32,43 @@ SFT_CONFIG = dict(lora_layers=-1, lora_rank=8, lora_alpha=4, learning_rate=1e-2,
 LOSS_TOLERANCE, ADAPTER_TOLERANCE = 1e-5, 1e-3
 
 
+def advertisement(name: str, **more) -> dict:
+    return {"name": name, "models": [{"model_id": "tiny"}], "lanes": ["default"], "memory_gb": 8.0, "device": "cpu",
+            "gang_address": f"127.0.0.1:{5000 + len(name)}", "current_job": None, **more}
+
+
+def test_a_gang_job_counts_the_free_workers_that_can_run_it_and_its_leader_picks_them():
+    from shared import gangs, routing
+    from shared.train_specs import SFTJobCreate
+
+    spec = SFTJobCreate(model_id="tiny", dataset=ROWS, config={**SFT_CONFIG, "workers": 2})
+    live = [advertisement("a"), advertisement("b", current_job="j1"), advertisement("c", gang_address=None),
+            advertisement("d", models=[{"model_id": "other"}])]
+    busy = routing.route("sft", spec, live, finished=lambda job_id: False)
+    assert busy.waiting_for_worker == ("needs 2 free workers that can run it at once (config.workers); "
+                                       "has 1 (a) of 3 live that can run it")
+    assert gangs.pick("a", list(busy.free), 2) is None
+    done = routing.route("sft", spec, live, finished=lambda job_id: True)  # b's job has ended meanwhile
+    assert done.waiting_for_worker is None and not done.queue.startswith("default@worker:")  # no warm own queue
+    assert [w["name"] for w in gangs.pick("b", list(done.free), 2)] == ["b", "a"]  # the leader is rank 0
+    gpu = [advertisement("a"), advertisement("b", device="gpu")]
+    assert gangs.pick("a", list(routing.route("sft", spec, gpu).free), 2) is None  # one device kind per gang
+    assert gangs.hostfile([advertisement("a"), advertisement("bb")]) == [["127.0.0.1:5001"], ["127.0.0.1:5002"]]
+
+
+def test_workers_is_bounded_and_refused_where_a_gang_would_change_the_loss():
+    from pydantic import ValidationError
+
+    from shared.schemas import MAX_GANG, GRPOConfig
+    from shared.train_specs import DPOConfig, KTOConfig, ORPOConfig, SFTConfig
+
+    assert SFTConfig().workers == GRPOConfig().workers == 1 and DPOConfig(workers=2).workers == 2
+    for bad in (lambda: SFTConfig(workers=5, batch_size=4), lambda: GRPOConfig(workers=MAX_GANG + 1, batch_size=64),
+                lambda: SFTConfig(workers=0), lambda: KTOConfig(workers=2), lambda: ORPOConfig(workers=2)):
+        with pytest.raises(ValidationError):
+            bad()
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model):
     s = Stack(tmp_path_factory.mktemp("gang"), tiny_model)
