@@ -43,6 +43,13 @@ One step (= one `iter` of the job config), GRPOTrainer.step, in four phases:
      betas adam_beta1/adam_beta2, eps adam_epsilon), gradients clipped to max_grad_norm:
          m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  theta *= 1 - lr * weight_decay
          theta -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
+
+On a gang of N workers (config.workers, worker/gang.py) each rank runs the four phases on every
+N-th of the step's B prompts with their groups: it pads them to the whole step's width and
+draws each row's random numbers as that row of the whole batch would (so it samples what one
+worker would), sums every rank's rewards into the whole (B, G) before the advantages, and sums
+the loss, its statistics and gradients (normalised by the whole step's B*G and tokens) before
+clipping: the update is one worker's for the same B prompts.
 """
 
 import math
