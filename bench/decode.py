@@ -15,6 +15,8 @@ every row decodes --tokens tokens):
 
   ms/pos    wall time to generate --tokens tokens for all rows, divided by --tokens (prompt
             prefill included, as in a GRPO step); median of --reps after one warm-up run
+  host      ours only: the part of ms/pos the host spends in the decode steps' calls and in
+            mx.async_eval (building the graph, encoding its kernels); near ms/pos: host-bound
   prims     MLX primitives in one decode step's graph (mx.export_to_dot of the step's outputs
             with its inputs evaluated; views such as Reshape and Transpose included): what
             the device evaluates per decode position. Ours: the compiled step's graph
@@ -149,16 +151,30 @@ def ours_counts(S, model, prompts, group_size, queries) -> collections.Counter:
     raise RuntimeError("sample() made fewer than two decode steps")
 
 
-def ours_time(S, model, prompts, group_size, queries, tokens, reps) -> list[float]:
+def ours_time(S, model, prompts, group_size, queries, tokens, reps) -> tuple[list[float], list[float]]:
+    """Wall times of sample(), and the host's share of each: the seconds spent in the decode
+    steps' calls (mx.compile's replay, building the step's graph) and in handing them to the
+    device (mx.async_eval, which encodes every kernel). Close to the wall time: host-bound."""
     p = S.SamplingParams(max_tokens=tokens, temperature=1.0)
     step = make_step(S, model, p, queries)
-    times = []
-    for i in range(reps + 1):  # the first run compiles
+    host = [0.0]
+
+    def timed(*args):
         t0 = time.perf_counter()
-        samples = S.sample(model, step, prompts, group_size, p, [], mx.random.key(i))
+        out = step(*args)
+        mx.async_eval(out)  # sample() then async_evals a part of it: already scheduled, no-op
+        host[0] += time.perf_counter() - t0
+        return out
+
+    times, hosts = [], []
+    for i in range(reps + 1):  # the first run compiles
+        host[0] = 0.0
+        t0 = time.perf_counter()
+        samples = S.sample(model, timed, prompts, group_size, p, [], mx.random.key(i))
         times.append(time.perf_counter() - t0)
+        hosts.append(host[0])
         assert samples.steps == tokens
-    return times[1:]
+    return times[1:], hosts[1:]
 
 
 def left_padded(rows):
@@ -241,7 +257,7 @@ def main():
           f"{len(model.layers)} layers, {args.tokens} tokens per row", flush=True)
     records = []
 
-    def record(name, rows, counter, gpu_counter, times):
+    def record(name, rows, counter, gpu_counter, times, hosts=None):
         rec = {"decoder": name, "rows": rows, "tokens": args.tokens, "device": str(mx.default_device()),
                "primitives": count(counter), "primitives_by_type": dict(counter.most_common())}
         if gpu_counter is not None:
@@ -250,9 +266,12 @@ def main():
         if times:
             rec["ms_per_position"] = round(1000 * statistics.median(times) / args.tokens, 3)
             rec["seconds"] = [round(t, 4) for t in times]
+        if hosts:
+            rec["host_ms_per_position"] = round(1000 * statistics.median(hosts) / args.tokens, 3)
         records.append(rec)
         gpu = f" gpu {rec['primitives_gpu']:5d}" if gpu_counter is not None else ""
         ms = f" {rec['ms_per_position']:8.2f} ms/pos" if times else ""
+        ms += f" (host {rec['host_ms_per_position']:.2f})" if hosts else ""
         print(f"  {name:40s} rows {rows:3d}  prims {rec['primitives']:5d}{gpu}{ms}", flush=True)
         return rec
 
@@ -273,9 +292,9 @@ def main():
             has_queries = "queries" in inspect.signature(S.make_decode_step).parameters
             for q in args.queries if has_queries else [None]:
                 counts = both(lambda: ours_counts(S, model, prompts, G, q))
-                times = None if args.count_only else ours_time(S, model, prompts, G, q, args.tokens, args.reps)
+                times = (None, None) if args.count_only else ours_time(S, model, prompts, G, q, args.tokens, args.reps)
                 label = f"ours {Path(name).name if len(versions) == 1 else name}" + (f" queries={q}" if q else "")
-                ours.append(record(label, R, *counts, times))
+                ours.append(record(label, R, *counts, *times))
         counts = both(lambda: batch_counts(model, rows))
         batch = record("mlx_lm batch_generate", R, *counts,
                        None if args.count_only else batch_time(model, tokenizer, rows, args.tokens, args.reps))

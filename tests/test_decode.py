@@ -108,3 +108,5 @@ def test_bench_decode_runs_and_counts(tiny_model, tmp_path):
         "ours sampling.py queries=1", "ours sampling.py queries=2", "mlx_lm batch_generate", "mlx_lm generate_step (1 row)"]
     for r in records:
         assert r["ms_per_position"] > 0 and 0 < r["primitives_gpu"] < r["primitives"]
+        if r["decoder"].startswith("ours"):
+            assert 0 < r["host_ms_per_position"] <= r["ms_per_position"]

@@ -9,12 +9,13 @@ chunk of tokens (all finished? cancelled?).
 
 On a GPU a decode step costs about its number of MLX primitives (host work per primitive,
 not arithmetic), so the step keeps that number down: what all layers share (positions,
-mask, write slot) is computed once (`Slots`), and on CUDA each row feeds its token twice
-so that MLX fuses the masked attention (`fused_queries`). bench/decode.py counts them.
+mask, write slot) is computed once (`Slots`), and on CUDA the attention sees each row's
+query twice so that MLX fuses it (`fused_queries`). bench/decode.py counts them.
 
 The prompt of each group is prefilled once and its cache repeated group_size times.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -58,8 +59,6 @@ class StaticKVCache:
             self.keys = mx.zeros((rows, heads, self.capacity, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((rows, heads, self.capacity, values.shape[3]), values.dtype)
         if self.slots.one is not None:
-            if keys.shape[2] > 1:  # a decode step's second query (make_decode_step): not written
-                keys, values = keys[:, :, :1], values[:, :, :1]
             # A select, not slice_update: one kernel, a pure op inside mx.compile (slice_update
             # copies the buffer unless it can donate it, then computes the offset, then writes).
             self.keys = mx.where(self.slots.one, keys.astype(self.keys.dtype), self.keys)
@@ -174,23 +173,43 @@ def fused_queries(keys: mx.array) -> int:
     return 2 if cuda and keys.dtype in (mx.float16, mx.bfloat16) and d % 8 == 0 and d <= 128 else 1
 
 
+@contextlib.contextmanager
+def attention_queries(queries: int):
+    """While a decode step is traced: mx.fast.scaled_dot_product_attention, given one query
+    per row and an array mask, attends with that query repeated `queries` times and keeps
+    the first output. The copies see the same keys under the same mask, so the result is
+    that of one query; they are there only for MLX to fuse the attention (fused_queries).
+    Only the attention sees them: projections, norms and RoPE run on one token per row."""
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def repeated(q, k, v, *, scale, mask=None, sinks=None):
+        if q.shape[2] == 1 and isinstance(mask, mx.array):
+            q = mx.concatenate([q] * queries, axis=2)
+            return sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks)[:, :, :1]
+        return sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+    mx.fast.scaled_dot_product_attention = repeated if queries > 1 else sdpa
+    try:
+        yield
+    finally:
+        mx.fast.scaled_dot_product_attention = sdpa
+
+
 def make_decode_step(
     model: nn.Module, params: SamplingParams, eos_ids: list[int], pad_id: int, queries: int | None = None,
 ) -> Callable:
     """One compiled decode step for all rows: forward one token, pick the next, track EOS.
 
-    queries=2 feeds every row's token twice, the copy one position further: it is masked
-    like the token (sees the same keys), its keys and values are never written and its
-    output is dropped, so the results are those of one query; it is there only for MLX to
-    fuse the attention (fused_queries, the default when queries is None)."""
+    queries: how many copies of each row's query the attention gets (attention_queries;
+    by default fused_queries'): the results are those of one query."""
     head = lm_head(model)
 
     def step(tokens, keys, values, write_pos, left_pad, finished, key):
-        rows, capacity = tokens.shape[0], keys[0].shape[2]
+        capacity = keys[0].shape[2]
         slots = Slots(capacity, write_pos, left_pad, 1)
         caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
-        x = mx.broadcast_to(tokens[:, None], (rows, queries or fused_queries(keys[0])))
-        logits = head(model.model(x, cache=caches)[:, 0])
+        with attention_queries(queries or fused_queries(keys[0])):  # the function runs only while traced
+            logits = head(model.model(tokens[:, None], cache=caches)[:, 0])
         nxt, logp, ent = draw(logits, key, params)
         nxt = mx.where(finished, pad_id, nxt)
         valid = ~finished
