@@ -1,7 +1,8 @@
 """Decode speed of the GRPO sampler (worker/sampling.py) beside mlx_lm's own decoders, in one run.
 
     python3 bench/decode.py MODEL_DIR --rows 8 32 64 --tokens 128 [--group-size 8] [--prompt-len 24]
-                            [--reps 3] [--sampling FILE ...] [--queries 1 2] [--count-only] [--json OUT]
+                            [--reps 3] [--sampling FILE ...] [--queries 1 2] [--lora-layers N]
+                            [--count-only] [--json OUT]
 
 For each row count R, one after the other in this process (B = R / group size prompts of
 slightly different lengths, so rows are left-padded; temperature 1; EOS off everywhere, so
@@ -26,6 +27,9 @@ every row decodes --tokens tokens):
             at most 3 queries, or cuDNN with at least 2 queries) counted as the single
             primitive they are on a CUDA GPU. MLX's CPU backend expands them into a dozen
             primitives each, so the CPU's own count says little about a GPU's.
+
+--lora-layers N: every decoder runs the model with LoRA on all projections of its last N
+blocks, rank 8, scale 16 (a GRPO job's defaults: lora_layers 16), as GRPO samples with it.
 
 Ratios: ours / batch and ours / single (ms/pos). --count-only skips the timings (e.g. the
 28-layer model on a CPU). On Linux CPU the process re-executes itself with the system
@@ -59,6 +63,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
+from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 
 
 def load_sampling(path: Path):
@@ -245,20 +250,26 @@ def main():
                     help="copies of worker/sampling.py to measure (e.g. an older commit's)")
     ap.add_argument("--queries", type=int, nargs="+", choices=[1, 2], default=[None],
                     help="also force make_decode_step's queries per row (versions that have it; default: its own choice)")
+    ap.add_argument("--lora-layers", type=int, default=0, help="LoRA (rank 8, scale 16) on the last N blocks")
     ap.add_argument("--count-only", action="store_true", help="primitive counts only, no timings")
     ap.add_argument("--json", type=Path, help="write the records here as a JSON list")
     args = ap.parse_args()
 
     model, tokenizer = mlx_lm.load(args.model_dir)
+    if args.lora_layers:
+        model.freeze()
+        linear_to_lora_layers(model, args.lora_layers, {"rank": 8, "scale": 16.0, "dropout": 0.0})
+        model.eval()
     tokenizer.eos_token_ids = []  # batch_generate stops on these
     versions = {str(path): load_sampling(path) for path in args.sampling}
     on_cpu = mx.default_device() == mx.cpu
     print(f"device {mx.default_device()}, mlx {mx.__version__}, mlx_lm {mlx_lm.__version__}, "
-          f"{len(model.layers)} layers, {args.tokens} tokens per row", flush=True)
+          f"{len(model.layers)} layers ({args.lora_layers} with LoRA), {args.tokens} tokens per row", flush=True)
     records = []
 
     def record(name, rows, counter, gpu_counter, times, hosts=None):
         rec = {"decoder": name, "rows": rows, "tokens": args.tokens, "device": str(mx.default_device()),
+               "lora_layers": args.lora_layers,
                "primitives": count(counter), "primitives_by_type": dict(counter.most_common())}
         if gpu_counter is not None:
             rec["primitives_gpu"] = count(gpu_counter)
