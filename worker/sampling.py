@@ -22,6 +22,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.tuner.lora import LoRALinear
 
 CHUNK = 16  # decode steps between host checks (early stop when all rows ended, cancel)
 
@@ -195,6 +196,67 @@ def attention_queries(queries: int):
         mx.fast.scaled_dot_product_attention = sdpa
 
 
+# Projections of one block that read the same input: with LoRA on all of them, a decode step
+# runs their LoRA as one pair of matmuls (grouped_lora).
+SHARED_INPUT = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+def lora_groups(model: nn.Module) -> list[list[LoRALinear]]:
+    """The model's projections that read one input and all carry LoRA (mlx_lm's LoRALinear)."""
+    groups = []
+    for layer in model.layers:
+        for parent, names in SHARED_INPUT:
+            mods = [getattr(getattr(layer, parent, None), name, None) for name in names]
+            if all(type(m) is LoRALinear for m in mods):
+                groups.append(mods)
+    return groups
+
+
+def stacked_lora(model: nn.Module) -> list[tuple[mx.array, mx.array]]:
+    """Each lora_groups group's LoRA matrices as one pair: its A side by side, its B
+    block-diagonal, so that x @ A @ B holds every projection's LoRA product. Made once per
+    sample() (the job's LoRA weights change between steps): small, rank x outputs."""
+    stacked = []
+    for mods in lora_groups(model):
+        ranks, outs = [m.lora_b.shape[0] for m in mods], [m.lora_b.shape[1] for m in mods]
+        b = mx.zeros((sum(ranks), sum(outs)), mods[0].lora_b.dtype)
+        r0 = n0 = 0
+        for m, r, n in zip(mods, ranks, outs):
+            b[r0:r0 + r, n0:n0 + n] = m.lora_b
+            r0, n0 = r0 + r, n0 + n
+        stacked.append((mx.concatenate([m.lora_a for m in mods], axis=1), b))
+    return stacked
+
+
+@contextlib.contextmanager
+def grouped_lora(model: nn.Module, stacked: list[tuple[mx.array, mx.array]]):
+    """While a decode step is traced: each lora_groups projection takes its LoRA product from
+    its group's (x @ A) @ B, made by the group's first call on that input, instead of two
+    matmuls of its own; the rest of mlx_lm's LoRALinear as it is (dropout must be off,
+    as in sampling). A block then runs 2 LoRA matmuls for q, k, v and 2 for gate, up, not 10."""
+    groups = lora_groups(model)
+    where = {id(m): (g, i) for g, mods in enumerate(groups) for i, m in enumerate(mods)}
+    call = LoRALinear.__call__
+    products = {}  # group -> (its input, x @ A @ B)
+
+    def grouped(self, x):
+        if id(self) not in where or self.dropout(x) is not x:
+            return call(self, x)
+        g, i = where[id(self)]
+        if g not in products or products[g][0] is not x:
+            a, b = stacked[g]
+            products[g] = (x, (x @ a) @ b)
+        start = sum(m.lora_b.shape[1] for m in groups[g][:i])
+        z = products[g][1][..., start:start + self.lora_b.shape[1]]
+        return self.linear(x) + (self.scale * z).astype(x.dtype)
+
+    LoRALinear.__call__ = grouped
+    try:
+        yield
+    finally:
+        LoRALinear.__call__ = call
+
+
 def make_decode_step(
     model: nn.Module, params: SamplingParams, eos_ids: list[int], pad_id: int, queries: int | None = None,
 ) -> Callable:
@@ -204,11 +266,12 @@ def make_decode_step(
     by default fused_queries'): the results are those of one query."""
     head = lm_head(model)
 
-    def step(tokens, keys, values, write_pos, left_pad, finished, key):
+    def step(tokens, keys, values, write_pos, left_pad, finished, key, lora):
         capacity = keys[0].shape[2]
         slots = Slots(capacity, write_pos, left_pad, 1)
         caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
-        with attention_queries(queries or fused_queries(keys[0])):  # the function runs only while traced
+        # The function runs only while traced: what the two contexts change is in the graph.
+        with attention_queries(queries or fused_queries(keys[0])), grouped_lora(model, lora):
             logits = head(model.model(tokens[:, None], cache=caches)[:, 0])
         nxt, logp, ent = draw(logits, key, params)
         nxt = mx.where(finished, pad_id, nxt)
@@ -261,6 +324,7 @@ def sample(
     pad = mx.repeat(pad, group_size, axis=0)
     write_pos = mx.array(width, dtype=mx.int32)
 
+    lora = stacked_lora(model)  # the LoRA weights of this step
     step_keys = mx.random.split(key, params.max_tokens + 1)
     first, first_logp, first_ent = draw(logits, step_keys[0], params)
 
@@ -272,7 +336,7 @@ def sample(
         n = min(CHUNK, params.max_tokens - steps)
         for i in range(n):
             tokens, logp, ent, valid, finished_next, keys, values = decode_step(
-                tokens, keys, values, write_pos, pad, finished, step_keys[steps + i]
+                tokens, keys, values, write_pos, pad, finished, step_keys[steps + i], lora
             )
             out_tokens.append(tokens)
             out_logp.append(logp)
