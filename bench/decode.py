@@ -280,6 +280,8 @@ def main():
         if hosts:
             rec["host_ms_per_position"] = round(1000 * statistics.median(hosts) / args.tokens, 3)
         records.append(rec)
+        if args.json:  # after each record: a run cut short keeps what it measured
+            args.json.write_text(json.dumps(records, indent=1))
         gpu = f" gpu {rec['primitives_gpu']:5d}" if gpu_counter is not None else ""
         ms = f" {rec['ms_per_position']:8.2f} ms/pos" if times else ""
         ms += f" (host {rec['host_ms_per_position']:.2f})" if hosts else ""
@@ -302,9 +304,13 @@ def main():
         for name, S in versions.items():
             has_queries = "queries" in inspect.signature(S.make_decode_step).parameters
             for q in args.queries if has_queries else [None]:
-                counts = both(lambda: ours_counts(S, model, prompts, G, q))
-                times = (None, None) if args.count_only else ours_time(S, model, prompts, G, q, args.tokens, args.reps)
                 label = f"ours {Path(name).name if len(versions) == 1 else name}" + (f" queries={q}" if q else "")
+                try:  # one decoder failing (e.g. a kernel path on one backend) leaves the others' figures
+                    counts = both(lambda: ours_counts(S, model, prompts, G, q))
+                    times = (None, None) if args.count_only else ours_time(S, model, prompts, G, q, args.tokens, args.reps)
+                except Exception as e:
+                    print(f"  {label:40s} rows {R:3d}  failed: {type(e).__name__}: {e}", flush=True)
+                    continue
                 ours.append(record(label, R, *counts, *times))
         counts = both(lambda: batch_counts(model, rows))
         batch = record("mlx_lm batch_generate", R, *counts,
@@ -316,8 +322,6 @@ def main():
             for rec in ours:
                 print(f"  {rec['decoder']}: {rec['ms_per_position'] / batch['ms_per_position']:.2f}x mlx_lm batch, "
                       f"{rec['ms_per_position'] / single['ms_per_position']:.2f}x mlx_lm single", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(records, indent=1))
 
 
 if __name__ == "__main__":
