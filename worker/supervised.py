@@ -18,17 +18,17 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
-from mlx_lm.tuner.utils import build_schedule
+from mlx.utils import tree_map
 from mlx_lm.utils import save_config, save_model
 
+from shared.adapters import init_adapter_dir
 from shared.datasets import load_rows
 from shared.train_specs import TrainConfig
-from worker.adapters import adapter_config, attach_adapter, remove_adapter_layers, save_adapter
+from worker.adapters import adapter_config, attach_adapter, remove_adapter_layers, save_adapter, started_from
 from worker.logprobs import pair_tokens
 from worker.models import get_model, gradient_checkpointing, private_base
 from worker.train_core import (
-    Rows, Run, TrainState, batch_rows, check_finite, cut, eval_batches, make_optimizer, pad_rows, step_seed,
+    Rows, Run, TrainState, batch_rows, check_finite, clipped, cut, eval_batches, make_optimizer, pad_rows, step_seed,
 )
 
 HISTORY_METRICS = ("loss", "learning_rate", "step_time")
@@ -49,10 +49,9 @@ def value_and_grad_step(module: nn.Module, loss_fn: Callable, micro_batches: lis
         for k, v in {"loss": loss, **stats}.items():
             metrics[k] = metrics.get(k, 0.0) + v / n
         mx.eval(total, metrics)
-    grads = {k: v / n for k, v in tree_flatten(total)}
-    grad_norm = mx.sqrt(sum((g * g).sum() for g in grads.values()))
-    metrics["grad_norm"] = grad_norm
-    return {k: float(v.item()) for k, v in metrics.items()}, tree_unflatten(list(grads.items()))
+    grads = tree_map(lambda g: g / n, total)
+    metrics["grad_norm"] = clipped(grads, None)[1]  # before clipping, as TRL reports it
+    return {k: float(v.item()) for k, v in metrics.items()}, grads
 
 
 class Trainer:
@@ -65,9 +64,7 @@ class Trainer:
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, train: list, valid: list | None):
         self.module, self.cfg, self.train_rows, self.valid_rows = module, cfg, train, valid
-        lr = build_schedule(cfg.lr_schedule.model_dump()) if cfg.lr_schedule else cfg.learning_rate
-        # mlx_lm's trainer's optimizers, as the seed server's SFT uses them: no bias correction.
-        self.optimizer = make_optimizer(cfg.optimizer, lr, weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(cfg, cfg.iters, cfg.optimizer, cfg.lr_schedule and cfg.lr_schedule.model_dump())
         self.optimizer.init(module.trainable_parameters())
 
     def step(self, state: TrainState, on_finite_loss: Callable[[], None] = lambda: None) -> dict[str, float]:
@@ -77,13 +74,14 @@ class Trainer:
         t0 = time.perf_counter()
         mx.reset_peak_memory()
         mx.random.seed(step_seed(cfg.seed, state.step))  # LoRA dropout
-        micro = [self.arrays(ids, self.train_rows) for ids in
-                 batch_rows(len(self.train_rows), cfg.batch_size, state.step, cfg.grad_accumulation_steps, cfg.seed)]
+        ids = batch_rows(len(self.train_rows), cfg.batch_size, state.step, cfg.grad_accumulation_steps, cfg.seed)
+        micro = [self.arrays(rows, self.train_rows) for rows in ids]
         self.module.train()
         metrics, grads = value_and_grad_step(self.module, self.loss, [arrays for arrays, _ in micro])
         self.module.eval()
         check_finite(metrics["loss"], metrics["grad_norm"], state.step + 1)
         on_finite_loss()
+        grads, _ = clipped(grads, cfg.max_grad_norm)
         self.optimizer.update(self.module, grads)
         mx.eval(self.module.trainable_parameters(), self.optimizer.state)
         n_tokens = sum(n for _, n in micro)
@@ -92,7 +90,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         lr = self.optimizer.learning_rate
         return {**metrics, "learning_rate": float(lr.item() if isinstance(lr, mx.array) else lr),
-                "num_tokens": state.num_tokens, "tokens_per_second": n_tokens / max(dt, 1e-9),
+                "examples": sum(map(len, ids)), "num_tokens": state.num_tokens, "tokens_per_second": n_tokens / max(dt, 1e-9),
                 "peak_memory_gb": mx.get_peak_memory() / 1e9, "step_time": dt}
 
     def evaluate(self) -> dict[str, float]:
@@ -109,6 +107,10 @@ class Trainer:
 
     def save(self, out_dir: Path, config: dict) -> None:
         save_adapter(self.module, out_dir, config)
+
+    def start_from(self, init: Path) -> None:
+        """What the kind's module has beside the adapter, from the init_adapter's directory (the
+        adapter itself is in place: attach_adapter). Nothing, but for a reward model's head."""
 
 
 # --------------------------------------------------------------------------- preference pairs
@@ -177,12 +179,16 @@ def load(job, spec, settings, make_trainer: Callable, fine_tune_type: str = "lor
         job.publish_loaded()
     try:
         train, valid = load_datasets(job.lease.r, spec, settings, job.tenant)
+        init = init_adapter_dir(job.lease.r, settings, spec.init_adapter)
         job.write(event={"type": "model_ready", "cached": cached, "private_copy": private,
-                         "load_s": time.perf_counter() - t0, "train_rows": len(train), "valid_rows": len(valid or [])})
+                         "load_s": time.perf_counter() - t0, "train_rows": len(train), "valid_rows": len(valid or []),
+                         **started_from(spec)})
         mx.random.seed(cfg.seed)  # LoRA init
-        attach_adapter(model, cfg, fine_tune_type)
+        attach_adapter(model, cfg, fine_tune_type, init)
         with gradient_checkpointing(model, cfg.gradient_checkpointing):
             trainer = make_trainer(model, tokenizer, spec, train, valid)
+            if init is not None:
+                trainer.start_from(init)
             if trainer.truncated:
                 job.write(event={"type": "truncated", "rows": trainer.truncated, "max_seq_length": cfg.max_seq_length})
 
