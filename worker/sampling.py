@@ -113,6 +113,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # A gang's rank (worker/gang.py) samples some rows of a step's batch: which rows of the whole
+    # batch they are, and its height. Each row then draws the random numbers it would draw in the
+    # whole batch on one worker (Gumbel noise of the whole batch's shape; categorical's own way).
+    batch_rows: tuple[int, ...] | None = None
+    batch_height: int = 0
 
 
 @dataclass
@@ -158,7 +163,11 @@ def draw(logits: mx.array, key: mx.array, p: SamplingParams) -> tuple[mx.array, 
             filtered = apply_top_p(filtered, p.top_p)
         if p.min_p > 0.0:
             filtered = apply_min_p(filtered, p.min_p)
-        tokens = mx.random.categorical(filtered, key=key)
+        if p.batch_rows is None:
+            tokens = mx.random.categorical(filtered, key=key)
+        else:
+            noise = mx.random.gumbel(shape=(p.batch_height, filtered.shape[-1]), key=key)
+            tokens = mx.argmax(filtered + noise[mx.array(p.batch_rows)], axis=-1)
     tokens = tokens.astype(mx.int32)
     return (tokens, *pick(logp_all, tokens))
 
@@ -287,8 +296,10 @@ def is_eos(tokens: mx.array, eos_ids: list[int]) -> mx.array:
     return (tokens[:, None] == eos[None, :]).any(axis=1)
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[mx.array, mx.array]:
-    width = max(len(p) for p in prompts)
+def left_pad(prompts: list[list[int]], pad_id: int, width: int | None = None) -> tuple[mx.array, mx.array]:
+    """Prompts left-padded to one width (the longest's, or `width`: a gang's rank pads its share as
+    the whole batch would be, so that its positions are the same)."""
+    width = max(max(len(p) for p in prompts), width or 0)
     rows = [[pad_id] * (width - len(p)) + p for p in prompts]
     return mx.array(rows, dtype=mx.int32), mx.array([width - len(p) for p in prompts], dtype=mx.int32)
 
@@ -302,12 +313,14 @@ def sample(
     eos_ids: list[int],
     key: mx.array,
     should_stop: Callable[[], bool] = lambda: False,
+    width: int | None = None,
 ) -> Samples | None:
-    """Sample group_size completions for each prompt (rows ordered prompt-major).
+    """Sample group_size completions for each prompt (rows ordered prompt-major); width: pad
+    the prompts to at least this (left_pad).
 
     Returns None when should_stop() said so between chunks (the job was cancelled).
     """
-    prompt_tokens, pad = left_pad(prompts, pad_id=0)
+    prompt_tokens, pad = left_pad(prompts, pad_id=0, width=width)
     width = prompt_tokens.shape[1]
 
     # Prefill each distinct prompt once, into buffers sized for the whole completion.
