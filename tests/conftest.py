@@ -230,6 +230,13 @@ class Stack:
         self.redis_server.stop()
 
 
+def wait_done(stack: Stack, path: str, job_id: str, timeout: float = 300, status: str = "completed") -> dict:
+    """The job once finished (Stack.wait_job), which must be in `status`."""
+    job = stack.wait_job(job_id, timeout=timeout, path=path)
+    assert job["status"] == status, f"{job['error']}\n{stack.logs('worker')}"
+    return job
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A random-weight tiny model directory, made once per test session."""

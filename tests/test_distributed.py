@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from conftest import Stack, running, wait_for
+from conftest import Stack, running, wait_done, wait_for
 
 SFT = "/admin/api/fine-tune/jobs"
 GRPO = "/admin/api/fine-tune/grpo/jobs"
@@ -91,12 +91,6 @@ def submit(client, path: str, body: dict) -> str:
     return res.json()["job_id"]
 
 
-def wait_done(stack, client, path: str, job_id: str, timeout: float = 300) -> dict:
-    job = stack.wait_job(job_id, timeout=timeout, path=path)
-    assert job["status"] == "completed", f"{job['error']}\n{stack.logs('worker')}"
-    return job
-
-
 def step_losses(stack, job_id: str, kind: str) -> list[float]:
     return [e["loss"] for _, e in stack.events(job_id) if e["type"] == f"{kind}_step"]
 
@@ -123,9 +117,9 @@ def adapter_diff(a: dict, b: dict) -> float:
 def test_sft_on_a_gang_of_two_equals_one_worker(stack, client, pair):
     body = {"model_id": "tiny", "dataset": ROWS}
     solo = submit(client, SFT, {**body, "adapter_name": "sft-solo", "config": SFT_CONFIG})
-    wait_done(stack, client, SFT, solo)
+    wait_done(stack, SFT, solo)
     gang = submit(client, SFT, {**body, "adapter_name": "sft-gang", "config": {**SFT_CONFIG, "workers": 2}})
-    job = wait_done(stack, client, SFT, gang)
+    job = wait_done(stack, SFT, gang)
     started = [e for _, e in stack.events(gang) if e["type"] == "started"]
     assert [e.get("rank") for e in started] == [0] and started[0]["gang_size"] == 2
     a, b = step_losses(stack, gang, "sft"), step_losses(stack, solo, "sft")
@@ -149,9 +143,9 @@ def test_grpo_on_a_gang_of_two_equals_one_worker(stack, client, pair):
     batch; scale_rewards "batch" needs every rank's rewards, the loss every rank's tokens."""
     body = {"model_id": "tiny", "prompts": PROMPTS}
     solo = submit(client, GRPO, {**body, "adapter_name": "grpo-solo", "config": GRPO_CONFIG})
-    wait_done(stack, client, GRPO, solo)
+    wait_done(stack, GRPO, solo)
     gang = submit(client, GRPO, {**body, "adapter_name": "grpo-gang", "config": {**GRPO_CONFIG, "workers": 2}})
-    wait_done(stack, client, GRPO, gang)
+    wait_done(stack, GRPO, gang)
     steps = {j: [e for _, e in stack.events(j) if e["type"] == "grpo_step"] for j in (solo, gang)}
     a, b = ([e["loss"] for e in steps[j]] for j in (gang, solo))
     assert len(a) == len(b) == GRPO_CONFIG["iters"]
@@ -197,7 +191,7 @@ def test_a_killed_or_stopped_rank_ends_the_gangs_attempt_and_the_job_resumes_on_
         t0 = time.monotonic()
         wait_for(lambda: training_pid(by_name[leader].pid) != other, 30, "the other rank's process to be ended")
         print(f"\n{sig.name} of rank 1: rank 0's training process ended after {time.monotonic() - t0:.1f}s")
-    job = wait_done(stack, client, SFT, job_id)
+    job = wait_done(stack, SFT, job_id)
     requeued = [e for _, e in stack.events(job_id) if e["type"] == "requeued"]
     assert [e["counted"] for e in requeued] == [True, True], requeued
     assert job["failed_attempts"] == 2
@@ -220,7 +214,7 @@ def test_a_gang_of_three_waits_on_two_workers_naming_what_it_lacks_and_starts_wh
     third = stack.start_worker("--name", "gang-c")
     try:
         t0 = time.monotonic()
-        job = wait_done(stack, client, SFT, job_id, timeout=120)
+        job = wait_done(stack, SFT, job_id, timeout=120)
         print(f"\na gang of three ran {config['iters']} steps in {time.monotonic() - t0:.1f}s after the third worker joined")
         assert sorted(json.loads(stack.redis.hget(f"mtq:job:{job_id}", "gang"))) == ["gang-a", "gang-b", "gang-c"]
         assert job["failed_attempts"] == 0 and len(step_losses(stack, job_id, "sft")) == config["iters"]
