@@ -25,6 +25,7 @@ from shared.adapters import init_adapter_dir
 from shared.datasets import load_rows
 from shared.train_specs import TrainConfig
 from worker.adapters import adapter_config, attach_adapter, remove_adapter_layers, save_adapter, started_from
+from worker.gang import SOLO, Gang
 from worker.logprobs import pair_tokens
 from worker.models import get_model, gradient_checkpointing, private_base
 from worker.train_core import (
@@ -37,18 +38,26 @@ HISTORY_METRICS = ("loss", "learning_rate", "step_time")
 # --------------------------------------------------------------------------- the trainer
 
 
-def value_and_grad_step(module: nn.Module, loss_fn: Callable, micro_batches: list[tuple]) -> tuple[dict, dict]:
+def value_and_grad_step(module: nn.Module, loss_fn: Callable, micro_batches: list[tuple], weights: list[float],
+                        gang: Gang = SOLO) -> tuple[dict, dict]:
     """Average the loss, metrics and gradients of a step's micro-batches (gradient
-    accumulation: the same update as one batch of all their rows, for equal sizes)."""
+    accumulation: the same update as one batch of all their rows, for equal sizes). In a gang
+    (worker/gang.py) each rank has a share of every micro-batch: its mean counts by its share
+    of the micro-batch's normaliser (`weights`: this rank's), and the ranks' parts are summed."""
     vg = nn.value_and_grad(module, loss_fn)
     total, metrics = None, {}
     n = len(micro_batches)
-    for args in micro_batches:
+    shares = [1.0] * n if gang.size == 1 else [w / max(t, 1e-30) for w, t in
+                                              zip(weights, gang.sum(mx.array(weights, dtype=mx.float32)).tolist())]
+    for args, share in zip(micro_batches, shares):
         (loss, stats), grads = vg(module, *args)
+        if gang.size > 1:
+            grads = tree_map(lambda g: g * share, grads)
         total = grads if total is None else tree_map(lambda a, b: a + b, total, grads)
         for k, v in {"loss": loss, **stats}.items():
-            metrics[k] = metrics.get(k, 0.0) + v / n
+            metrics[k] = metrics.get(k, 0.0) + v * share / n
         mx.eval(total, metrics)
+    total, metrics = gang.sum_tree((total, metrics))
     grads = tree_map(lambda g: g / n, total)
     metrics["grad_norm"] = clipped(grads, None)[1]  # before clipping, as TRL reports it
     return {k: float(v.item()) for k, v in metrics.items()}, grads
@@ -61,6 +70,7 @@ class Trainer:
 
     module: nn.Module
     truncated = 0  # rows cut to max_seq_length
+    gang: Gang = SOLO  # worker/gang.py: this process's rank of the job's gang
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, train: list, valid: list | None):
         self.module, self.cfg, self.train_rows, self.valid_rows = module, cfg, train, valid
@@ -75,9 +85,11 @@ class Trainer:
         mx.reset_peak_memory()
         mx.random.seed(step_seed(cfg.seed, state.step))  # LoRA dropout
         ids = batch_rows(len(self.train_rows), cfg.batch_size, state.step, cfg.grad_accumulation_steps, cfg.seed)
-        micro = [self.arrays(rows, self.train_rows) for rows in ids]
+        shares = [self.gang.share(rows) for rows in ids]  # this rank's rows of each micro-batch (all, alone)
+        micro = [self.arrays(rows, self.train_rows) for rows in shares]
         self.module.train()
-        metrics, grads = value_and_grad_step(self.module, self.loss, [arrays for arrays, _ in micro])
+        metrics, grads = value_and_grad_step(self.module, self.loss, [arrays for arrays, _ in micro],
+                                             [self.weight(rows, n) for rows, (_, n) in zip(shares, micro)], self.gang)
         self.module.eval()
         check_finite(metrics["loss"], metrics["grad_norm"], state.step + 1)
         on_finite_loss()
@@ -85,6 +97,8 @@ class Trainer:
         self.optimizer.update(self.module, grads)
         mx.eval(self.module.trainable_parameters(), self.optimizer.state)
         n_tokens = sum(n for _, n in micro)
+        if self.gang.size > 1:
+            n_tokens = int(self.gang.sum(mx.array(n_tokens)).item())
         state.step += 1
         state.num_tokens += n_tokens
         dt = time.perf_counter() - t0
@@ -92,6 +106,12 @@ class Trainer:
         return {**metrics, "learning_rate": float(lr.item() if isinstance(lr, mx.array) else lr),
                 "examples": sum(map(len, ids)), "num_tokens": state.num_tokens, "tokens_per_second": n_tokens / max(dt, 1e-9),
                 "peak_memory_gb": mx.get_peak_memory() / 1e9, "step_time": dt}
+
+    @staticmethod
+    def weight(ids: list[int], tokens: int) -> float:
+        """A micro-batch's normaliser, of which a gang's rank has a share: its examples (the
+        loss is a mean over them); SFT's is its tokens."""
+        return float(len(ids))
 
     def evaluate(self) -> dict[str, float]:
         """The loss and statistics over val_batches batches of the valid rows, as val_<name>."""
@@ -187,6 +207,7 @@ def load(job, spec, settings, make_trainer: Callable, fine_tune_type: str = "lor
         attach_adapter(model, cfg, fine_tune_type, init)
         with gradient_checkpointing(model, cfg.gradient_checkpointing):
             trainer = make_trainer(model, tokenizer, spec, train, valid)
+            trainer.gang = job.gang
             if init is not None:
                 trainer.start_from(init)
             if trainer.truncated:
@@ -202,7 +223,8 @@ def load(job, spec, settings, make_trainer: Callable, fine_tune_type: str = "lor
                 module=trainer.module, optimizer=trainer.optimizer,
                 step=lambda state, should_stop, on_finite_loss: (trainer.step(state, on_finite_loss), []),
                 save=save, phase="updating", history_metrics=HISTORY_METRICS, steps_per_save=cfg.steps_per_save,
-                steps_per_report=cfg.steps_per_report, evaluate=trainer.evaluate if valid else None,
+                steps_per_report=cfg.steps_per_report,
+                evaluate=trainer.evaluate if valid and job.gang.rank == 0 else None,  # rank 0 reports it
                 steps_per_eval=cfg.steps_per_eval,
                 serves_scoring=not private,  # scoring requests use the shared copy: a private job leaves them to idle workers
             )
