@@ -15,7 +15,8 @@ request (field `openai`: files, resolved hyperparameters, suffix, metadata) and 
     event                          FineTuningJobEvent
     <kind>_step                    info, metrics: {step, train_loss, train_mean_token_accuracy, ...}
     requeued, rerouted, truncated  warn, message
-    waiting_for_worker             warn, message (written at create: no live worker has the model)
+    waiting                        warn, message (no live worker can run it: a gang short of workers, or
+                                   at create, a model no live worker has)
     failed                         error, message
     anything else                  info, message
 
@@ -393,7 +394,7 @@ def to_job(job_id: str, rec: dict, ft: dict) -> FineTuningJob:
     )
 
 
-WARN_EVENTS = ("requeued", "rerouted", "truncated", "waiting_for_worker")
+WARN_EVENTS = ("requeued", "rerouted", "truncated", "waiting")
 METRIC_NAMES = {"loss": "train_loss", "mean_token_accuracy": "train_mean_token_accuracy", "val_loss": "valid_loss",
                 "val_mean_token_accuracy": "valid_mean_token_accuracy"}
 
@@ -415,7 +416,7 @@ def to_event(stream_id: str, event: dict, kind_step: str, first_step: int) -> Fi
         return FineTuningJobEvent(id=f"ftevent-{stream_id}", created_at=created, level="info", type="metrics",
                                   message=f"Step {data['step']}/{data['total_steps']}: {parts}", data=data)
     level = "error" if kind == "failed" else "warn" if kind in WARN_EVENTS else "info"
-    detail = event.get("error") or event.get("reason") or ""
+    detail = event.get("error") or event.get("reason") or event.get("waiting_for_worker") or ""
     message = {"cancelled": "Job paused" if event.get("paused") else "Job cancelled",
                "done": "The job has successfully completed", "started": "Fine-tuning job started",
                "checkpoint": f"Checkpoint created at step {event.get('step')}",

@@ -82,7 +82,7 @@ def create(body: JobCreateRequest, r: RedisDep, settings: SettingsDep, who: Writ
     except jobstore.AdapterNameTaken as e:
         raise OpenAIError(409, str(e), "suffix") from None
     if job.waiting_for_worker:  # e.g. an OpenAI model name that no worker has: it waits, as any job does
-        append_event(r, job.job_id, {"type": "waiting_for_worker", "reason": job.waiting_for_worker})
+        append_event(r, job.job_id, {"type": "waiting", "waiting_for_worker": job.waiting_for_worker})
     return _answer(r, job.job_id)
 
 
