@@ -1,25 +1,24 @@
 """Python graders (`grade(sample, item) -> float`, OpenAI's contract) in a subprocess of their own,
-only where the operator sets MTQ_PYTHON_GRADERS=1.
+only where the operator sets MTQ_PYTHON_GRADERS=1 (Settings.python_graders; the callers check).
 
 The child is `python -I` (no site, no environment, no user directory) in an empty temporary
 directory that it may write to, with OpenAI's bounds as rlimits: CPU seconds, address space,
 bytes per file written, open files, and no new processes; the parent kills it past its wall
-time. An audit hook installed before the source is compiled refuses sockets, new processes,
+time (MTQ_PYTHON_GRADER_TIMEOUT_S). An audit hook installed before the source is compiled refuses sockets, new processes,
 ctypes, and opening a file for writing outside its directory (audit hooks cannot be removed).
 Whatever goes wrong in the child (an exception, a limit, a non-number) scores 0, as OpenAI
 scores it; the reason is returned for graders/run's metadata.
 """
 
+import functools
 import json
+import math
 import os
 import resource
 import subprocess
 import sys
 import tempfile
 
-ENABLED_ENV = "MTQ_PYTHON_GRADERS"
-TIMEOUT_ENV = "MTQ_PYTHON_GRADER_TIMEOUT_S"  # wall time per sample (default WALL_S); CPU time is bounded by it too
-WALL_S = 10.0
 MEMORY_BYTES = 1 << 30
 FILE_BYTES = 1 << 20
 MAX_OUTPUT = 1 << 16
@@ -49,16 +48,7 @@ sys.stdout.write("\n" + json.dumps(float(value)))
 """
 
 
-def enabled() -> bool:
-    return os.environ.get(ENABLED_ENV) == "1"
-
-
-def wall_s() -> float:
-    return float(os.environ.get(TIMEOUT_ENV) or WALL_S)
-
-
-def _limits() -> None:
-    cpu = max(1, int(wall_s()))
+def _limits(cpu: int) -> None:
     limits = [(resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, MEMORY_BYTES), (resource.RLIMIT_FSIZE, FILE_BYTES),
               (resource.RLIMIT_NOFILE, 64)]
     if os.geteuid() != 0:  # root ignores RLIMIT_NPROC; the audit hook refuses new processes anyway
@@ -70,16 +60,17 @@ def _limits() -> None:
             pass
 
 
-def run_grader(source: str, sample: dict, item: dict) -> tuple[float, str | None]:
-    """(score, why it is 0 or None): the source's grade(sample, item) run in the sandbox."""
-    limit = wall_s()
+def run_grader(source: str, sample: dict, item: dict, limit: float) -> tuple[float, str | None]:
+    """(score, why it is 0 or None): the source's grade(sample, item) run in the sandbox for at
+    most `limit` seconds."""
     task = json.dumps({"source": source, "sample": sample, "item": item})
     with tempfile.TemporaryDirectory(prefix="mtq-grader-") as workdir:
         try:
             done = subprocess.run([sys.executable, "-I", "-c", CHILD], input=task, capture_output=True, text=True,
-                                  cwd=workdir, timeout=limit, preexec_fn=_limits, env={"PATH": "/usr/bin:/bin"})
+                                  cwd=workdir, timeout=limit,
+                                  preexec_fn=functools.partial(_limits, max(1, math.ceil(limit))), env={"PATH": "/usr/bin:/bin"})
         except subprocess.TimeoutExpired:
-            return 0.0, f"the grader ran past its time limit ({limit:g} s, {TIMEOUT_ENV})"
+            return 0.0, f"the grader ran past its time limit ({limit:g} s, MTQ_PYTHON_GRADER_TIMEOUT_S)"
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         return 0.0, last[:500]

@@ -60,8 +60,8 @@ class RunResponse(BaseModel):
     sub_rewards: dict[str, Any]
 
 
-def _python_allowed(grader) -> None:
-    if graders.uses_python(grader) and not grader_sandbox.enabled():
+def _python_allowed(grader, settings) -> None:
+    if graders.uses_python(grader) and not settings.python_graders:
         raise OpenAIError(400, "python graders are off on this server (the operator sets MTQ_PYTHON_GRADERS=1)", "grader")
 
 
@@ -94,17 +94,18 @@ async def reward_model_scores(r, ar, settings, who, grader, sample_text: str, it
 
 @router.post("/run", response_model=RunResponse, summary="Score one sample with a grader")
 async def run(body: RunRequest, r: RedisDep, ar: AsyncRedisDep, settings: SettingsDep, who: PrincipalDep) -> RunResponse:
-    _python_allowed(body.grader)
+    _python_allowed(body.grader, settings)
     judged = await reward_model_scores(r, ar, settings, who, body.grader, body.model_sample, body.item or {})
-    return await run_in_threadpool(grade, body, judged)  # a python grader's subprocess: off the event loop
+    # a python grader's subprocess: off the event loop
+    return await run_in_threadpool(grade, body, judged, settings.python_grader_timeout_s)
 
 
-def grade(body: RunRequest, judged: dict) -> RunResponse:
+def grade(body: RunRequest, judged: dict, python_timeout_s: float) -> RunResponse:
     errors: dict[str, Any] = {flag: False for flag in ERROR_FLAGS}
     failures: list[str] = []
 
     def run_python(source: str, sample: dict, item: dict) -> float:
-        value, why = grader_sandbox.run_grader(source, sample, item)
+        value, why = grader_sandbox.run_grader(source, sample, item, python_timeout_s)
         if why is not None:
             failures.append(why)
         return value
@@ -127,6 +128,6 @@ def grade(body: RunRequest, judged: dict) -> RunResponse:
 
 
 @router.post("/validate", summary="Check a grader")
-def validate(body: ValidateRequest, who: PrincipalDep) -> dict:
-    _python_allowed(body.grader)
+def validate(body: ValidateRequest, settings: SettingsDep, who: PrincipalDep) -> dict:
+    _python_allowed(body.grader, settings)
     return {"grader": body.grader.model_dump(exclude_none=True)}

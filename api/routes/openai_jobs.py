@@ -26,7 +26,7 @@ from api.auth import Principal
 from api.deps import PrincipalDep, RedisDep, SettingsDep, WriterDep, require_token
 from api.openai_errors import ERRORS, OpenAIError, OpenAIRoute
 from api.routes.job_routes import FAMILIES
-from shared import grader_sandbox, graders, jobstore, lifecycle, openai_jobs
+from shared import graders, jobstore, lifecycle, openai_jobs
 from shared.events import append_event
 from shared.keys import JOBS_INDEX, job_key
 from shared.kinds import KINDS, of_record
@@ -64,7 +64,7 @@ def _answer(r, job_id: str) -> FineTuningJob:
 def create(body: JobCreateRequest, r: RedisDep, settings: SettingsDep, who: WriterDep) -> FineTuningJob:
     method = body.resolved_method()
     grader = method.reinforcement.grader if method.reinforcement is not None else None
-    if grader is not None and graders.uses_python(grader) and not grader_sandbox.enabled():
+    if grader is not None and graders.uses_python(grader) and not settings.python_graders:
         raise OpenAIError(400, "python graders are off on this server (the operator sets MTQ_PYTHON_GRADERS=1)",
                           "method.reinforcement.grader")
     try:

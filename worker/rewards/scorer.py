@@ -88,11 +88,11 @@ def bind_grader(source, scorer: "RewardScorer") -> RewardFn:
     sample it cannot score (a missing template variable, a python grader that raised) scores
     0, as OpenAI scores it. score_model graders ask the job's reward models (as reward_model
     sources do)."""
-    if graders.uses_python(source.grader) and not grader_sandbox.enabled():
+    if graders.uses_python(source.grader) and not scorer.settings.python_graders:
         raise RewardError("python graders are off on this worker (MTQ_PYTHON_GRADERS=1 turns them on)")
 
     def run_python(code: str, sample: dict, item: dict) -> float:
-        return grader_sandbox.run_grader(code, sample, item)[0]
+        return grader_sandbox.run_grader(code, sample, item, scorer.settings.python_grader_timeout_s)[0]
 
     def judge(model_id: str, adapter_name: str, prompt: str, completion: str) -> float:
         if scorer.reward_model is None:
