@@ -15,7 +15,8 @@ from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.deps import get_settings, get_tokens, redis_trouble
-from api.routes import adapters, files, health, logprob, metrics, models, reward_score, ui
+from api.routes import (adapters, files, health, logprob, metrics, models, openai_files, openai_graders, openai_jobs,
+                        reward_score, ui)
 from api.routes.job_routes import ROUTERS as JOB_ROUTERS
 
 get_tokens()  # a broken MTQ_TOKENS_FILE stops the API at start, not at its first request
@@ -60,6 +61,10 @@ app.include_router(metrics.router)
 app.include_router(ui.router)
 app.include_router(files.router)
 app.include_router(reward_score.router)
+# OpenAI's fine-tuning API under /v1 (docs/openai.md).
+app.include_router(openai_files.router)
+app.include_router(openai_jobs.router)
+app.include_router(openai_graders.router)
 # One per job kind (shared/kinds.py), last: SFT's /admin/api/fine-tune/jobs/{job_id} would take
 # the fixed paths below it (e.g. /admin/api/fine-tune/jobs/models) for job ids.
 for router in JOB_ROUTERS:

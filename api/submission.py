@@ -16,14 +16,14 @@ from fastapi import HTTPException, Request, status
 from fastapi.exceptions import RequestValidationError
 
 from api.auth import Principal
-from shared import adapters
+from shared import adapters, graders
 from shared.adapters import CONFIG_FILE, adapter_shape, shape_mismatches
 from shared.datasets import FileRef, file_meta, load_rows, path_error
 from shared.keys import adapter_key, job_key
 from shared.kinds import KINDS
 from shared.model_ids import model_id_error
 from shared.reward_specs import (
-    EndpointReward, PythonReward, RegexReward, RewardModelReward, disallowed_endpoint_hosts, endpoint_urls,
+    EndpointReward, GraderReward, PythonReward, RegexReward, RewardModelReward, disallowed_endpoint_hosts, endpoint_urls,
     parse_reward_url, python_reward_error,
 )
 from shared.schemas import InitAdapter, JobCreate, prompt_chars
@@ -70,6 +70,11 @@ def spec_errors(r, spec: JobCreate, settings: Settings, who: Principal) -> list[
             errors.append(f"regex reward: pattern of {len(source.pattern)} characters; the limit is {settings.max_regex_chars} (MTQ_MAX_REGEX_CHARS)")
         if isinstance(source, RewardModelReward) and (error := reward_model_error(r, source, settings, who)):
             errors.append(error)
+        if isinstance(source, GraderReward):  # its score_model graders' reward models, checked as reward_model's
+            for model_id, adapter_name in graders.reward_models(source.grader):
+                if error := reward_model_error(r, RewardModelReward(model_id=model_id, adapter_name=adapter_name),
+                                               settings, who):
+                    errors.append(error)
     if len(spec.prompts) > settings.max_prompts:
         errors.append(f"{len(spec.prompts)} prompts; the limit is {settings.max_prompts} (MTQ_MAX_PROMPTS)")
     lengths = [prompt_chars(p) for p in spec.prompts]

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 from httpx_sse import connect_sse
 
+from shared import openai_jobs
 from shared.kinds import KINDS, Kind
 
 JOBS = "/admin/api/jobs"  # jobs of every kind, read-only
@@ -170,7 +171,9 @@ class ApiClient:
 
     def download_adapter(self, job_id: str, out_dir: Path) -> list[Path]:
         """The finished job's adapter, or a full fine-tune's model directory (GET .../adapter:
-        a zip or tar archive of its files), unpacked into out_dir as mlx_lm loads it."""
+        a zip or tar archive of its files), unpacked into out_dir as mlx_lm loads it. job_id
+        may also be an OpenAI job's id (ftjob-...) or its fine-tuned model's name (ft:...)."""
+        job_id = openai_jobs.job_id_of(job_id) or job_id
         archive = self.request("GET", f"{self.job_path(job_id)}/adapter", timeout=300).content
         files = _unpack(archive)
         out_dir.mkdir(parents=True, exist_ok=True)

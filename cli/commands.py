@@ -232,7 +232,7 @@ def add_client_commands(commands) -> None:
     resume.add_argument("--set", nargs="+", metavar="KEY=VALUE", help="config changes, e.g. learning_rate=5e-6")
 
     download = add("download", cmd_download, "download a completed job's adapter into DIR")
-    download.add_argument("job_id", metavar="ID")
+    download.add_argument("job_id", metavar="ID", help="a job id, an OpenAI job id (ftjob-...) or fine-tuned model (ft:...)")
     download.add_argument("dir", metavar="DIR")
 
     plot = add("plot", cmd_plot, "draw the job's curves (its kind's: reward, loss, KL, margins, ...) into a PNG")

@@ -214,6 +214,20 @@ def delete_file(r: redis.Redis, meta: dict) -> None:
         p.execute()
 
 
+def owner_files(r: redis.Redis, owner: str) -> list[dict]:
+    """The metadata of the owner's live files, newest first."""
+    members = r.zrangebyscore(files_key(owner), time.time(), "+inf")
+    with r.pipeline() as p:
+        for m in members:
+            p.hget(file_key(m.decode().split(" ")[0]), "meta")
+        metas = [json.loads(raw) for raw in p.execute() if raw is not None]
+    return sorted(metas, key=lambda m: m["created_at"], reverse=True)
+
+
+def file_content(r: redis.Redis, file_id: str) -> bytes | None:
+    return r.hget(file_key(file_id), "content")
+
+
 def file_meta(r: redis.Redis, file_id: str) -> dict | None:
     raw = r.hget(file_key(file_id), "meta")
     return None if raw is None else json.loads(raw)

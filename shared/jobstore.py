@@ -34,12 +34,13 @@ def max_attempts(config) -> int:
     return min(config.max_attempts, load_settings().max_attempts_cap)
 
 
-def create_job(r: redis.Redis, spec, owner: str | None = None, tenant: str | None = None) -> BaseModel:
+def create_job(r: redis.Redis, spec, owner: str | None = None, tenant: str | None = None, **fields: str) -> BaseModel:
     """Store a new job of the spec's kind as queued and put it on its rq queue (one atomic
     step); the job as created (a worker may have started it already: that is the next GET's
     news). owner: the name of the token that created it (api/auth.py); tenant: set for a
     trainer's job, which may use only that tenant's adapters and files (the worker checks).
-    AdapterNameTaken if another owner's job uses its adapter name."""
+    AdapterNameTaken if another owner's job uses its adapter name. fields: more record fields
+    (the OpenAI API's, shared/openai_jobs.py)."""
     kind = kinds.KINDS[spec.kind]
     job_id = uuid.uuid4().hex
     spec = spec.model_copy(update={"adapter_name": spec.adapter_name or f"{kind.name}-{job_id[:8]}"})
@@ -51,7 +52,7 @@ def create_job(r: redis.Redis, spec, owner: str | None = None, tenant: str | Non
     who = {k: v for k, v in (("owner", owner), ("tenant", tenant)) if v}
     record = lifecycle.create(r, job_id, kind.name, spec, progress=json.dumps(kind.initial_progress), adapter_path=str(path),
                               adapter_ref=adapters.adapter_ref(spec.model_id, spec.adapter_name),
-                              max_attempts=max_attempts(spec.config), **who)
+                              max_attempts=max_attempts(spec.config), **who, **fields)
     return job_from_record(job_id, spec, record)
 
 

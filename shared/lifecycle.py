@@ -5,7 +5,8 @@
     queued             start           running     lease_epoch + 1; lease key (TTL); attempts + 1; a gang job: its
                                                    members by rank (`gang`), each running its rank under the epoch
     queued|running     cancel          cancelled   lease_epoch + 1 (a running worker is fenced out at once and
-                                                   stops at its next check); checkpoint kept; retention
+                                                   stops at its next check); checkpoint kept; retention;
+                                                   a pause (OpenAI's /v1) is a cancel marked `paused`
     queued             requeue         queued      (reconciler) its rq job is gone: a new one pushed
     queued             reroute         queued      a worker cannot fit it, or (reconciler) it waited on a busy or
                                                    gone worker's own queue, or the live workers changed so that it
@@ -19,7 +20,8 @@
     running            lose            queued      worker died, stalled or lease expired: lease_epoch + 1;
                                                    failed_attempts + 1; rq job pushed
     running            lose            failed      ...once failed_attempts reaches max_attempts; retention
-    failed|cancelled   resume          queued      spec replaced; failed_attempts = 0; TTLs removed; rq job pushed
+    failed|cancelled   resume          queued      spec replaced; failed_attempts = 0; `paused` cleared; TTLs removed;
+                                                   rq job pushed
     queued|finished    delete          -           every key of the job deleted (a queued one's rq job too)
     finished           (time)          -           Redis TTLs of MTQ_JOB_RETENTION_S expire every key
 
@@ -127,12 +129,14 @@ def start(r: redis.Redis, job_id: str, worker: str, lease_ttl_s: float, gang: li
     return None if change is None else int(change.fields["lease_epoch"])
 
 
-def cancel(r: redis.Redis, job_id: str) -> bool:
+def cancel(r: redis.Redis, job_id: str, paused: bool = False) -> bool:
     """Cancel a queued or running job at once: a running one's worker is fenced out (it can
-    write nothing more) and stops at its next check. False if the job is unknown or finished."""
+    write nothing more) and stops at its next check. False if the job is unknown or finished.
+    paused: the job is marked `paused` (until it resumes), so that OpenAI's API says so."""
     def decide(rec):
-        return Change("cancelled", {"cancel_requested": 1, "lease_epoch": int(rec.get("lease_epoch", 0)) + 1},
-                      {"type": "cancelled"})
+        fields = {"cancel_requested": 1, "lease_epoch": int(rec.get("lease_epoch", 0)) + 1}
+        return Change("cancelled", {**fields, **({"paused": 1} if paused else {})},
+                      {"type": "cancelled", **({"paused": True} if paused else {})})
 
     return _commit(r, job_id, "cancel", decide) is not None
 
@@ -191,6 +195,7 @@ def resume(r: redis.Redis, job_id: str, spec, overrides: dict, *, max_attempts: 
         if "total_steps" in progress:  # the seed's SFT progress (worker/reports.py)
             progress["total_steps"] = spec.config.iters
         fields = {**spec_fields(spec), "error": None, "finished_at": None, "cancel_requested": None, "need_gb": None,
+                  "paused": None,
                   "failed_attempts": 0, "max_attempts": max_attempts, "progress": json.dumps(progress)}
         event = {"type": "resume_requested", "config_overrides": overrides}
         return Change("queued", fields, event, enqueue=True)

@@ -20,6 +20,7 @@ from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.graders import Grader
 from shared.model_ids import MODEL_ID_RE
 
 REWARD_ENTRY_POINT_GROUP = "mtq.rewards"
@@ -243,10 +244,18 @@ class RewardModelReward(_Source):
     adapter_name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+class GraderReward(_Source):
+    """An OpenAI grader (shared/graders.py) as a reward: each completion is the grader's
+    `sample.output_text`, its prompt item's fields the grader's `item`."""
+
+    type: Literal["grader"] = "grader"
+    grader: Grader
+
+
 RewardSource = Annotated[
     Union[
         LengthReward, RegexReward, ExactMatchReward, ContainsReward, MathAnswerReward,
-        JsonValidReward, PythonReward, EndpointReward, RewardModelReward,
+        JsonValidReward, PythonReward, EndpointReward, RewardModelReward, GraderReward,
     ],
     Field(discriminator="type"),
 ]

@@ -41,6 +41,9 @@ class Settings:
     tokens_file: Path | None = None
     # Operator allow-lists: python reward modules (prefixes) and directories models may be loaded from.
     reward_modules: tuple[str, ...] = ()
+    # OpenAI's python graders (shared/grader_sandbox.py): code sent with a request, so off unless turned on.
+    python_graders: bool = False
+    python_grader_timeout_s: float = 10.0  # wall time per sample (CPU time too)
     model_roots: tuple[Path, ...] = ()
     data_roots: tuple[Path, ...] = ()  # directories whose datasets jobs may name by path (MTQ_DATA_ROOTS)
     # Limits, enforced at submission (API) or while calling a reward server (worker).
@@ -111,6 +114,8 @@ def load_settings() -> Settings:
         redis_timeout_s=_float("MTQ_REDIS_TIMEOUT_S", Settings.redis_timeout_s),
         tokens_file=Path(tokens_file).expanduser() if tokens_file else None,
         reward_modules=_list("MTQ_REWARD_MODULES"),
+        python_graders=os.environ.get("MTQ_PYTHON_GRADERS") == "1",
+        python_grader_timeout_s=_float("MTQ_PYTHON_GRADER_TIMEOUT_S", Settings.python_grader_timeout_s),
         model_roots=tuple(Path(p).expanduser().resolve() for p in _list("MTQ_MODEL_ROOTS", sep=os.pathsep)),
         data_roots=tuple(Path(p).expanduser().resolve() for p in _list("MTQ_DATA_ROOTS", sep=os.pathsep)),
         max_body_bytes=_int("MTQ_MAX_BODY_BYTES", Settings.max_body_bytes),

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from api.auth import Principal
 from api.deps import ADMIN_ERRORS, PrincipalDep, RedisDep, WriterDep, require_token
 from api.json_body import JSONBodyRoute
-from shared import adapters
+from shared import adapters, openai_jobs
 from shared.keys import job_key
 from shared.schemas import Deleted, ErrorBody
 
@@ -85,6 +85,16 @@ def delete_adapter(r: RedisDep, who: WriterDep, body: AdapterRef | None = None) 
     if not adapters.delete(r, body.model_id, body.adapter_name):
         raise HTTPException(status.HTTP_404_NOT_FOUND, "Adapter not found")
     return Deleted()
+
+
+@router.get("/{name}/download", response_class=Response,
+            responses={200: {"content": {"application/gzip": {}}, "description": "As below."}, **NOT_FOUND},
+            summary="Download an OpenAI job's adapter by its fine-tuned model's name (ft:..., docs/openai.md)")
+def download_fine_tuned(name: str, r: RedisDep, who: PrincipalDep) -> Response:
+    found = openai_jobs.fine_tuned_adapter(r, name)
+    if found is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, "Adapter not found")
+    return download_adapter(*found, r, who)
 
 
 @router.get("/{model_id:path}/{adapter_name}/download", response_class=Response,

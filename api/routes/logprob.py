@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import Principal
 from api.deps import ADMIN_ERRORS, AsyncRedisDep, PrincipalDep, RedisDep, SettingsDep, WriterDep, require_token
 from api.json_body import JSONBodyRoute
-from shared import scoring
+from shared import openai_jobs, scoring
 from shared.adapters import adapter_ref
 from shared.keys import ADAPTERS_INDEX, job_key
 from shared.model_ids import model_id_error
@@ -135,6 +135,16 @@ async def check_adapter(ar, who, model_id: str, adapter_name: str) -> str:
     return job_id.decode()
 
 
+async def fine_tuned(ar, req: ScoreRequest) -> ScoreRequest:
+    """The request with a fine-tuned model's name (ft:...) read as its base model and adapter."""
+    job_id = openai_jobs.job_id_of(req.model_id)
+    values = await ar.hmget(job_key(job_id), openai_jobs.NAME_FIELDS) if job_id and job_id.isalnum() else []
+    found = openai_jobs.adapter_of(req.model_id, dict(zip((f.encode() for f in openai_jobs.NAME_FIELDS), values)))
+    if found is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"Model not found: {req.model_id[:200]}")
+    return req.model_copy(update={"model_id": found[0], "adapter_name": found[1]})
+
+
 WAIT_SLICE_S = 1.0  # one BLPOP of the wait for an answer: below the client's socket timeout (MTQ_REDIS_TIMEOUT_S)
 
 
@@ -180,6 +190,8 @@ def _answer(record: dict, request_id: str, single: bool) -> Any:
              responses={200: {"model": TokenScores | BatchScores}, 202: {"model": Pending}})
 async def score(request: Request, r: RedisDep, ar: AsyncRedisDep, settings: SettingsDep, who: WriterDep):
     req, single = parse_request(await request.json())
+    if req.model_id.startswith("ft:") and req.adapter_name is None:  # an OpenAI job's fine-tuned model (docs/openai.md)
+        req = await fine_tuned(ar, req)
     if error := model_id_error(req.model_id, settings):
         raise HTTPException(status.HTTP_400_BAD_REQUEST, error)
     check_chars(sum(len(str(it.prompt)) + len(it.completion) for it in req.items), settings)

@@ -9,6 +9,7 @@ import httpx
 import numpy as np
 from pydantic import ValidationError
 
+from shared import grader_sandbox, graders
 from shared.reward_specs import EndpointReward, LengthReward, compile_regex
 from shared.schemas import JobCreate, PromptItem
 from shared.settings import Settings, load_settings
@@ -82,10 +83,39 @@ def bind_reward_model(source, scorer: "RewardScorer") -> RewardFn:
     return reward_model
 
 
+def bind_grader(source, scorer: "RewardScorer") -> RewardFn:
+    """An OpenAI grader: each completion is its sample, the prompt item's fields its item; a
+    sample it cannot score (a missing template variable, a python grader that raised) scores
+    0, as OpenAI scores it. score_model graders ask the job's reward models (as reward_model
+    sources do)."""
+    if graders.uses_python(source.grader) and not scorer.settings.python_graders:
+        raise RewardError("python graders are off on this worker (MTQ_PYTHON_GRADERS=1 turns them on)")
+
+    def run_python(code: str, sample: dict, item: dict) -> float:
+        return grader_sandbox.run_grader(code, sample, item, scorer.settings.python_grader_timeout_s)[0]
+
+    def judge(model_id: str, adapter_name: str, prompt: str, completion: str) -> float:
+        if scorer.reward_model is None:
+            raise RewardError("score_model graders are scored by a worker's training process")
+        return scorer.reward_model(scorer.settings, model_id, adapter_name, [prompt], [completion])[0]
+
+    def one(completion: str, item: dict) -> float:
+        try:
+            return graders.score(source.grader, completion, item, run_python, judge)[0]
+        except graders.GraderError:
+            return 0.0
+
+    def grade(b: ScoringBatch) -> list[Reward]:
+        items = b.per_completion([item.model_extra or {} for item in b.items])
+        return [one(c, item) for c, item in zip(b.flat_completions(), items)]
+
+    return grade
+
+
 BINDERS: dict[str, Callable[..., RewardFn]] = {
     "length": bind_length, "regex": bind_regex, "exact_match": bind_exact_match, "contains": bind_contains,
     "math_answer": bind_math_answer, "json_valid": bind_json_valid, "python": bind_python,
-    "endpoint": bind_endpoint, "reward_model": bind_reward_model,
+    "endpoint": bind_endpoint, "reward_model": bind_reward_model, "grader": bind_grader,
 }
 
 

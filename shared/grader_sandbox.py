@@ -1,0 +1,81 @@
+"""Python graders (`grade(sample, item) -> float`, OpenAI's contract) in a subprocess of their own,
+only where the operator sets MTQ_PYTHON_GRADERS=1 (Settings.python_graders; the callers check).
+
+The child is `python -I` (no site, no environment, no user directory) in an empty temporary
+directory that it may write to, with OpenAI's bounds as rlimits: CPU seconds, address space,
+bytes per file written, open files, and no new processes; the parent kills it past its wall
+time (MTQ_PYTHON_GRADER_TIMEOUT_S). An audit hook installed before the source is compiled refuses sockets, new processes,
+ctypes, and opening a file for writing outside its directory (audit hooks cannot be removed).
+Whatever goes wrong in the child (an exception, a limit, a non-number) scores 0, as OpenAI
+scores it; the reason is returned for graders/run's metadata.
+"""
+
+import functools
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+
+MEMORY_BYTES = 1 << 30
+FILE_BYTES = 1 << 20
+MAX_OUTPUT = 1 << 16
+
+CHILD = r"""
+import json, os, sys
+here = os.path.realpath(os.getcwd())
+BLOCKED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.kill",
+           "ctypes.", "pty.", "_posixsubprocess")
+def hook(event, args):
+    if event == "import" and args[0] in ("ctypes", "_ctypes", "socket", "_socket"):
+        raise PermissionError(f"importing {args[0]} is not allowed in a python grader")
+    if event.startswith(BLOCKED):
+        raise PermissionError(f"{event} is not allowed in a python grader")
+    if event == "open":
+        path, mode, flags = args
+        writes = (any(c in mode for c in "wax+") if isinstance(mode, str)
+                  else bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC)))
+        if writes and not isinstance(path, int) and not os.path.realpath(os.fspath(path)).startswith(here + os.sep):
+            raise PermissionError(f"a python grader may write only inside its directory, not {path!r}")
+task = json.loads(sys.stdin.read())
+sys.addaudithook(hook)
+namespace = {}
+exec(compile(task["source"], "<grader>", "exec"), namespace)
+value = namespace["grade"](task["sample"], task["item"])
+sys.stdout.write("\n" + json.dumps(float(value)))
+"""
+
+
+def _limits(cpu: int) -> None:
+    limits = [(resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, MEMORY_BYTES), (resource.RLIMIT_FSIZE, FILE_BYTES),
+              (resource.RLIMIT_NOFILE, 64)]
+    if os.geteuid() != 0:  # root ignores RLIMIT_NPROC; the audit hook refuses new processes anyway
+        limits.append((resource.RLIMIT_NPROC, 0))
+    for which, value in limits:
+        try:
+            resource.setrlimit(which, (value, value))
+        except (ValueError, OSError):  # macOS refuses to lower RLIMIT_AS; the wall time still bounds the child
+            pass
+
+
+def run_grader(source: str, sample: dict, item: dict, limit: float) -> tuple[float, str | None]:
+    """(score, why it is 0 or None): the source's grade(sample, item) run in the sandbox for at
+    most `limit` seconds."""
+    task = json.dumps({"source": source, "sample": sample, "item": item})
+    with tempfile.TemporaryDirectory(prefix="mtq-grader-") as workdir:
+        try:
+            done = subprocess.run([sys.executable, "-I", "-c", CHILD], input=task, capture_output=True, text=True,
+                                  cwd=workdir, timeout=limit,
+                                  preexec_fn=functools.partial(_limits, max(1, math.ceil(limit))), env={"PATH": "/usr/bin:/bin"})
+        except subprocess.TimeoutExpired:
+            return 0.0, f"the grader ran past its time limit ({limit:g} s, MTQ_PYTHON_GRADER_TIMEOUT_S)"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return 0.0, last[:500]
+    try:
+        value = float(json.loads(done.stdout[-MAX_OUTPUT:].rsplit("\n", 1)[-1]))
+    except (ValueError, IndexError):
+        return 0.0, "grade() did not return a number"
+    return (value, None) if value == value and abs(value) != float("inf") else (0.0, "grade() returned a non-finite number")
