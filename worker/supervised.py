@@ -18,7 +18,8 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.tuner.utils import build_schedule
 from mlx_lm.utils import save_config, save_model
 
@@ -37,22 +38,36 @@ HISTORY_METRICS = ("loss", "learning_rate", "step_time")
 # --------------------------------------------------------------------------- the trainer
 
 
-def value_and_grad_step(module: nn.Module, loss_fn: Callable, micro_batches: list[tuple]) -> tuple[dict, dict]:
-    """Average the loss, metrics and gradients of a step's micro-batches (gradient
-    accumulation: the same update as one batch of all their rows, for equal sizes)."""
+def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int, compiled: bool = True) -> Callable:
+    """One micro-batch of an optimizer step, as mlx_lm's trainer makes its step: compiled with
+    the model's, the optimizer's and the random state as inputs and outputs, so that the
+    forward, backward and update are one graph MLX simplifies and fuses. Gradient
+    accumulation sums the micro-batches' gradients (and metrics), then averages them: the
+    same update as one batch of all their rows, for equal sizes.
+
+        step(arrays, running, do_update) -> (running, metrics)
+        running: the summed (gradients, metrics) so far (None at the first micro-batch);
+        do_update: the last micro-batch: the mean gradient's norm, then the update."""
     vg = nn.value_and_grad(module, loss_fn)
-    total, metrics = None, {}
-    n = len(micro_batches)
-    for args in micro_batches:
-        (loss, stats), grads = vg(module, *args)
-        total = grads if total is None else tree_map(lambda a, b: a + b, total, grads)
-        for k, v in {"loss": loss, **stats}.items():
-            metrics[k] = metrics.get(k, 0.0) + v / n
-        mx.eval(total, metrics)
-    grads = {k: v / n for k, v in tree_flatten(total)}
-    grad_norm = mx.sqrt(sum((g * g).sum() for g in grads.values()))
-    metrics["grad_norm"] = grad_norm
-    return {k: float(v.item()) for k, v in metrics.items()}, tree_unflatten(list(grads.items()))
+
+    def step(arrays, running, do_update: bool):
+        (loss, stats), grads = vg(module, *arrays)
+        metrics = {"loss": loss, **stats}
+        if running is not None:
+            grads = tree_map(mx.add, grads, running[0])
+            metrics = {k: v + running[1][k] for k, v in metrics.items()}
+        if not do_update:
+            return (grads, metrics), None
+        grads = tree_map(lambda g: g / accumulation, grads)
+        metrics = {k: v / accumulation for k, v in metrics.items()}
+        metrics["grad_norm"] = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
+        optimizer.update(module, grads)
+        return None, metrics
+
+    if not compiled:
+        return step
+    state = [module.state, optimizer.state, mx.random.state]
+    return mx.compile(step, inputs=state, outputs=state)
 
 
 class Trainer:
@@ -62,6 +77,8 @@ class Trainer:
 
     module: nn.Module
     truncated = 0  # rows cut to max_seq_length
+    reference: ReferenceLogps | None = None  # log-probs kept with the checkpoint (DPO's reference)
+    compiled = True  # the step compiled (make_step); the benchmark and a test compare it with the plain one
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, train: list, valid: list | None):
         self.module, self.cfg, self.train_rows, self.valid_rows = module, cfg, train, valid
@@ -69,6 +86,7 @@ class Trainer:
         # mlx_lm's trainer's optimizers, as the seed server's SFT uses them: no bias correction.
         self.optimizer = make_optimizer(cfg.optimizer, lr, weight_decay=cfg.weight_decay)
         self.optimizer.init(module.trainable_parameters())
+        self.micro_step, self.micro_step_state = None, None  # made at the first step (make_step), below
 
     def step(self, state: TrainState, on_finite_loss: Callable[[], None] = lambda: None) -> dict[str, float]:
         """One optimizer step; on_finite_loss is called once the current weights gave a finite
@@ -79,13 +97,19 @@ class Trainer:
         mx.random.seed(step_seed(cfg.seed, state.step))  # LoRA dropout
         micro = [self.arrays(ids, self.train_rows) for ids in
                  batch_rows(len(self.train_rows), cfg.batch_size, state.step, cfg.grad_accumulation_steps, cfg.seed)]
+        if self.micro_step_state is not self.optimizer.state:  # a checkpoint's restore put in a new state
+            self.micro_step = make_step(self.module, self.optimizer, self.loss, len(micro), self.compiled)
+            self.micro_step_state = self.optimizer.state
         self.module.train()
-        metrics, grads = value_and_grad_step(self.module, self.loss, [arrays for arrays, _ in micro])
+        running = None
+        for k, (arrays, _) in enumerate(micro):
+            running, metrics = self.micro_step(arrays, running, k == len(micro) - 1)
+            mx.eval(running if running is not None else (metrics, self.module.state, self.optimizer.state))
         self.module.eval()
+        metrics = {k: float(v.item()) for k, v in metrics.items()}
+        # A non-finite loss fails the job; the update it made is never checkpointed (on_finite_loss is not called).
         check_finite(metrics["loss"], metrics["grad_norm"], state.step + 1)
         on_finite_loss()
-        self.optimizer.update(self.module, grads)
-        mx.eval(self.module.trainable_parameters(), self.optimizer.state)
         n_tokens = sum(n for _, n in micro)
         state.step += 1
         state.num_tokens += n_tokens
@@ -128,6 +152,38 @@ def pair_rows(tokenizer, pairs: list[dict], max_len: int) -> tuple[Rows, Rows, i
     return chosen, rejected, n1 + n2
 
 
+class ReferenceLogps:
+    """Each example's sequence log-probs under the reference policy (the base: the LoRA off),
+    computed at the example's first use and kept, since the reference never changes. They go
+    with the job's checkpoint (worker/checkpoints.py), so a resumed job neither recomputes
+    them nor gets other numbers. One table per split: rows of `width` log-probs (a pair's
+    chosen and rejected), NaN until computed."""
+
+    def __init__(self, sizes: dict[str, int], width: int):
+        self.tables = {split: np.full((n, width), np.nan, np.float32) for split, n in sizes.items()}
+        self.computed = 0  # examples computed by this process (tests count them)
+
+    def get(self, split: str, ids: list[int], compute: Callable[[list[int]], mx.array]) -> mx.array:
+        """The log-probs of examples `ids`, column by column ((width x len(ids),): all chosen,
+        then all rejected); compute(missing) gives those of examples not seen yet, in that order."""
+        table = self.tables[split]
+        missing = sorted({i for i in ids if np.isnan(table[i, 0])})
+        if missing:
+            table[missing] = np.array(compute(missing)).reshape(table.shape[1], len(missing)).T
+            self.computed += len(missing)
+        return mx.array(table[ids].T.reshape(-1))
+
+    def arrays(self) -> dict[str, mx.array]:
+        """A copy, for a checkpoint."""
+        return {split: mx.array(table) for split, table in self.tables.items()}
+
+    def restore(self, arrays: dict[str, mx.array]) -> None:
+        """A checkpoint's tables, where they fit this job's datasets (else they are computed again)."""
+        for split, a in arrays.items():
+            if split in self.tables and a.shape == self.tables[split].shape:
+                self.tables[split] = np.array(a)
+
+
 class PreferenceTrainer(Trainer):
     """Rows of pairs: a batch is its pairs' chosen rows, then their rejected rows."""
 
@@ -136,6 +192,9 @@ class PreferenceTrainer(Trainer):
         self.valid_tok = pair_rows(tokenizer, valid, cfg.max_seq_length) if valid else None
         self.truncated = self.train_tok[2] + (self.valid_tok[2] if self.valid_tok else 0)
         super().__init__(module, cfg, train, valid)
+
+    def split(self, rows: list[dict]) -> str:
+        return "train" if rows is self.train_rows else "valid"
 
     def padded(self, ids: list[int], rows: list[dict]):
         chosen, rejected, _ = self.train_tok if rows is self.train_rows else self.valid_tok
@@ -199,6 +258,7 @@ def load(job, spec, settings, make_trainer: Callable, fine_tune_type: str = "lor
                 steps_per_report=cfg.steps_per_report, evaluate=trainer.evaluate if valid else None,
                 steps_per_eval=cfg.steps_per_eval,
                 serves_scoring=not private,  # scoring requests use the shared copy: a private job leaves them to idle workers
+                reference=trainer.reference,
             )
     finally:
         remove_adapter_layers(model)  # the process keeps a shared model for the next job
