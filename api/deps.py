@@ -84,6 +84,9 @@ AsyncRedisDep = Annotated[redis.asyncio.Redis, Depends(get_async_redis)]
 _bearer = HTTPBearer(auto_error=False, description="A token of MTQ_TOKENS_FILE, or MTQ_API_TOKEN (admin).")
 
 
+UNAUTHORIZED = "Admin authentication required"  # the seed server's words for a missing or wrong key
+
+
 def _unauthorized(detail: str) -> HTTPException:
     return HTTPException(status.HTTP_401_UNAUTHORIZED, detail, headers={"WWW-Authenticate": "Bearer"})
 
@@ -147,10 +150,11 @@ def check_token(presented: str | None) -> Principal:
     tokens = get_tokens()
     if not tokens:
         # Fail closed: no token configured must not mean "no auth".
-        raise _unauthorized("the server has no API token configured (set MTQ_API_TOKEN or MTQ_TOKENS_FILE); /admin is disabled")
+        raise _unauthorized(f"{UNAUTHORIZED}: the server has no API token configured (set MTQ_API_TOKEN or "
+                            "MTQ_TOKENS_FILE); /admin is disabled")
     principal = None if presented is None else authenticate(tokens, presented)
     if principal is None:
-        raise _unauthorized("missing or invalid bearer token")
+        raise _unauthorized(UNAUTHORIZED)
     return principal
 
 

@@ -75,20 +75,27 @@ def readable(error: dict) -> str:
     """One validation error in words, with the seed server's wording where it has one."""
     where, *path = error["loc"]
     field = ".".join(str(p) for p in path)
-    if where == "body" and path == ["model_id"] and error["type"] == "missing":
+    msg = error["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+    if where != "body":
+        name = {"query": "query parameter ", "header": "header ", "path": "path parameter "}.get(str(where), "")
+        return f"{name}{field}: {msg}"
+    if path == ["model_id"] and error["type"] in ("missing", "string_too_short"):
         return "model_id is required"
-    if where == "body" and path == ["prompts"] and error["type"] in ("missing", "too_short", "list_type"):
+    if path == ["prompts"] and error["type"] in ("missing", "too_short", "list_type"):
         return "prompts (non-empty list) required"
-    if where == "body" and path[:1] == ["prompts"] and len(path) > 1:  # one error per union branch: say it once
+    if path[:1] == ["prompts"] and len(path) > 1:  # one error per union branch: say it once
         return f"prompts[{path[1]}] must be a string, a list of chat messages or an item {{prompt, ...}}"
-    if where == "body" and path[:1] == ["config"]:
+    if path == ["preference_pairs"] and error["type"] in ("missing", "too_short", "list_type"):
+        return "preference_pairs (non-empty list) required"
+    if path[:1] == ["preference_pairs"] and len(path) > 1:
+        return f"preference_pairs[{path[1]}] must have prompt/chosen/rejected ({'.'.join(map(str, path[2:])) or 'pair'}: {msg})"
+    if path[:1] == ["config"]:
         if error["type"] == "extra_forbidden":
             return f"Invalid config: unknown field {path[-1]!r}"
-        return f"Invalid config: {field.removeprefix('config').lstrip('.') or 'config'}: {error['msg']}"
-    if where == "body" and not path:
-        return "request body is required" if error["type"] == "missing" else error["msg"]
-    name = {"query": "query parameter ", "header": "header ", "path": "path parameter "}.get(str(where), "")
-    return f"{name}{field}: {error['msg']}"
+        return f"Invalid config: {field.removeprefix('config').lstrip('.') + ': ' if len(path) > 1 else ''}{msg}"
+    if not path:
+        return "request body is required" if error["type"] == "missing" else msg
+    return f"{field}: {msg}"
 
 
 @app.exception_handler(RequestValidationError)

@@ -2,21 +2,35 @@
 (shared/settings.py), and what the submitting token may use (its own files and reward models).
 Checked on create, and on resume with the changed config; each family of kinds
 (shared/kinds.py) has its check: `check_spec` GRPO's, `check_datasets` the supervised kinds'.
-Both answer 400 (api/routes/job_routes.py FAMILIES says in which form)."""
+Both answer 400 (api/routes/job_routes.py FAMILIES says in which form).
 
-from fastapi import HTTPException, status
+Before those checks a new spec is `prepared`: its init_adapter resolved to the job whose
+adapter it names (checked against the job's shape: 400; a source this token may not see: 404),
+and a GRPO job's reward endpoint that is this service's own reward/score route made a
+`reward_model` source, scored on the job's worker without HTTP (own_reward_model)."""
+
+import json
+from urllib.parse import parse_qs
+
+from fastapi import HTTPException, Request, status
 from fastapi.exceptions import RequestValidationError
 
 from api.auth import Principal
 from shared import adapters
+from shared.adapters import CONFIG_FILE, adapter_shape, shape_mismatches
 from shared.datasets import FileRef, file_meta, load_rows, path_error
+from shared.keys import adapter_key, job_key
 from shared.kinds import KINDS
-from shared.keys import job_key
 from shared.model_ids import model_id_error
-from shared.reward_specs import (PythonReward, RegexReward, RewardModelReward, disallowed_endpoint_hosts, endpoint_urls,
-                                 python_reward_error)
-from shared.schemas import JobCreate, prompt_chars
+from shared.reward_specs import (
+    EndpointReward, PythonReward, RegexReward, RewardModelReward, disallowed_endpoint_hosts, endpoint_urls,
+    parse_reward_url, python_reward_error,
+)
+from shared.schemas import InitAdapter, JobCreate, prompt_chars
 from shared.settings import Settings
+
+REWARD_SCORE_PATH = "/admin/api/fine-tune/reward/score"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def common_errors(spec, settings: Settings) -> list[str]:
@@ -97,6 +111,8 @@ def check_datasets(r, spec, settings: Settings, who: Principal, loc: tuple = ("b
             meta = file_meta(r, ref.file_id)
             if meta is None or not who.sees(meta.get("owner")):
                 errors.append(f"{name}: file {ref.file_id} not found")
+            elif meta.get("purpose") == "adapter":
+                errors.append(f"{name}: file {ref.file_id} is an adapter (purpose adapter), not a dataset")
             else:
                 try:
                     rows = load_rows(r, ref, settings, spec.row_format, name)
@@ -115,3 +131,89 @@ def check_datasets(r, spec, settings: Settings, who: Principal, loc: tuple = ("b
         errors.append(f"preference_pairs: {len(spec.preference_pairs)} rows; the limit is {settings.max_prompts} (MTQ_MAX_PROMPTS)")
     if errors:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, "; ".join(errors))
+
+
+# --------------------------------------------------------------------------- preparing a new spec
+
+
+def prepared(r, spec, who: Principal, request: Request):
+    """The spec as it is stored: init_adapter resolved, this service's reward/score as a reward model."""
+    if spec.init_adapter is not None:
+        spec = spec.model_copy(update={"init_adapter": resolved_init_adapter(r, spec, who)})
+    if isinstance(spec, JobCreate):
+        spec = with_own_reward_model(spec, own_addresses(request))
+    return spec
+
+
+def resolved_init_adapter(r, spec, who: Principal) -> InitAdapter:
+    """The init_adapter with the job it names (an upload: as it is), after checking that its
+    shape is the job's (400 naming the fields) and that this token may see it (else 404)."""
+    init, cfg = spec.init_adapter, spec.config
+    if init.file_id is not None:
+        meta = file_meta(r, init.file_id)
+        if meta is None or not who.sees(meta.get("owner")):
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"init_adapter: file {init.file_id} not found")
+        if meta.get("purpose") != "adapter":
+            raise HTTPException(status.HTTP_400_BAD_REQUEST, f"init_adapter: file {init.file_id} is not an adapter "
+                                "(upload it with ?purpose=adapter)")
+        where, shape = f"file {init.file_id}", adapter_shape(meta["adapter"]["config"], meta["adapter"])
+    else:
+        job_id = init.job_id or adapters.find(r, init.model_id, init.adapter_name)
+        raw_spec, owner, job_status = r.hmget(job_key(job_id), "spec", "owner", "status") if job_id else (None,) * 3
+        config = job_id and r.hget(adapter_key(job_id), CONFIG_FILE)
+        if not config or job_status != b"completed" or not who.sees(owner and owner.decode()):
+            what = f"job {init.job_id}" if init.job_id else f"{init.model_id}/{init.adapter_name}"
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"init_adapter: Adapter not found: {what}")
+        source = json.loads(raw_spec)
+        if source["model_id"] != spec.model_id:
+            raise HTTPException(status.HTTP_400_BAD_REQUEST, f"init_adapter: job {job_id}'s adapter was trained on "
+                                f"{source['model_id']!r}, this job's model is {spec.model_id!r}")
+        init = InitAdapter(job_id=job_id, model_id=source["model_id"], adapter_name=source["adapter_name"])
+        where, shape = f"job {job_id}'s adapter", adapter_shape(json.loads(config))
+    errors = shape_mismatches(cfg, getattr(cfg, "fine_tune_type", "lora"), shape)
+    if errors:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"init_adapter: {where} does not fit this job: " + "; ".join(errors))
+    return init
+
+
+def own_addresses(request: Request) -> set[tuple[str, int]]:
+    """(host, port) pairs that reach this API: the one the client used, and loopback on the
+    port this server listens on."""
+    url = request.url
+    own = {(url.hostname or "", url.port or (443 if url.scheme == "https" else 80))}
+    server = request.scope.get("server")
+    if server:
+        own |= {(host, server[1]) for host in LOOPBACK}
+    return own
+
+
+def own_reward_model(url: str, own: set[tuple[str, int]]) -> RewardModelReward | None:
+    """The reward model a reward URL names, if it is this service's reward/score route
+    (`?model_id=M&adapter_name=A` names it: the seed's {prompt, completions} body has no room)."""
+    try:
+        parsed = parse_reward_url(url)
+    except ValueError:
+        return None  # the checks below say why
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    if parsed.path.rstrip("/") != REWARD_SCORE_PATH or (parsed.host.lower(), port) not in own:
+        return None
+    query = {k: v[0] for k, v in parse_qs(parsed.query.decode()).items()}
+    if not query.get("model_id") or not query.get("adapter_name"):
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"reward endpoint {url}: this service's reward/score route as a "
+                            "reward endpoint needs ?model_id=...&adapter_name=... (the reward model to score with)")
+    try:
+        return RewardModelReward(model_id=query["model_id"], adapter_name=query["adapter_name"], name="endpoint")
+    except ValueError as e:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"reward endpoint {url}: {e}") from None
+
+
+def with_own_reward_model(spec: JobCreate, own: set[tuple[str, int]]) -> JobCreate:
+    """The spec with each reward endpoint of this service's reward/score as the reward model it names."""
+    if spec.reward is None:
+        source = spec.config.reward_endpoint and own_reward_model(spec.config.reward_endpoint, own)
+        return spec.model_copy(update={"reward": [source]}) if source else spec
+    sources = []
+    for s in spec.reward:
+        mine = own_reward_model(s.url, own) if isinstance(s, EndpointReward) else None
+        sources.append(s if mine is None else mine.model_copy(update={"name": s.name or "endpoint", "weight": s.weight}))
+    return spec.model_copy(update={"reward": sources})

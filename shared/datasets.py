@@ -36,7 +36,7 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class PreferencePair(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # other columns are kept, as the seed server keeps them
     prompt: str = Field(..., min_length=1)
     chosen: str = Field(..., min_length=1)
     rejected: str = Field(..., min_length=1)
@@ -174,16 +174,15 @@ def parse_jsonl(content: bytes, where: str) -> list[dict]:
 
 
 def store_file(r: redis.Redis, content: bytes, filename: str, owner: str | None, retention_s: int,
-               quota: int | None = None) -> dict:
-    """Store an uploaded JSON Lines file (rows checked to be JSON objects; their format is
-    checked when a job uses the file). Returns its metadata. QuotaExceeded when the owner's
-    live files and this one would take more than `quota` bytes."""
+               quota: int | None = None, **fields: Any) -> dict:
+    """Store an uploaded file with its metadata (fields: what its purpose's check found: a
+    dataset's `rows`, an adapter's `adapter` summary). Returns the metadata. QuotaExceeded when
+    the owner's live files and this one would take more than `quota` bytes."""
     from redis import WatchError  # here, as in shared/adapters.py: the trainers import this module without redis
 
-    rows = parse_jsonl(content, filename or "file")
     file_id = f"file-{uuid.uuid4().hex}"
-    meta = {"id": file_id, "object": "file", "filename": filename, "bytes": len(content), "rows": len(rows),
-            "created_at": time.time(), "owner": owner}
+    meta = {"id": file_id, "object": "file", "filename": filename, "bytes": len(content), "created_at": time.time(),
+            "owner": owner, **fields}
     with r.pipeline() as p:
         while True:
             try:

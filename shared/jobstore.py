@@ -46,10 +46,10 @@ def create_job(r: redis.Redis, spec, owner: str | None = None, tenant: str | Non
     if not adapters.claim_name(r, spec.model_id, spec.adapter_name, job_id, owner):
         raise AdapterNameTaken(f"adapter_name {spec.adapter_name!r} of model {spec.model_id!r} is used by another "
                                "owner's job; choose another name")
-    # As the seed server: the adapter's path is known from the start, progress is {} until a step.
+    # As the seed server: the adapter's path is known from the start; progress is the kind's until a step.
     path = adapter_dir(load_settings(), spec.model_id, spec.adapter_name)
     who = {k: v for k, v in (("owner", owner), ("tenant", tenant)) if v}
-    record = lifecycle.create(r, job_id, kind.name, spec, progress="{}", adapter_path=str(path),
+    record = lifecycle.create(r, job_id, kind.name, spec, progress=json.dumps(kind.initial_progress), adapter_path=str(path),
                               adapter_ref=adapters.adapter_ref(spec.model_id, spec.adapter_name),
                               max_attempts=max_attempts(spec.config), **who)
     return job_from_record(job_id, spec, record)
@@ -91,12 +91,12 @@ def _record_fields(job_id: str, rec: dict[str, str], model_id: str, adapter_name
     return dict(
         job_id=job_id, kind=kind.name, model_id=model_id, adapter_name=adapter_name,
         adapter_path=rec.get("adapter_path") or str(adapter_dir(load_settings(), model_id, adapter_name)),
-        status=rec["status"], created_at=float(rec["created_at"]), started_at=num("started_at", default=0.0),
-        finished_at=num("finished_at", default=0.0), error=rec.get("error") or "",
-        progress=json.loads(rec.get("progress") or "{}"), phase=phase, phase_note=phase_note,
+        status=rec["status"], created_at=float(rec["created_at"]), started_at=num("started_at", default=kind.unset_time),
+        finished_at=num("finished_at", default=kind.unset_time), error=rec.get("error") or "",
+        progress=json.loads(rec.get("progress") or "null") or kind.initial_progress, phase=phase, phase_note=phase_note,
         waiting_for_worker=rec.get("waiting_for_worker"), worker=rec.get("worker"),
         checkpoint_step=num("checkpoint_step", int), attempts=num("attempts", int, 0),
-        failed_attempts=num("failed_attempts", int, 0), max_attempts=num("max_attempts", int) or spec.config.max_attempts,
+        failed_attempts=num("failed_attempts", int, 0), max_attempts=num("max_attempts", int, 3),
         resumed_from=num("resumed_from", int), owner=rec.get("owner"),
     )
 
@@ -149,9 +149,9 @@ def list_jobs(
 ) -> tuple[list[BaseModel], bool]:
     """Jobs newest first, each its job object (summary: its JobSummary) or an UnreadableJob.
     `after` is the last job_id of the previous page; `owner`: only the jobs of that token name;
-    `kind`: only that kind's. max_bytes: the page ends before the job whose spec would take
-    its specs past this many bytes (one job at least); the second value then says True, more
-    follow, as it does when `limit` ends the page."""
+    `kind`: only the jobs its routes read (its route_kinds). max_bytes: the page ends before the
+    job whose spec would take its specs past this many bytes (one job at least); the second
+    value then says True, more follow, as it does when `limit` ends the page."""
     start = 0
     if after is not None:
         rank = r.zrevrank(JOBS_INDEX, after)
@@ -180,7 +180,7 @@ def list_jobs(
                 continue
             if owner is not None and h.get(b"owner") != owner.encode():
                 continue
-            if kind is not None and of_kind(h.get(b"kind")) != kind.name:
+            if kind is not None and of_kind(h.get(b"kind")) not in kind.route_kinds:
                 continue
             size += ENTRY_BYTES + (0 if summary else spec_bytes)
             if len(jobs) == limit or (jobs and max_bytes is not None and size > max_bytes):

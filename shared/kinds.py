@@ -17,7 +17,12 @@ input gets the seed server's GRPO messages); the supervised kinds train on rows 
 datasets (the estimate reads batch_size x rows_per_example rows of max_seq_length).
 
 A kind's step events are `<kind>_step`; their `iter` counts from `first_step`: the seed
-server's GRPO numbers a step's event by its 0-based index, mlx_lm reports completed steps.
+server's GRPO, DPO, ORPO and reward jobs number a step's event by its 0-based index, mlx_lm
+reports completed steps. What the seed's clients read besides this project's fields is here
+too: a kind's `seed_aliases` (its metrics under the seed's names, in progress and step
+events), an SFT job's mlx_lm reports (`mlx_reports`: worker/reports.py), its progress at
+creation and its times before they happen (`unset_time`); and the kinds whose jobs its routes
+read (`route_kinds`: the seed serves ORPO jobs under /dpo/jobs too).
 Its `charts` are the curves `mtq plot` and the web page draw from them (and from the `eval`
 events, whose `iter` counts completed steps); the first chart's first metric is the one
 `mtq jobs` and `mtq watch` show (`headline`). The client commands and the web page (through
@@ -29,7 +34,9 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from shared.schemas import Job, JobCreate
-from shared.train_specs import DPOJobCreate, KTOJobCreate, ORPOJobCreate, RewardJobCreate, SFTJobCreate, TrainJob
+from shared.train_specs import (
+    DPOJobCreate, KTOJobCreate, ORPOJobCreate, PreferenceJob, RewardJobCreate, SFTJob, SFTJobCreate, SFTProgress, TrainJob,
+)
 
 LORA_SHAPE = ("lora_rank", "lora_layers", "lora_alpha")
 
@@ -79,10 +86,22 @@ class Kind:
     charts: tuple[Chart, ...]  # its curves (above)
     rows_per_example: int = 1  # supervised: token rows a training example takes in a step (a pair: 2)
     first_step: int = 1  # the `iter` of its first step event
+    seed_aliases: tuple[tuple[str, str], ...] = ()  # (the seed's name, this project's metric), in progress and step events
+    mlx_reports: bool = False  # mlx_lm's reports: the seed SFT's progress and train_loss / val_loss / completed events
+    unset_time: float | None = 0.0  # started_at / finished_at before they happen
+    also_reads: tuple[str, ...] = ()  # other kinds whose jobs its routes read, list and stream
 
     @property
     def step_event(self) -> str:
         return f"{self.name}_step"
+
+    @property
+    def route_kinds(self) -> tuple[str, ...]:
+        return (self.name, *self.also_reads)
+
+    @property
+    def initial_progress(self) -> dict:
+        return SFTProgress().model_dump() if self.mlx_reports else {}
 
     @property
     def headline(self) -> str:
@@ -90,23 +109,31 @@ class Kind:
 
 
 def _supervised(spec_model: type[BaseModel], prefix: str, tag: str, what: str, worker_module: str,
-                charts: tuple[Chart, ...], rows_per_example: int, shape_fields: tuple[str, ...] = LORA_SHAPE) -> Kind:
-    return Kind(spec_model.kind, prefix, tag, what, spec_model, TrainJob, shape_fields, worker_module, "supervised",
-                charts, rows_per_example)
+                charts: tuple[Chart, ...], rows_per_example: int, shape_fields: tuple[str, ...] = LORA_SHAPE,
+                job_model: type[BaseModel] = PreferenceJob, **seed) -> Kind:
+    return Kind(spec_model.kind, prefix, tag, what, spec_model, job_model, shape_fields, worker_module, "supervised",
+                charts, rows_per_example, **seed)
 
+
+# The seed's DPO / ORPO / reward step events and progress: {iter, total_iters, loss, reward_margin, acc_chosen} (+ n_pairs).
+PAIR_METRICS = (("reward_margin", "rewards/margins"), ("acc_chosen", "rewards/accuracies"), ("n_pairs", "examples"))
+PREFERENCE_SEED = dict(first_step=0, seed_aliases=PAIR_METRICS)
 
 # Each spec model names its kind (its `kind` ClassVar); this is the list of them.
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind(JobCreate.kind, "/admin/api/fine-tune/grpo/jobs", "GRPO jobs", "a GRPO job", JobCreate, Job, LORA_SHAPE,
          "worker.grpo_job", "grpo", GRPO_CHARTS, first_step=0),
     _supervised(SFTJobCreate, "/admin/api/fine-tune/jobs", "SFT jobs", "an SFT job", "worker.sft_job", SFT_CHARTS, 1,
-                (*LORA_SHAPE, "fine_tune_type", "quantize_base", "quant_bits")),
-    _supervised(DPOJobCreate, "/admin/api/fine-tune/dpo/jobs", "DPO jobs", "a DPO job", "worker.dpo_job", DPO_CHARTS, 2),
+                (*LORA_SHAPE, "fine_tune_type", "quantize_base", "quant_bits"), SFTJob, mlx_reports=True, unset_time=None),
+    _supervised(DPOJobCreate, "/admin/api/fine-tune/dpo/jobs", "DPO jobs", "a DPO job",
+                "worker.dpo_job", DPO_CHARTS, 2, (*LORA_SHAPE, "method"), also_reads=("orpo",), **PREFERENCE_SEED),
     _supervised(ORPOJobCreate, "/admin/api/fine-tune/orpo/jobs", "ORPO jobs", "an ORPO job", "worker.dpo_job",
-                ORPO_CHARTS, 2),
-    _supervised(KTOJobCreate, "/admin/api/fine-tune/kto/jobs", "KTO jobs", "a KTO job", "worker.kto_job", KTO_CHARTS, 1),
+                ORPO_CHARTS, 2, (*LORA_SHAPE, "method"), **PREFERENCE_SEED),
+    _supervised(KTOJobCreate, "/admin/api/fine-tune/kto/jobs", "KTO jobs", "a KTO job", "worker.kto_job", KTO_CHARTS, 1,
+                job_model=TrainJob),
     _supervised(RewardJobCreate, "/admin/api/fine-tune/reward/jobs", "Reward-model jobs", "a reward-model job",
-                "worker.reward_model_job", REWARD_MODEL_CHARTS, 2),
+                "worker.reward_model_job", REWARD_MODEL_CHARTS, 2, first_step=0,
+                seed_aliases=(("reward_margin", "margin"), ("acc_chosen", "accuracy"), ("n_pairs", "examples"))),
 )}
 DEFAULT = KINDS[JobCreate.kind]  # of a record written before there were kinds
 

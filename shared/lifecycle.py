@@ -85,7 +85,7 @@ class Change:
 
     status: str | None  # None: delete the job
     fields: dict[str, Any] = field(default_factory=dict)
-    event: dict | None = None
+    event: dict | list[dict] | None = None  # a list: appended in order
     enqueue: bool = False  # push a new rq job for the job
     lease: str | None = None  # set the lease key to this value (start)
     adapter_ref: str | None = None  # index the job's stored adapter under this name (complete)
@@ -132,7 +132,7 @@ def cancel(r: redis.Redis, job_id: str) -> bool:
     return _commit(r, job_id, "cancel", decide) is not None
 
 
-def finish(r: redis.Redis, job_id: str, epoch: int, status: str, event: dict, *,
+def finish(r: redis.Redis, job_id: str, epoch: int, status: str, event: dict | list[dict], *,
            adapter: tuple[str, str] | None = None, **fields: Any) -> None:
     """The holder's last word: completed or failed. adapter: (model_id, adapter_name) of the
     adapter a completed job stored, for the adapters index. Raises LeaseLost if it no longer
@@ -183,6 +183,8 @@ def resume(r: redis.Redis, job_id: str, spec, overrides: dict, *, max_attempts: 
     from the last checkpoint. False if it is not (or no longer) resumable."""
     def decide(rec):
         progress = {**json.loads(rec.get("progress") or "{}"), "total_iters": spec.config.iters}
+        if "total_steps" in progress:  # the seed's SFT progress (worker/reports.py)
+            progress["total_steps"] = spec.config.iters
         fields = {**spec_fields(spec), "error": None, "finished_at": None, "cancel_requested": None, "need_gb": None,
                   "failed_attempts": 0, "max_attempts": max_attempts, "progress": json.dumps(progress)}
         event = {"type": "resume_requested", "config_overrides": overrides}
@@ -332,8 +334,8 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
     to_delete = [k for k, v in fields.items() if v is None]
     if to_delete:
         p.hdel(job_key(job_id), *to_delete)
-    if change.event is not None:
-        append_event(p, job_id, change.event)
+    for event in change.event if isinstance(change.event, list) else [change.event] if change.event else []:
+        append_event(p, job_id, event)
     if change.adapter_ref is not None:
         p.hset(ADAPTERS_INDEX, change.adapter_ref, job_id)
     if change.lease is not None:

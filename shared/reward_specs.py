@@ -272,10 +272,11 @@ def parse_reward_url(text: str) -> "httpx.URL":
 
 
 def endpoint_urls(reward: list | None, reward_endpoint: str) -> list[str]:
-    """Every reward URL a job would call: config.reward_endpoint and the endpoint sources."""
-    urls = [reward_endpoint] if reward_endpoint else []
-    urls += [s.url for s in reward or [] if isinstance(s, EndpointReward)]
-    return urls
+    """Every reward URL a job would call: its endpoint sources, or config.reward_endpoint when
+    it has none (the worker calls config.reward_endpoint only then)."""
+    if reward is None:
+        return [reward_endpoint] if reward_endpoint else []
+    return [s.url for s in reward if isinstance(s, EndpointReward)]
 
 
 @dataclass(frozen=True)

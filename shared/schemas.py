@@ -92,7 +92,26 @@ def prompt_chars(prompt: Prompt) -> int:
     return len(prompt) if isinstance(prompt, str) else sum(len(m.content) for m in prompt)
 
 
-class GRPOConfig(BaseModel):
+class OptimizerConfig(BaseModel):
+    """The optimizer of every kind: AdamW as PyTorch's and TRL's (bias-corrected), TRL's names
+    and defaults (worker/train_core.py make_optimizer)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon.")
+    bias_correction: bool = Field(True, description="Adam's bias correction, as PyTorch's (TRL's); false: MLX's "
+                                  "AdamW as mlx_lm's trainer and the seed server run it (early updates several times larger).")
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0, description="Decoupled weight decay (AdamW).")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the gradients' global norm (TRL's default 1.0); "
+                                        "null = off (mlx_lm's trainer and the seed server do not clip).")
+    lr_scheduler: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="The learning rate after warmup: constant, or decaying to 0 at the last update.")
+    warmup_steps: int = Field(0, ge=0, le=1_000_000, description="Updates of linear warmup from 0.")
+
+
+class GRPOConfig(OptimizerConfig):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     # The seed server's fields and defaults.
@@ -122,18 +141,11 @@ class GRPOConfig(BaseModel):
     importance_sampling_level: Literal["token", "sequence"] = "token"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     mask_truncated_completions: bool = False
-    max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the LoRA gradients' global norm; null = off.")
-    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = Field(0, ge=0, le=1_000_000)
-    weight_decay: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1_000_000, description="0 = off; at most the model's vocabulary (checked at job start).")
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16, description="Stop strings (besides EOS).")
     use_chat_template: bool = Field(False, description="Render string prompts with the tokenizer's chat template (default: raw text, `tokenizer.encode`, as the seed server). Chat-message prompts always use the template.")
-    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1 (bias-corrected, as PyTorch's and TRL's).")
-    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2.")
-    adam_epsilon: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon.")
 
     # Memory of the loss step (worker/memory.py).
     micro_batch_size: int | None = Field(
@@ -192,6 +204,29 @@ class GRPOConfig(BaseModel):
         return self.clip_ratio if self.epsilon_high is None else self.epsilon_high
 
 
+class InitAdapter(BaseModel):
+    """Where a job's adapter starts, instead of a fresh LoRA: the adapter of a completed job (by
+    its id, or by the model and adapter name it was saved under: the newest job of that name)
+    or an uploaded mlx_lm adapter (POST /admin/api/fine-tune/files?purpose=adapter). The API
+    resolves a name to its job id and stores both, so the record says where the job started;
+    its shape (lora_rank, lora_layers, lora_alpha, fine_tune_type) must be the job's."""
+
+    model_config = ConfigDict(extra="forbid")
+    job_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$", description="A completed job's id.")
+    model_id: str | None = Field(None, min_length=1, max_length=512)
+    adapter_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    file_id: str | None = Field(None, pattern=r"^file-[0-9a-f]{32}$", description="An uploaded adapter's id.")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        named = self.model_id is not None or self.adapter_name is not None
+        if named and (self.model_id is None or self.adapter_name is None):
+            raise ValueError("give both model_id and adapter_name")
+        if (self.file_id is not None) == (self.job_id is not None or named):
+            raise ValueError("give {job_id}, {model_id, adapter_name} or {file_id}")
+        return self
+
+
 class JobCreate(BaseModel):
     """A GRPO job's spec (the seed server's create body)."""
 
@@ -209,6 +244,7 @@ class JobCreate(BaseModel):
         None, min_length=1, max_length=32,
         description="Reward sources, summed with their weights. Default: config.reward_endpoint if set, else length in characters.",
     )
+    init_adapter: InitAdapter | None = Field(None, description="Start from this adapter instead of a fresh LoRA.")
 
     _json_values = model_validator(mode="before")(check_json_values)
 
@@ -259,6 +295,7 @@ class Job(JobRecord):
     prompts: list[Prompt]
     config: GRPOConfig
     reward: list[RewardSource] | None = None
+    init_adapter: InitAdapter | None = Field(None, description="Where the adapter started (null: a fresh LoRA).")
 
 
 class JobSummary(JobRecord):
@@ -266,6 +303,8 @@ class JobSummary(JobRecord):
     `mtq jobs`'): its record and config, without its prompts, datasets or reward sources."""
 
     config: dict[str, Any]
+    started_at: float | None = Field(0.0, description="0.0 until a worker starts it (an SFT job's: null, as the seed's).")
+    finished_at: float | None = Field(0.0, description="0.0 until it finishes (an SFT job's: null).")
 
 
 class UnreadableJob(BaseModel):

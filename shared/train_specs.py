@@ -1,10 +1,14 @@
 """Job specs of the supervised kinds: SFT, DPO, ORPO, KTO and reward models (GRPO's are in schemas.py).
 
-Config fields and defaults follow the seed server's SFT config (mlx_lm's LoRA trainer:
-`lora_alpha` is mlx_lm's LoRA `scale`, as the seed passes it); the preference kinds add TRL's
-knobs (`beta`, DPO's `loss_type` and `label_smoothing`, KTO's `desirable_weight` and
-`undesirable_weight`). Datasets (shared/datasets.py) are
-inline rows, an uploaded file's id, or a path under MTQ_DATA_ROOTS on the workers.
+Config fields and defaults follow the seed server's configs: SFT's (mlx_lm's LoRA trainer:
+`lora_alpha` is mlx_lm's LoRA `scale`, as the seed passes it), and for DPO, ORPO and reward
+models its DPO / reward config (iters 50, batch_size 2, max_seq_length 1024, `method`,
+`lambda_odds`). The preference kinds add TRL's knobs (`beta`, DPO's `loss_type` and
+`label_smoothing`, KTO's `desirable_weight` and `undesirable_weight`); the optimizer is TRL's
+for every kind (OptimizerConfig: bias-corrected AdamW, gradient clipping, lr_scheduler), with
+`bias_correction: false, max_grad_norm: null` as the seed server's (mlx_lm's) optimizer.
+Datasets (shared/datasets.py) are inline rows, an uploaded file's id, or a path under
+MTQ_DATA_ROOTS on the workers.
 """
 
 from typing import Any, ClassVar, Literal
@@ -15,7 +19,7 @@ from shared.datasets import (
     PREFERENCE_ROWS, SFT_ROWS, DatasetRef, PreferencePair, RowFormat, fields_error, rows_errors, sft_format,
 )
 from shared.model_ids import MODEL_ID_RE
-from shared.schemas import DEFAULT_LANE, LANE_PATTERN, SEED_MAX, JobRecord, check_json_values
+from shared.schemas import DEFAULT_LANE, LANE_PATTERN, SEED_MAX, InitAdapter, JobRecord, OptimizerConfig, check_json_values
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 SCHEDULES = ("cosine_decay", "linear_schedule", "exponential_decay", "step_decay")
@@ -32,10 +36,8 @@ class LRSchedule(BaseModel):
     warmup_init: float = Field(0.0, ge=0.0)
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(OptimizerConfig):
     """Fields every supervised kind shares (the seed's SFT names and defaults)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     lora_layers: int = Field(16, ge=-1, le=4096, description="Transformer blocks (from the top) that get LoRA; -1 = all.")
     lora_rank: int = Field(8, ge=1, le=1024)
@@ -43,8 +45,7 @@ class TrainConfig(BaseModel):
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     optimizer: Literal["adamw", "adam"] = "adamw"
     learning_rate: float = Field(1e-5, ge=0.0, le=10.0)
-    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
-    lr_schedule: LRSchedule | None = None
+    lr_schedule: LRSchedule | None = Field(None, description="mlx_lm's schedule, in place of lr_scheduler and warmup_steps.")
     batch_size: int = Field(4, ge=1, le=1024)
     iters: int = Field(100, ge=1, le=1_000_000, description="Optimizer steps.")
     grad_accumulation_steps: int = Field(1, ge=1, le=1024, description="Micro-batches per optimizer step.")
@@ -61,6 +62,12 @@ class TrainConfig(BaseModel):
     max_attempts: int = Field(3, ge=1, le=100)
     stall_timeout_s: float = Field(600.0, ge=1.0, le=86_400.0)
 
+    @model_validator(mode="after")
+    def _one_schedule(self):
+        if self.lr_schedule is not None and (self.lr_scheduler != "constant" or self.warmup_steps):
+            raise ValueError("give lr_schedule (mlx_lm's) or lr_scheduler and warmup_steps (TRL's), not both")
+        return self
+
 
 class SFTConfig(TrainConfig):
     fine_tune_type: Literal["lora", "dora", "full", "qlora"] = Field("lora", description=(
@@ -69,6 +76,8 @@ class SFTConfig(TrainConfig):
         "quantized to quant_bits. full and qlora train on a private copy of the model."))
     quantize_base: bool = Field(False, description="Quantize a private copy of the base before attaching LoRA / DoRA (qlora implies it).")
     quant_bits: Literal[4, 8] = 4
+    mxfp8: bool = Field(False, description="The seed server's field: MXFP8 training, which mlx_lm has not; a job "
+                        "with it fails at start, as the seed's does.")
     mask_prompt: bool = Field(False, description="Train only on completions / the last assistant message.")
 
     @model_validator(mode="after")
@@ -82,14 +91,31 @@ class SFTConfig(TrainConfig):
         return self.fine_tune_type == "qlora" or self.quantize_base
 
 
-class DPOConfig(TrainConfig):
-    beta: float = Field(0.1, gt=0.0, le=1e3, description="DPO temperature (TRL's beta).")
+class PreferenceConfig(TrainConfig):
+    """The seed server's DPO / reward-model defaults, and one step event per step."""
+
+    iters: int = Field(50, ge=1, le=1_000_000, description="Optimizer steps.")
+    batch_size: int = Field(2, ge=1, le=1024, description="Preference pairs per step.")
+    max_seq_length: int = Field(1024, ge=2, le=131_072, description="Longer rows are cut (a `truncated` event says how many).")
+    steps_per_report: int = Field(1, ge=1, le=1_000_000, description="A step event every N steps (progress: every step).")
+
+
+class _MethodConfig(PreferenceConfig):
+    """DPO's and ORPO's: the seed server's one config for both (`method` is set by the route)."""
+
+    method: Literal["dpo", "orpo"] = Field("dpo", description="Set by the route (/dpo/jobs or /orpo/jobs), as the seed server.")
+    beta: float = Field(0.1, gt=0.0, le=1e3, description="DPO's temperature (TRL's beta); ORPO: the scale of its rewards/* metrics.")
+    lambda_odds: float = Field(1.0, ge=0.0, le=1e3, description="ORPO's weight of the odds-ratio term (the seed's name; "
+                               "TRL's ORPO calls it beta); DPO ignores it.")
+
+
+class DPOConfig(_MethodConfig):
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="Conservative DPO: assumed label-flip rate (sigmoid).")
 
 
-class ORPOConfig(TrainConfig):
-    beta: float = Field(0.1, gt=0.0, le=1e3, description="ORPO's lambda (TRL's beta): weight of the odds-ratio term.")
+class ORPOConfig(_MethodConfig):
+    method: Literal["dpo", "orpo"] = Field("orpo", description="Set by the route (/dpo/jobs or /orpo/jobs), as the seed server.")
 
 
 class KTOConfig(TrainConfig):
@@ -100,7 +126,7 @@ class KTOConfig(TrainConfig):
     undesirable_weight: float = Field(1.0, gt=0.0, le=1e3, description="Weight of the undesirable rows' losses (lambda_U).")
 
 
-class RewardConfig(TrainConfig):
+class RewardConfig(PreferenceConfig):
     pass
 
 
@@ -114,6 +140,7 @@ class _JobSpec(BaseModel):
     adapter_name: str | None = Field(None, pattern=ADAPTER_NAME)
     dataset: DatasetRef | None = Field(None, description="Training rows: inline, {\"file_id\"} of an upload, or a path under MTQ_DATA_ROOTS.")
     valid_dataset: DatasetRef | None = Field(None, description="Validation rows, same forms (a data directory's valid.jsonl otherwise).")
+    init_adapter: InitAdapter | None = Field(None, description="Start from this adapter instead of a fresh LoRA.")
 
     _json_values = model_validator(mode="before")(check_json_values)
 
@@ -149,17 +176,29 @@ class _PreferenceSpec(_JobSpec):
 
     @model_validator(mode="after")
     def _one_source(self):
-        if (self.preference_pairs is None) == (self.dataset is None):
-            raise ValueError("give the training pairs as preference_pairs or as dataset (one of them)")
+        if self.preference_pairs is None and self.dataset is None:
+            raise ValueError("preference_pairs (non-empty list) required")
+        if self.preference_pairs is not None and self.dataset is not None:
+            raise ValueError("give the training pairs as preference_pairs or as dataset, not both")
         return self
 
 
-class DPOJobCreate(_PreferenceSpec):
+class _MethodSpec(_PreferenceSpec):
+    @model_validator(mode="before")
+    @classmethod
+    def _method_of_the_route(cls, data: Any) -> Any:
+        """config.method is the route's, whatever the body says (as the seed server sets it)."""
+        if isinstance(data, dict) and isinstance(data.get("config", {}), dict):
+            return {**data, "config": {**data.get("config", {}), "method": cls.kind}}
+        return data
+
+
+class DPOJobCreate(_MethodSpec):
     kind: ClassVar[str] = "dpo"
     config: DPOConfig = Field(default_factory=DPOConfig)
 
 
-class ORPOJobCreate(_PreferenceSpec):
+class ORPOJobCreate(_MethodSpec):
     kind: ClassVar[str] = "orpo"
     config: ORPOConfig = Field(default_factory=ORPOConfig)
 
@@ -186,10 +225,74 @@ class RewardJobCreate(_PreferenceSpec):
     config: RewardConfig = Field(default_factory=RewardConfig)
 
 
-class TrainJob(JobRecord):
-    """The job object of the supervised kinds: the spec as sent, plus the lifecycle's fields."""
+def dataset_text(ref: Any) -> str | None:
+    """A dataset reference as the seed server's job object shows it, a string: the path, the
+    uploaded file's id, or "inline" (the rows are under `<field>_rows`)."""
+    if isinstance(ref, dict) and "file_id" in ref:
+        return ref["file_id"]
+    if isinstance(ref, BaseModel):
+        return ref.file_id  # a FileRef
+    return "inline" if isinstance(ref, list) else ref
 
-    dataset: Any = None
-    valid_dataset: Any = None
-    preference_pairs: list[PreferencePair] | None = None
+
+class TrainJob(JobRecord):
+    """The job object of the supervised kinds: the spec as sent, plus the lifecycle's fields;
+    `dataset` and `valid_dataset` as strings (dataset_text)."""
+
+    dataset: str | None = None
+    dataset_rows: list[dict[str, Any]] | None = Field(None, description="The training rows, when sent inline.")
+    valid_dataset: str | None = None
+    valid_dataset_rows: list[dict[str, Any]] | None = Field(None, description="The validation rows, when sent inline.")
+    init_adapter: InitAdapter | None = Field(None, description="Where the adapter started (null: a fresh LoRA).")
     config: dict[str, Any]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _datasets_as_text(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            for name in ("dataset", "valid_dataset"):
+                if isinstance(data.get(name), list):
+                    data[f"{name}_rows"] = data[name]
+                data[name] = dataset_text(data.get(name))
+        return data
+
+
+class PreferenceJob(TrainJob):
+    """DPO's, ORPO's and reward models' (the seed's job object: `preference_pairs` is a list,
+    empty when the pairs come as `dataset`)."""
+
+    preference_pairs: list[PreferencePair] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pairs_as_list(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preference_pairs") is None:
+            data = {**data, "preference_pairs": []}
+        return data
+
+
+class SFTProgress(BaseModel):
+    """The seed server's SFT progress (mlx_lm's reports: worker/reports.py), always every key."""
+
+    step: int = 0
+    total_steps: int = 0
+    train_loss: float = 0.0
+    val_loss: float | None = None
+    learning_rate: float = 0.0
+    tokens_per_second: float = 0.0
+    iterations_per_second: float = 0.0
+    trained_tokens: int = 0
+    peak_memory_gb: float = 0.0
+    elapsed_seconds: float = 0.0
+    eta_seconds: float = 0.0
+
+
+class SFTJob(TrainJob):
+    """The seed server's SFT job object: times null until they happen, progress always whole."""
+
+    started_at: float | None = Field(None, description="null until a worker starts it (as the seed server's SFT).")
+    finished_at: float | None = Field(None, description="null until it finishes.")
+    progress: dict[str, Any] = Field(default_factory=lambda: SFTProgress().model_dump(), description=(
+        "SFTProgress's keys always (zeros and val_loss null before the first step), plus this project's "
+        "{iter, total_iters, loss, ...metrics} once a step is done."))

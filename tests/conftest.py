@@ -246,22 +246,31 @@ def running(s: Stack):
     s.stop_all()
 
 
-def worker_for_later_tests(s: Stack):
-    """A module's worker fixture body, where the tests before it left jobs queued on purpose:
-    those are cancelled, so the worker runs only what the tests that use it submit."""
+@pytest.fixture(scope="module")
+def worker(stack):
+    """The module's worker, for its later tests: the tests before them left jobs queued on
+    purpose; those are cancelled, so the worker runs only what the tests that use it submit.
+    (Modules whose every test wants a worker define their own.)"""
     from shared import lifecycle
     from shared.keys import JOBS_INDEX
 
-    for job_id in s.redis.zrange(JOBS_INDEX, 0, -1):
-        lifecycle.cancel(s.redis, job_id.decode())
-    proc = s.start_worker()
+    for job_id in stack.redis.zrange(JOBS_INDEX, 0, -1):
+        lifecycle.cancel(stack.redis, job_id.decode())
+    proc = stack.start_worker()
     yield proc
-    s.stop_proc(proc)
+    stack.stop_proc(proc)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model):
     yield from running(Stack(tmp_path_factory.mktemp("stack"), tiny_model))
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    """An HTTP client of the module's stack, with the admin token."""
+    with stack.client() as c:
+        yield c
 
 
 @pytest.fixture

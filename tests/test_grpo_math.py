@@ -439,7 +439,7 @@ def test_first_updates_equal_pytorch_adamw():
     import mlx.nn as nn
 
     from shared.schemas import GRPOConfig
-    from worker.grpo import trl_adamw as make_optimizer
+    from worker.train_core import make_optimizer
 
     cfg = GRPOConfig(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6)
     rng = np.random.default_rng(0)
@@ -447,7 +447,7 @@ def test_first_updates_equal_pytorch_adamw():
     grads = [rng.normal(size=(3, 4)).astype(np.float32) * s for s in (1.0, 0.1, 3.0)]
     layer = nn.Linear(4, 3, bias=False)
     layer.weight = mx.array(theta)
-    opt = make_optimizer(cfg)
+    opt = make_optimizer(cfg, cfg.iters)
     opt.init(layer.trainable_parameters())
 
     p, m, v = theta.astype(np.float64), np.zeros((3, 4)), np.zeros((3, 4))

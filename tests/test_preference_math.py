@@ -175,12 +175,13 @@ def test_dpo_at_the_reference_is_log_2_with_zero_rewards():
 
 @pytest.mark.parametrize("lam", [0.1, 1.0])
 def test_orpo_loss_metrics_and_gradients(lam):
+    """lam: the odds-ratio term's weight (lambda_odds); beta only scales the rewards/* metrics."""
     mask = mx.array(MASK, dtype=mx.float32)
 
     def f(token_logps):
         mean = sequence_logps(token_logps, mask, average=True)
         nll = -(token_logps[:2] * mask[:2]).sum() / mask[:2].sum()
-        return orpo_loss(mean[:2], mean[2:], nll, beta=lam)
+        return orpo_loss(mean[:2], mean[2:], nll, lambda_odds=lam, beta=0.3)
 
     x = mx.array(TOKEN_LOGPS, dtype=mx.float32)
     loss, metrics = f(x)
@@ -189,6 +190,7 @@ def test_orpo_loss_metrics_and_gradients(lam):
     close(loss.item(), want)
     for name, value in want_metrics.items():
         close(metrics[name].item(), value)
+    close(metrics["rewards/chosen"].item(), 0.3 * ((TOKEN_LOGPS * MASK).sum(1) / MASK.sum(1))[:2].mean())
     close(np.array(grad), numeric_grad(lambda v: np_orpo(v, MASK, lam)[0], TOKEN_LOGPS))
 
 

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from conftest import REWARD_PORT, ROOT, TOKEN, Stack, running, wait_for, worker_for_later_tests
+from conftest import REWARD_PORT, ROOT, TOKEN, Stack, running, wait_for
 from reward_server import serving
 from shared import jobstore
 from shared.keys import JOBS_INDEX, job_key
@@ -42,17 +42,6 @@ def stack(tmp_path_factory, tiny_model):
     ])
     s.env.update(MTQ_MAX_STREAMS_PER_TOKEN=str(MAX_STREAMS))
     yield from running(s)
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    with stack.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def worker(stack):
-    yield from worker_for_later_tests(stack)
 
 
 def body(stack, **fields) -> dict:

@@ -17,7 +17,7 @@ import tarfile
 import httpx
 import pytest
 
-from conftest import ROOT, TOKEN, Stack, running, wait_for, worker_for_later_tests
+from conftest import ROOT, TOKEN, Stack, running, wait_for
 from shared.workers import local_models
 
 API = "/admin/api/fine-tune"
@@ -46,11 +46,6 @@ def stack(tmp_path_factory, tiny_model):
 def admin(stack):
     with stack.client() as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def worker(stack):
-    yield from worker_for_later_tests(stack)
 
 
 def create(client, **fields) -> dict:

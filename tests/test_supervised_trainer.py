@@ -142,17 +142,17 @@ def test_dpo_computes_each_reference_once_and_a_resume_keeps_them(lm):
 def test_the_compiled_step_equals_the_uncompiled_one(lm, kind):
     """The step compiled with its optimizer and random state (worker/supervised.py make_step)
     trains as the plain one: the same losses, gradient norms and weights, with LoRA dropout and
-    gradient accumulation (SFT) and a learning-rate schedule."""
+    gradient accumulation (SFT), a learning-rate schedule and clipped gradients."""
     from shared.train_specs import RewardJobCreate
     from worker.reward_model_job import RewardTrainer
 
     model, tokenizer = lm
     config = {**{k: v for k, v in BASE.items() if k != "mask_prompt"}, "lora_dropout": 0.1, "iters": 3,
-              "lr_schedule": {"name": "cosine_decay", "arguments": [1e-2, 3], "warmup": 1}}
+              "lr_schedule": {"name": "cosine_decay", "arguments": [1e-2, 3], "warmup": 1}, "max_grad_norm": 0.5}
     runs = []
     for compiled in (False, True):
         if kind == "sft":
-            trainer = sft(lm, batch_size=1, grad_accumulation_steps=2, lora_dropout=0.1, iters=3)
+            trainer = sft(lm, batch_size=1, grad_accumulation_steps=2, lora_dropout=0.1, iters=3, max_grad_norm=0.5)
         elif kind == "dpo":
             trainer = dpo(lm, PAIRS, **config)
         else:
@@ -168,7 +168,7 @@ def test_the_compiled_step_equals_the_uncompiled_one(lm, kind):
     for a, b in zip(plain, compiled):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
         assert b["learning_rate"] == pytest.approx(a["learning_rate"], rel=1e-6)
-    assert plain[0]["loss"] != plain[2]["loss"]  # it trained
+    assert plain[0]["loss"] != plain[2]["loss"] and max(m["grad_norm"] for m in plain) > 0.5  # it trained, clipped
     for name, w in compiled_weights.items():
         np.testing.assert_allclose(w, plain_weights[name], rtol=1e-4, atol=1e-6)
 
@@ -183,7 +183,9 @@ def test_kto_kl_estimate_scores_each_prompt_with_the_previous_row_s_completion(l
     rows = [{"prompt": "Q0?", "completion": "red apple", "label": True}, {"prompt": "Q1?", "completion": "no", "label": False},
             {"prompt": "Tell me.", "completion": "blue stone river", "label": True}]
     spec = KTOJobCreate(model_id="tiny", dataset=rows, config={**{k: v for k, v in BASE.items() if k != "mask_prompt"},
-                                                               "batch_size": 3, "learning_rate": 5e-2})
+                                                               "batch_size": 3, "learning_rate": 5e-2,
+                                                               # the optimizer this was measured with (mlx_lm's)
+                                                               "bias_correction": False, "max_grad_norm": None})
     mx.random.seed(0)
     attach_adapter(model, spec.config)
     trainer = KTOTrainer(model, tokenizer, spec, rows, None)
@@ -256,3 +258,50 @@ print(sorted(tops() - allowed))
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+# --------------------------------------------------------------------------- the optimizer
+
+
+def update_size(lm, **config) -> tuple[float, dict]:
+    """The largest change of any trainable weight in one SFT step, and the step's metrics."""
+    trainer = sft(lm, **config)
+    before = weights(trainer.module)
+    metrics = trainer.step(TrainState())
+    return max(float(np.abs(w - before[k]).max()) for k, w in weights(trainer.module).items()), metrics
+
+
+def test_the_supervised_kinds_step_with_trls_adamw_or_on_request_mlx_lms(lm):
+    """One step from LoRA B = 0 (A gets no gradient yet): bias-corrected AdamW moves each weight
+    by about lr (m / sqrt(v) = sign(g)); MLX's AdamW without bias correction (mlx_lm's, the seed
+    server's) by 0.1 / sqrt(0.001) = 3.16 lr."""
+    trl, _ = update_size(lm)
+    mlx_lm_like, _ = update_size(lm, bias_correction=False, max_grad_norm=None)
+    assert trl == pytest.approx(1e-2, rel=1e-3) and mlx_lm_like == pytest.approx(1e-2 * 0.1 / 0.001 ** 0.5, rel=1e-3)
+
+
+def test_gradients_are_clipped_to_max_grad_norm_and_their_norm_is_reported_before(lm):
+    """With eps 1 an Adam step is about lr * g (not sign(g)): it shows the gradient's size, so clipping."""
+    free, metrics = update_size(lm, adam_epsilon=1.0, max_grad_norm=None)
+    clipped, clipped_metrics = update_size(lm, adam_epsilon=1.0, max_grad_norm=1e-3)
+    assert clipped_metrics["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5) and metrics["grad_norm"] > 0.01
+    assert clipped <= 1e-2 * 1e-3 * 1.001 and free > 10 * clipped
+
+
+@pytest.mark.parametrize("scheduler", ["constant", "linear", "cosine"])
+def test_learning_rate_schedules_are_transformers_ones(scheduler):
+    """transformers' get_{constant,linear,cosine}_schedule_with_warmup, written out, at every update."""
+    import math
+
+    from shared.train_specs import TrainConfig
+    from worker.train_core import learning_rate_schedule
+
+    lr, warm, total = 0.1, 3, 10
+    schedule = learning_rate_schedule(TrainConfig(learning_rate=lr, lr_scheduler=scheduler, warmup_steps=warm), total)
+    for k in range(total):
+        progress = (k - warm) / (total - warm)
+        want = lr * k / warm if k < warm else {"constant": lr, "linear": lr * (1 - progress),
+                                                "cosine": lr * 0.5 * (1 + math.cos(math.pi * progress))}[scheduler]
+        assert float(schedule(mx.array(k))) == pytest.approx(want, abs=1e-7), k
+    with pytest.raises(ValueError, match="not both"):
+        TrainConfig(lr_schedule={"name": "cosine_decay", "arguments": [1e-3, 10]}, warmup_steps=2)

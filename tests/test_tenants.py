@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import REWARD_PORT, TOKEN, Stack, free_port, read_events, running, wait_for, worker_for_later_tests
+from conftest import REWARD_PORT, TOKEN, Stack, free_port, read_events, running, wait_for
 from reward_server import serving
 from shared import jobstore
 from shared.keys import job_key
@@ -392,11 +392,6 @@ def test_4_a_stored_scoring_answer_is_only_its_owners(stack):
 
 
 # --- with a worker ----------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def worker(stack):
-    yield from worker_for_later_tests(stack)
-
 
 def wait_job(stack, path: str, job_id: str, timeout: float = 120) -> dict:
     with client(stack) as admin:

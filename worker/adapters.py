@@ -38,10 +38,15 @@ def remove_adapter_layers(model: nn.Module) -> None:
         model.update_modules(tree_unflatten(layers))
 
 
-def attach_adapter(model: nn.Module, cfg, fine_tune_type: str = "lora") -> None:
+class AdapterMismatch(Exception):
+    """An init_adapter whose weights are not those of the job's adapter; the message says how."""
+
+
+def attach_adapter(model: nn.Module, cfg, fine_tune_type: str = "lora", init: Path | None = None) -> None:
     """Make the job's weights the only trainable ones: fresh LoRA / DoRA layers (qlora: LoRA)
     in place of any previous job's, or for `full` the last lora_layers blocks' own weights
-    (-1: all), as mlx_lm's trainer does (embeddings and the final norm stay frozen)."""
+    (-1: all), as mlx_lm's trainer does (embeddings and the final norm stay frozen). init: an
+    adapter directory whose weights the layers start from (the job's init_adapter)."""
     remove_adapter_layers(model)
     model.freeze()
     if fine_tune_type == "full":
@@ -50,8 +55,31 @@ def attach_adapter(model: nn.Module, cfg, fine_tune_type: str = "lora") -> None:
     else:
         conf = adapter_config(cfg, fine_tune_type)
         linear_to_lora_layers(model, conf["num_layers"], conf["lora_parameters"], use_dora=fine_tune_type == "dora")
+    if init is not None:
+        load_adapter_weights(model, init / WEIGHTS_FILE)
     model.eval()
     mx.eval(model.trainable_parameters())
+
+
+def started_from(spec) -> dict:
+    """The model_ready event's word on where the adapter started (nothing: a fresh one)."""
+    return {"init_adapter": spec.init_adapter.model_dump(exclude_none=True)} if spec.init_adapter else {}
+
+
+def load_adapter_weights(module: nn.Module, path: Path) -> None:
+    """Set the module's trainable weights from an adapters.safetensors that has exactly those
+    (names and shapes: AdapterMismatch otherwise)."""
+    weights = mx.load(str(path))
+    own = adapter_weights(module)
+    missing, extra = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
+    shapes = [f"{k} {tuple(weights[k].shape)} there, {tuple(own[k].shape)} here" for k in sorted(own.keys() & weights.keys())
+              if weights[k].shape != own[k].shape]
+    if missing or extra or shapes:
+        parts = [f"{len(missing)} of this job's weights missing (e.g. {missing[0]})" if missing else "",
+                 f"{len(extra)} weights this job has not (e.g. {extra[0]})" if extra else "",
+                 f"other shapes: {shapes[0]}" if shapes else ""]
+        raise AdapterMismatch("init_adapter does not fit this job's adapter: " + "; ".join(p for p in parts if p))
+    module.load_weights([(k, v.astype(own[k].dtype)) for k, v in weights.items()], strict=False)
 
 
 def adapter_weights(module: nn.Module) -> dict[str, mx.array]:

@@ -16,8 +16,9 @@ DPO (Rafailov et al. 2023), z = [log pi_theta(y_w) - log pi_ref(y_w)] - [log pi_
 ORPO (Hong et al. 2024), with per-token mean log-probs P_w = mean_t log pi_theta(y_w,t), P_l likewise:
     log odds(y) = P - log(1 - exp(P))
     loss = NLL(y_w) - lambda * mean log sigma(log odds(y_w) - log odds(y_l))
-  NLL: mean cross-entropy over the chosen completions' tokens; lambda = config.beta (TRL's name);
-  nll_loss, log_odds_ratio (= mean log sigma(...)), log_odds_chosen, rewards/* = beta * P.
+  NLL: mean cross-entropy over the chosen completions' tokens; lambda = config.lambda_odds (the
+  seed server's name; TRL's ORPO calls it beta); nll_loss, log_odds_ratio (= mean log sigma(...)),
+  log_odds_chosen, rewards/* = beta * P (TRL's).
 
 Chosen and rejected rows of a batch go through the model in one right-padded batch: rows
 0..N-1 chosen, N..2N-1 rejected.
@@ -65,13 +66,13 @@ def dpo_loss(chosen: mx.array, rejected: mx.array, ref_chosen: mx.array, ref_rej
     return losses.mean(), preference_metrics(chosen_reward, rejected_reward, chosen, rejected)
 
 
-def orpo_loss(chosen_mean: mx.array, rejected_mean: mx.array, nll: mx.array, *,
+def orpo_loss(chosen_mean: mx.array, rejected_mean: mx.array, nll: mx.array, *, lambda_odds: float,
               beta: float) -> tuple[mx.array, dict[str, mx.array]]:
     """Per-token mean log-probs (N,) of chosen and rejected, the chosen NLL -> loss and metrics."""
     log_odds = (chosen_mean - rejected_mean) - (mx.log1p(-mx.exp(chosen_mean)) - mx.log1p(-mx.exp(rejected_mean)))
     ratio = nn.log_sigmoid(log_odds)
     chosen_reward, rejected_reward = beta * chosen_mean, beta * rejected_mean
-    return nll - beta * ratio.mean(), {
+    return nll - lambda_odds * ratio.mean(), {
         "nll_loss": nll,
         "log_odds_ratio": ratio.mean(),
         "log_odds_chosen": log_odds.mean(),
@@ -112,7 +113,7 @@ class DPOTrainer(PreferenceTrainer):
         if self.method == "orpo":
             mean = sequence_logps(logps, mask, average=True)
             nll = -(logps[:n] * mask[:n]).sum() / mx.maximum(mask[:n].sum(), 1.0)
-            return orpo_loss(mean[:n], mean[n:], nll, beta=cfg.beta)
+            return orpo_loss(mean[:n], mean[n:], nll, lambda_odds=cfg.lambda_odds, beta=cfg.beta)
         seq = sequence_logps(logps, mask, average=cfg.loss_type == "ipo")
         return dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], beta=cfg.beta, loss_type=cfg.loss_type,
                         label_smoothing=cfg.label_smoothing)

@@ -48,13 +48,13 @@ One step (= one `iter` of the job config), GRPOTrainer.step, in four phases:
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 
 from shared.schemas import GRPOConfig, JobCreate, PromptItem
 from worker.adapters import lora_disabled
@@ -62,7 +62,7 @@ from worker.logprobs import as_item, completion_logprobs, prompt_token_ids
 from worker.memory import GB, logits_chunk_tokens, model_shape, plan_memory
 from worker.rewards.batch import RewardStopped
 from worker.sampling import SamplingParams, Samples, left_pad, make_decode_step, sample
-from worker.train_core import Cancelled, TrainState, batch_indices, check_finite, make_optimizer, step_seed
+from worker.train_core import Cancelled, TrainState, batch_indices, check_finite, clipped, make_optimizer, step_seed
 
 ADV_EPS = 1e-4
 # The per-step `samples` event lives in Redis: each completion in it is cut to SAMPLE_TEXT_CHARS,
@@ -233,32 +233,6 @@ def cut_at_stop_strings(tokenizer, tokens: list[int], stops: list[str]) -> tuple
     return text[:cut], len(tokens), True
 
 
-# --------------------------------------------------------------------------- the optimizer
-
-
-def learning_rate_schedule(cfg: GRPOConfig) -> Callable | float:
-    total = cfg.iters * cfg.num_iterations
-    warm = min(cfg.warmup_steps, total)
-    if cfg.lr_scheduler == "constant":
-        main: Any = cfg.learning_rate
-        if not warm:
-            return main
-        main = optim.linear_schedule(cfg.learning_rate, cfg.learning_rate, 1)
-    elif cfg.lr_scheduler == "cosine":
-        main = optim.cosine_decay(cfg.learning_rate, max(total - warm, 1))
-    else:
-        main = optim.linear_schedule(cfg.learning_rate, 0.0, max(total - warm, 1))
-    if not warm:
-        return main
-    return optim.join_schedules([optim.linear_schedule(0.0, cfg.learning_rate, warm), main], [warm])
-
-
-def trl_adamw(cfg: GRPOConfig) -> optim.Optimizer:
-    """AdamW as PyTorch's (and so TRL's): bias-corrected (MLX's default is not)."""
-    return make_optimizer("adamw", learning_rate_schedule(cfg), weight_decay=cfg.weight_decay,
-                          betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, bias_correction=True)
-
-
 # --------------------------------------------------------------------------- the trainer
 
 
@@ -318,7 +292,7 @@ class GRPOTrainer:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
         self.decode_step = make_decode_step(model, self.sampling, self.eos_ids, pad_id)
-        self.optimizer = trl_adamw(cfg)
+        self.optimizer = make_optimizer(cfg, cfg.iters * cfg.num_iterations)
         self.optimizer.init(model.trainable_parameters())
 
         # Memory: fails here, before anything runs, when even one row cannot fit.
@@ -385,10 +359,7 @@ class GRPOTrainer:
             )
             loss, stats, grads = part if loss is None else tree_map(mx.add, (loss, stats, grads), part)
             mx.eval(loss, stats, grads)
-        if self.cfg.max_grad_norm is not None:
-            grads, grad_norm = optim.clip_grad_norm(grads, self.cfg.max_grad_norm)
-        else:
-            grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
+        grads, grad_norm = clipped(grads, self.cfg.max_grad_norm)
         return loss, stats, grad_norm, grads
 
     def step(

@@ -10,10 +10,11 @@ from typing import Iterator
 
 import mlx.core as mx
 
+from shared.adapters import init_adapter_dir
 from shared.metrics import recorder
 from shared.schemas import JobCreate
 from worker import scoring
-from worker.adapters import adapter_config, attach_adapter, remove_adapter_layers, save_adapter
+from worker.adapters import adapter_config, attach_adapter, remove_adapter_layers, save_adapter, started_from
 from worker.grpo import HISTORY_METRICS, GRPOTrainer
 from worker.models import get_model
 from worker.rewards.scorer import build_scorer
@@ -27,11 +28,12 @@ def load(job, spec: JobCreate, settings) -> Iterator[Run]:
     model, tokenizer, cached = get_model(spec.model_id, settings)
     if not cached:
         job.publish_loaded()
-    job.write(event={"type": "model_ready", "cached": cached, "load_s": time.perf_counter() - t0})
+    init = init_adapter_dir(job.lease.r, settings, spec.init_adapter)
+    job.write(event={"type": "model_ready", "cached": cached, "load_s": time.perf_counter() - t0, **started_from(spec)})
     reward_model = functools.partial(scoring.reward_model_rewards, tenant=job.tenant)  # its owner's reward models
     with build_scorer(spec, job.job_id, reward_model=reward_model) as scorer:
         mx.random.seed(cfg.seed)  # LoRA init and dropout
-        attach_adapter(model, cfg)
+        attach_adapter(model, cfg, init=init)
         try:
             trainer = GRPOTrainer(model, tokenizer, spec, MarkedScorer(scorer, job))
 

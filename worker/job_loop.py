@@ -11,7 +11,9 @@ The loop does the rest, the same for every kind:
         a cancel or hand-back stops the job before the step (and inside it: should_stop)
         one optimizer step: its metrics, and events to keep (GRPO's samples)
         evaluate on the valid rows (first, every steps_per_eval, last)
-        progress every step; a step event every steps_per_report (and at the last)
+        progress every step; a step event every steps_per_report (and at the last); with the
+        metrics under the seed server's names too (the kind's seed_aliases), and for SFT
+        mlx_lm's reports (worker/reports.py)
         a checkpoint every steps_per_save steps or checkpoint_interval_s, written once the
         next step found its weights good (worker/checkpoints.py CheckpointSaver)
         answer log-prob requests waiting for this model (worker/scoring.py)
@@ -23,24 +25,28 @@ USER_ERRORS are failures whose message is the whole story: the job fails with it
 """
 
 import logging
+import time
 from typing import Callable
 
 import mlx.core as mx
 
 from shared.adapters import adapter_dir
+from shared.adapters import AdapterFileError
 from shared.datasets import DatasetError
 from shared.kinds import Kind
 from shared.metrics import recorder
 from shared.settings import Settings, load_settings
 from worker import checkpoints
+from worker.adapters import AdapterMismatch
 from worker.memory import MemoryEstimateError
 from worker.models import ModelNotFound, UnsupportedBase
+from worker.reports import Reports, completed_event
 from worker.rewards.batch import RewardError
 from worker.train_core import Cancelled, NonFiniteLoss, Run, TrainState
 
 log = logging.getLogger(__name__)
 USER_ERRORS = (ModelNotFound, UnsupportedBase, DatasetError, RewardError, NonFiniteLoss, MemoryEstimateError,
-               checkpoints.CheckpointMismatch)
+               checkpoints.CheckpointMismatch, AdapterFileError, AdapterMismatch)
 
 
 def run(job, kind: Kind, spec, load: Callable) -> dict:
@@ -65,9 +71,9 @@ def train(job, kind: Kind, spec, run: Run, settings: Settings) -> dict:
         job.write(event={"type": "resumed", "from_step": state.step}, resumed_from=state.step)
         log.info("job %s: resumed from the checkpoint of step %d", job.job_id, state.step)
     saver = checkpoints.CheckpointSaver(job, run.steps_per_save, cfg.checkpoint_interval_s, start_step=state.step)
+    reports = Reports(state.num_tokens) if kind.mlx_reports else None
     if run.evaluate and state.step == 0:  # before training, as mlx_lm reports it
-        job.mark("scoring")
-        job.write(event={"type": "eval", "iter": 0, **run.evaluate()})
+        evaluate(job, run, state.step, reports)
     try:
         while state.step < cfg.iters:
             if job.should_stop():
@@ -77,11 +83,8 @@ def train(job, kind: Kind, spec, run: Run, settings: Settings) -> dict:
             job.step_done()
             last = state.step == cfg.iters
             if run.evaluate and (state.step == 1 or state.step % run.steps_per_eval == 0 or last):
-                job.mark("scoring")
-                evaluation = run.evaluate()
-                metrics.update(evaluation)
-                job.write(event={"type": "eval", "iter": state.step, **evaluation})
-            report(job, kind, state, cfg.iters, metrics, reported=state.step % run.steps_per_report == 0 or last)
+                metrics.update(evaluate(job, run, state.step, reports))
+            report(job, kind, state, cfg.iters, metrics, state.step % run.steps_per_report == 0 or last, reports)
             step_index = state.step - 1 + kind.first_step
             for event in kept:
                 job.write_kept({**event, "iter": step_index}, settings.samples_events_kept)
@@ -103,13 +106,30 @@ def train(job, kind: Kind, spec, run: Run, settings: Settings) -> dict:
     kept_history = state.history[-checkpoints.HISTORY_KEPT:]
     first = state.step - len(kept_history) + 1
     return {"adapter_path": str(out), "adapter": (spec.model_id, spec.adapter_name),
-            "history": [{"step": first + i, **h} for i, h in enumerate(kept_history)]}
+            "history": [{"step": first + i, **h} for i, h in enumerate(kept_history)],
+            "events": [completed_event(out)] if reports else []}
 
 
-def report(job, kind: Kind, state: TrainState, iters: int, metrics: dict, reported: bool) -> None:
-    """The job's progress (completed steps, as the seed server's `progress.iter`), and on a
-    reported step its step event, whose `iter` counts from the kind's first_step."""
-    progress = {"iter": state.step, "total_iters": iters, **metrics}
+def evaluate(job, run: Run, step: int, reports: Reports | None) -> dict:
+    """The valid rows' metrics after `step` steps, and their `eval` event (mlx_lm's reports: a `val_loss` one too)."""
+    job.mark("scoring")
+    t0 = time.perf_counter()
+    evaluation = run.evaluate()
+    job.write(event={"type": "eval", "iter": step, **evaluation})
+    if reports is not None:
+        job.write(event=reports.val_loss_event(step, evaluation["val_loss"], time.perf_counter() - t0))
+    return evaluation
+
+
+def report(job, kind: Kind, state: TrainState, iters: int, metrics: dict, reported: bool, reports: Reports | None) -> None:
+    """The job's progress (completed steps, as the seed server's `progress.iter`, with the
+    kind's metrics under the seed's names too), and on a reported step its step event, whose
+    `iter` counts from the kind's first_step, and mlx_lm's report."""
+    progress = {"iter": state.step, "total_iters": iters, **metrics, **{seed: metrics[ours] for seed, ours in kind.seed_aliases}}
     event = {"type": kind.step_event, "worker": job.lease.worker, **progress,
              "iter": state.step - 1 + kind.first_step} if reported else None
+    if reports is not None:
+        progress.update(reports.progress(state.step, iters, metrics))
     job.write(event=event, progress=progress)
+    if reported and reports is not None:
+        job.write(event=reports.train_loss_event(progress))

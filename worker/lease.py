@@ -79,8 +79,8 @@ class Lease:
         self.lost.set()
         return False
 
-    def finish(self, status: str, event: dict, **fields: Any) -> None:
-        """The job's last write: final status, terminal event, lease released, retention set."""
+    def finish(self, status: str, event: dict | list[dict], **fields: Any) -> None:
+        """The job's last write: final status, terminal event (after the others given), lease released, retention set."""
         self._fenced(lambda: lifecycle.finish(self.r, self.job_id, self.epoch, status, event, **fields), "job finish")
 
     def hand_back(self, reason: str) -> None:

@@ -13,10 +13,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from shared.adapters import HEAD_FILE
 from worker.logprobs import pair_tokens
 from worker.train_core import Rows, pad_rows
 
-HEAD_FILE = "value_head.safetensors"
 SCORE_ROWS = 16  # rows scored in one padded forward pass
 
 

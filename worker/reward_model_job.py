@@ -16,10 +16,11 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from shared.adapters import HEAD_FILE
 from shared.train_specs import RewardJobCreate
 from worker import supervised
 from worker.adapters import save_adapter
-from worker.reward_head import HEAD_FILE, RewardModel, new_head, save_head
+from worker.reward_head import RewardModel, load_head, new_head, save_head
 from worker.supervised import PreferenceTrainer
 
 
@@ -49,8 +50,12 @@ class RewardTrainer(PreferenceTrainer):
         n = inputs.shape[0] // 2
         return bradley_terry_loss(rewards[:n], rewards[n:])
 
+    def start_from(self, init: Path) -> None:
+        if (init / HEAD_FILE).is_file():  # a reward model's: its head too (another kind's adapter: a fresh head)
+            self.module.head = load_head(init)
+
     def save(self, out_dir: Path, config: dict) -> None:
-        save_adapter(self.module.lm, out_dir, {**config, "value_head": HEAD_FILE})
+        save_adapter(self.module.lm, out_dir, {**config, "value_head": HEAD_FILE, "reward_model": True})  # the seed's mark
         save_head(self.module.head, out_dir)
 
 

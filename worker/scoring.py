@@ -24,7 +24,6 @@ numbers and runs in eval mode).
 
 import functools
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ import mlx.nn as nn
 import numpy as np
 
 from shared import scoring
-from shared.adapters import WEIGHTS_FILE, adapter_ref
+from shared.adapters import HEAD_FILE, WEIGHTS_FILE, adapter_ref, cached_copy
 from shared.jobstore import connect
 from shared.keys import ADAPTERS_INDEX, adapter_key, job_key
 from shared.metrics import recorder
@@ -46,7 +45,7 @@ from worker.adapters import adapter_swapped
 from worker.logprobs import as_item, completion_token_ids, completion_logprobs, pair_tokens, prompt_token_ids
 from worker.memory import logits_chunk_tokens, model_shape
 from worker.models import ModelNotFound, get_model
-from worker.reward_head import HEAD_FILE, load_head, score_completions
+from worker.reward_head import load_head, score_completions
 from worker.rewards.batch import RewardError
 from worker.sampling import left_pad
 
@@ -82,16 +81,7 @@ def adapter_files(r, settings: Settings, model_id: str, adapter_name: str, tenan
         raise AdapterNotFound(f"Adapter not found: {model_id}/{adapter_name}")
     if WEIGHTS_FILE.encode() not in blobs:
         raise AdapterNotFound(f"Adapter not found: {model_id}/{adapter_name} (a full fine-tune's model directory, not an adapter)")
-    out = settings.home / "cache" / "adapters" / job_id.decode()
-    if not (out / WEIGHTS_FILE).is_file():
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for name, blob in blobs.items():
-            (tmp / Path(name.decode()).name).write_bytes(blob)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    return out
+    return cached_copy(settings, f"adapters/{job_id.decode()}", {k.decode(): v for k, v in blobs.items()})
 
 
 def score_rows(model: nn.Module, tokenizer, rows: list[tuple[list[int], list[int]]], temperature: float) -> list[dict]:

@@ -20,6 +20,7 @@ from shared.datasets import DatasetError
 from shared.train_specs import SFTJobCreate
 from worker import supervised
 from worker.logprobs import token_logps
+from worker.models import UnsupportedBase
 from worker.supervised import Trainer
 from worker.train_core import Rows, cut, pad_rows
 
@@ -73,4 +74,7 @@ class SFTTrainer(Trainer):
 def load(job, spec: SFTJobCreate, settings):
     """The job's Run (worker/supervised.py load): full and quantized bases train a private copy."""
     cfg = spec.config
+    if cfg.mxfp8:  # the seed server's field, failing as its job does
+        raise UnsupportedBase("mxfp8 mixed-precision training is not supported (mlx_lm has no fp8 training path); "
+                              "use qlora for memory savings")
     return supervised.load(job, spec, settings, SFTTrainer, cfg.fine_tune_type, cfg.quant_bits if cfg.quantized else None)

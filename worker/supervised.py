@@ -19,17 +19,17 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
-from mlx_lm.tuner.utils import build_schedule
+from mlx.utils import tree_map
 from mlx_lm.utils import save_config, save_model
 
+from shared.adapters import init_adapter_dir
 from shared.datasets import load_rows
 from shared.train_specs import TrainConfig
-from worker.adapters import adapter_config, attach_adapter, remove_adapter_layers, save_adapter
+from worker.adapters import adapter_config, attach_adapter, remove_adapter_layers, save_adapter, started_from
 from worker.logprobs import pair_tokens
 from worker.models import get_model, gradient_checkpointing, private_base
 from worker.train_core import (
-    Rows, Run, TrainState, batch_rows, check_finite, cut, eval_batches, make_optimizer, pad_rows, step_seed,
+    Rows, Run, TrainState, batch_rows, check_finite, clipped, cut, eval_batches, make_optimizer, pad_rows, step_seed,
 )
 
 HISTORY_METRICS = ("loss", "learning_rate", "step_time")
@@ -38,7 +38,8 @@ HISTORY_METRICS = ("loss", "learning_rate", "step_time")
 # --------------------------------------------------------------------------- the trainer
 
 
-def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int, compiled: bool = True) -> Callable:
+def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int, max_grad_norm: float | None,
+              compiled: bool = True) -> Callable:
     """One micro-batch of an optimizer step, as mlx_lm's trainer makes its step: compiled with
     the model's, the optimizer's and the random state as inputs and outputs, so that the
     forward, backward and update are one graph MLX simplifies and fuses. Gradient
@@ -47,7 +48,8 @@ def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int
 
         step(arrays, running, do_update) -> (running, metrics)
         running: the summed (gradients, metrics) so far (None at the first micro-batch);
-        do_update: the last micro-batch: the mean gradient's norm, then the update."""
+        do_update: the last micro-batch: the mean gradient's norm (before clipping, as TRL
+        reports it), the gradient clipped to max_grad_norm (None: not clipped), the update."""
     vg = nn.value_and_grad(module, loss_fn)
 
     def step(arrays, running, do_update: bool):
@@ -60,7 +62,7 @@ def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int
             return (grads, metrics), None
         grads = tree_map(lambda g: g / accumulation, grads)
         metrics = {k: v / accumulation for k, v in metrics.items()}
-        metrics["grad_norm"] = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
+        grads, metrics["grad_norm"] = clipped(grads, max_grad_norm)
         optimizer.update(module, grads)
         return None, metrics
 
@@ -82,9 +84,7 @@ class Trainer:
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, train: list, valid: list | None):
         self.module, self.cfg, self.train_rows, self.valid_rows = module, cfg, train, valid
-        lr = build_schedule(cfg.lr_schedule.model_dump()) if cfg.lr_schedule else cfg.learning_rate
-        # mlx_lm's trainer's optimizers, as the seed server's SFT uses them: no bias correction.
-        self.optimizer = make_optimizer(cfg.optimizer, lr, weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(cfg, cfg.iters, cfg.optimizer, cfg.lr_schedule and cfg.lr_schedule.model_dump())
         self.optimizer.init(module.trainable_parameters())
         self.micro_step, self.micro_step_state = None, None  # made at the first step (make_step), below
 
@@ -95,10 +95,10 @@ class Trainer:
         t0 = time.perf_counter()
         mx.reset_peak_memory()
         mx.random.seed(step_seed(cfg.seed, state.step))  # LoRA dropout
-        micro = [self.arrays(ids, self.train_rows) for ids in
-                 batch_rows(len(self.train_rows), cfg.batch_size, state.step, cfg.grad_accumulation_steps, cfg.seed)]
+        ids = batch_rows(len(self.train_rows), cfg.batch_size, state.step, cfg.grad_accumulation_steps, cfg.seed)
+        micro = [self.arrays(rows, self.train_rows) for rows in ids]
         if self.micro_step_state is not self.optimizer.state:  # a checkpoint's restore put in a new state
-            self.micro_step = make_step(self.module, self.optimizer, self.loss, len(micro), self.compiled)
+            self.micro_step = make_step(self.module, self.optimizer, self.loss, len(micro), cfg.max_grad_norm, self.compiled)
             self.micro_step_state = self.optimizer.state
         self.module.train()
         running = None
@@ -116,7 +116,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         lr = self.optimizer.learning_rate
         return {**metrics, "learning_rate": float(lr.item() if isinstance(lr, mx.array) else lr),
-                "num_tokens": state.num_tokens, "tokens_per_second": n_tokens / max(dt, 1e-9),
+                "examples": sum(map(len, ids)), "num_tokens": state.num_tokens, "tokens_per_second": n_tokens / max(dt, 1e-9),
                 "peak_memory_gb": mx.get_peak_memory() / 1e9, "step_time": dt}
 
     def evaluate(self) -> dict[str, float]:
@@ -133,6 +133,10 @@ class Trainer:
 
     def save(self, out_dir: Path, config: dict) -> None:
         save_adapter(self.module, out_dir, config)
+
+    def start_from(self, init: Path) -> None:
+        """What the kind's module has beside the adapter, from the init_adapter's directory (the
+        adapter itself is in place: attach_adapter). Nothing, but for a reward model's head."""
 
 
 # --------------------------------------------------------------------------- preference pairs
@@ -236,12 +240,16 @@ def load(job, spec, settings, make_trainer: Callable, fine_tune_type: str = "lor
         job.publish_loaded()
     try:
         train, valid = load_datasets(job.lease.r, spec, settings, job.tenant)
+        init = init_adapter_dir(job.lease.r, settings, spec.init_adapter)
         job.write(event={"type": "model_ready", "cached": cached, "private_copy": private,
-                         "load_s": time.perf_counter() - t0, "train_rows": len(train), "valid_rows": len(valid or [])})
+                         "load_s": time.perf_counter() - t0, "train_rows": len(train), "valid_rows": len(valid or []),
+                         **started_from(spec)})
         mx.random.seed(cfg.seed)  # LoRA init
-        attach_adapter(model, cfg, fine_tune_type)
+        attach_adapter(model, cfg, fine_tune_type, init)
         with gradient_checkpointing(model, cfg.gradient_checkpointing):
             trainer = make_trainer(model, tokenizer, spec, train, valid)
+            if init is not None:
+                trainer.start_from(init)
             if trainer.truncated:
                 job.write(event={"type": "truncated", "rows": trainer.truncated, "max_seq_length": cfg.max_seq_length})
 

@@ -21,6 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.tuner.utils import build_schedule
 
 PAD_TO = 32  # padded widths are multiples of this: few distinct shapes to compile
 
@@ -118,14 +120,45 @@ def cut(rows: Rows, max_len: int) -> tuple[Rows, int]:
 # --------------------------------------------------------------------------- the optimizer
 
 
-def make_optimizer(name: str, learning_rate, *, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                   eps: float = 1e-8, bias_correction: bool = False) -> optim.Optimizer:
-    """MLX's Adam ("adam") or AdamW. bias_correction: PyTorch's (and so TRL's) numerics, which
-    GRPO follows; MLX's default, and mlx_lm's trainer (the supervised kinds), have none."""
+def learning_rate_schedule(cfg, total_updates: int) -> Callable | float:
+    """TRL's (transformers') schedules: linear warmup from 0 over warmup_steps, then constant,
+    or linear or cosine decay to 0 at update total_updates."""
+    warm = min(cfg.warmup_steps, total_updates)
+    if cfg.lr_scheduler == "constant":
+        if not warm:
+            return cfg.learning_rate
+        main = optim.linear_schedule(cfg.learning_rate, cfg.learning_rate, 1)
+    elif cfg.lr_scheduler == "cosine":
+        main = optim.cosine_decay(cfg.learning_rate, max(total_updates - warm, 1))
+    else:
+        main = optim.linear_schedule(cfg.learning_rate, 0.0, max(total_updates - warm, 1))
+    if not warm:
+        return main
+    return optim.join_schedules([optim.linear_schedule(0.0, cfg.learning_rate, warm), main], [warm])
+
+
+def make_optimizer(cfg, total_updates: int, name: str = "adamw", mlx_schedule: dict | None = None) -> optim.Optimizer:
+    """AdamW ("adam": Adam) of a config's optimizer fields (shared/schemas.py OptimizerConfig):
+    bias-corrected as PyTorch's and so TRL's unless bias_correction is off (MLX's default, and
+    mlx_lm's trainer), over total_updates updates. mlx_schedule: mlx_lm's lr_schedule
+    ({name, arguments, warmup}) in place of lr_scheduler and warmup_steps.
+
+        m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  theta *= 1 - lr * weight_decay
+        theta -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)     (bias_correction off: no 1 - b^t)
+    """
+    lr = build_schedule(mlx_schedule) if mlx_schedule else learning_rate_schedule(cfg, total_updates)
+    betas, eps = [cfg.adam_beta1, cfg.adam_beta2], cfg.adam_epsilon
     if name == "adam":
-        return optim.Adam(learning_rate=learning_rate, betas=list(betas), eps=eps, bias_correction=bias_correction)
-    return optim.AdamW(learning_rate=learning_rate, betas=list(betas), eps=eps, weight_decay=weight_decay,
-                       bias_correction=bias_correction)
+        return optim.Adam(learning_rate=lr, betas=betas, eps=eps, bias_correction=cfg.bias_correction)
+    return optim.AdamW(learning_rate=lr, betas=betas, eps=eps, weight_decay=cfg.weight_decay,
+                       bias_correction=cfg.bias_correction)
+
+
+def clipped(grads, max_grad_norm: float | None):
+    """(grads clipped to a global norm of max_grad_norm (None: as they are), their norm before)."""
+    if max_grad_norm is not None:
+        return optim.clip_grad_norm(grads, max_grad_norm)
+    return grads, mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
 
 
 # --------------------------------------------------------------------------- what the job loop drives

@@ -163,8 +163,8 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
                            "main_thread": threading.current_thread() is threading.main_thread()})
         spec = kind.spec_model.model_validate_json(record[1])
         fields = job_loop.run(job, kind, spec, importlib.import_module(kind.worker_module).load)
-        lease.finish("completed", {"type": "done", "adapter_path": fields.get("adapter_path")},
-                     adapter=fields.pop("adapter", None), **fields)
+        events = [*fields.pop("events"), {"type": "done", "adapter_path": fields.get("adapter_path")}]
+        lease.finish("completed", events, adapter=fields.pop("adapter", None), **fields)
         return "completed"
     except Cancelled:
         if marks.hand_back_requested:  # the worker is shutting down: keep what was done

@@ -1,22 +1,26 @@
-"""Dataset files: POST /admin/api/fine-tune/files with a JSON Lines body (one row per line),
-DELETE /admin/api/fine-tune/files/{file_id}.
+"""Uploaded files: POST /admin/api/fine-tune/files with a raw body, of one of two purposes:
 
-Stored in Redis (shared/datasets.py), so every worker reads them without a shared disk; a
-job names one as `"dataset": {"file_id": "file-..."}`. A file is its uploader's: another
-trainer token's job cannot use it, nor can that token delete it (404). The body is counted
-while it is read: past MTQ_MAX_FILE_BYTES the answer is 413, and so it is past the token's
+    fine-tune (default)  a dataset: JSON Lines, one row per line; a job names it as `"dataset": {"file_id": ...}`
+    adapter              an mlx_lm adapter: adapters.safetensors, or a .tar.gz of an adapter directory (as the
+                         download routes give it); a job starts from it with `"init_adapter": {"file_id": ...}`
+
+DELETE /admin/api/fine-tune/files/{file_id}. Stored in Redis (shared/datasets.py), so every
+worker reads them without a shared disk. A file is its uploader's: another trainer token's job
+cannot use it, nor can that token delete it (404). The body is counted while it is read: past
+MTQ_MAX_FILE_BYTES the answer is 413, and so it is past the token's
 MTQ_MAX_FILES_BYTES_PER_TOKEN of live files. Files expire after MTQ_JOB_RETENTION_S.
 """
 
 import re
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import ADMIN_ERRORS, RedisDep, SettingsDep, WriterDep, require_token
-from shared.datasets import FILE_ID, DatasetError, QuotaExceeded, delete_file, file_meta, store_file
+from shared.adapters import AdapterFileError, upload_files, upload_summary
+from shared.datasets import FILE_ID, DatasetError, QuotaExceeded, delete_file, file_meta, parse_jsonl, store_file
 from shared.schemas import Deleted, ErrorBody
 
 router = APIRouter(
@@ -33,29 +37,45 @@ router = APIRouter(
 )
 
 
+Purpose = Literal["fine-tune", "adapter"]
+
+
 class FileObject(BaseModel):
     id: str
     object: str = "file"
+    purpose: Purpose = "fine-tune"
     filename: str
     bytes: int
-    rows: int
+    rows: int | None = Field(None, description="A dataset's rows.")
+    adapter: dict[str, Any] | None = Field(None, description="An adapter's shape: tensors, rank, layers (with LoRA), "
+                                           "dora, value_head, and its adapter_config.json if it came with one.")
     created_at: float
 
 
-@router.post("", response_model=FileObject, summary="Upload a JSON Lines dataset file (raw body)")
+@router.post("", response_model=FileObject, summary="Upload a JSON Lines dataset or an mlx_lm adapter (raw body)")
 async def upload(request: Request, r: RedisDep, settings: SettingsDep, who: WriterDep,
-                 filename: Annotated[str, Query(max_length=200)] = "data.jsonl") -> FileObject:
+                 filename: Annotated[str, Query(max_length=200)] = "data.jsonl",
+                 purpose: Annotated[Purpose, Query(description="fine-tune: a dataset; adapter: an init_adapter.")] = "fine-tune",
+                 ) -> FileObject:
     content = bytearray()
     async for chunk in request.stream():
         content += chunk
         if len(content) > settings.max_file_bytes:
             raise HTTPException(status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
                                 f"file larger than {settings.max_file_bytes} bytes (MTQ_MAX_FILE_BYTES)")
-    try:  # in a thread: the event loop never waits on Redis (or on parsing the rows)
-        meta = await run_in_threadpool(store_file, r, bytes(content), filename, who.name, settings.job_retention_s,
-                                       settings.max_files_bytes_per_token)
-    except DatasetError as e:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, str(e)) from None
+
+    def check_and_store() -> dict:  # in a thread: the event loop never waits on Redis (or on parsing the rows)
+        if purpose == "adapter":
+            found = {"adapter": upload_summary(upload_files(bytes(content), settings.max_file_bytes))}
+        else:
+            found = {"rows": len(parse_jsonl(bytes(content), filename or "file"))}
+        return store_file(r, bytes(content), filename, who.name, settings.job_retention_s,
+                          settings.max_files_bytes_per_token, purpose=purpose, **found)
+
+    try:
+        meta = await run_in_threadpool(check_and_store)
+    except (DatasetError, AdapterFileError) as e:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"{filename}: {e}" if purpose == "adapter" else str(e)) from None
     except QuotaExceeded as e:
         raise HTTPException(status.HTTP_413_REQUEST_ENTITY_TOO_LARGE, str(e)) from None
     return FileObject(**meta)

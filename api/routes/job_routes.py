@@ -13,8 +13,9 @@ and messages:
     GET    {prefix}/{id}/history      a completed job's per-step metrics
     GET    {prefix}/{id}/adapter      a completed job's adapter (or full model) as .tar.gz
 
-Jobs of other kinds are 404 here. Jobs of any kind, read-only, by their id alone (how the
-client commands and the web page find a job's kind, and so its routes):
+Jobs of other kinds are 404 here, except that the DPO routes read ORPO jobs too (as the seed
+server's do: shared/kinds.py route_kinds). Jobs of any kind, read-only, by their id alone (how
+the client commands and the web page find a job's kind, and so its routes):
 
     GET    /admin/api/jobs            every kind's jobs, newest first, paged as above
     GET    /admin/api/jobs/{id}       the job (its `kind` says which); 404 "Job not found: <id>"
@@ -31,8 +32,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.routing import APIRoute
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from api import sse
@@ -41,7 +41,7 @@ from api.deps import (ADMIN_ERRORS, PrincipalDep, RedisDep, SettingsDep, WriterD
                       get_stream_redis, require_token)
 from api.json_body import JSONBodyRoute
 from api.routes.adapters import archive_response
-from api.submission import check_datasets, check_spec
+from api.submission import check_datasets, check_spec, prepared
 from shared import adapters, jobstore, lifecycle
 from shared.keys import job_key
 from shared.kinds import KINDS, Kind
@@ -62,37 +62,9 @@ ERRORS = {
 }
 
 
-def readable(errors: list[dict]) -> str:
-    """pydantic's errors as one line: 'Invalid request: config.beta: Input should be greater than 0'."""
-    parts = []
-    for e in errors[:3]:
-        loc = [str(p) for p in e["loc"] if p not in ("body", "query", "path", "header")]
-        msg = e["msg"].encode("utf-8", "backslashreplace").decode()
-        parts.append(f"{'.'.join(loc) or 'body'}: {msg}" if loc else msg)
-    return "Invalid request: " + "; ".join(parts)
-
-
-class SeedErrorsRoute(JSONBodyRoute):
-    """Invalid input answers 400 with one readable string (the seed's SFT/DPO/... routes), not
-    FastAPI's 422 list."""
-
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
-
-        async def answer_400(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except RequestValidationError as e:
-                return JSONResponse(status_code=400, content={"detail": readable(e.errors())})
-
-        return answer_400
-
-
-# How a family's routes (shared/kinds.py) check a spec beyond its schema, and answer invalid input.
-FAMILIES: dict[str, tuple[Callable[..., None], type[APIRoute]]] = {
-    "grpo": (check_spec, JSONBodyRoute),  # the app's handler: the seed's GRPO messages (api/main.py `readable`)
-    "supervised": (check_datasets, SeedErrorsRoute),
-}
+# How a family's routes (shared/kinds.py) check a spec beyond its schema. Invalid input is the
+# app's 400 with the seed server's messages (api/main.py `readable`).
+FAMILIES: dict[str, Callable[..., None]] = {"grpo": check_spec, "supervised": check_datasets}
 
 
 class ResumeRequest(BaseModel):
@@ -131,9 +103,9 @@ def only(*codes: int) -> dict:
 
 
 def visible(r, job_id: str, who: Principal, kind: Kind | None = None):
-    """The job (or its unreadable record), if it is of `kind` (None: any) and this principal may see it."""
+    """The job (or its unreadable record), if `kind`'s routes read it (None: any kind) and this principal may see it."""
     h = r.hgetall(job_key(job_id)) if JOB_ID.fullmatch(job_id) else {}
-    if not h or (kind is not None and jobstore.of_kind(h.get(b"kind")) != kind.name):
+    if not h or (kind is not None and jobstore.of_kind(h.get(b"kind")) not in kind.route_kinds):
         return None
     found = jobstore.job_or_unreadable(job_id, h)
     return found if who.sees(found.owner) else None
@@ -166,8 +138,8 @@ class JobHistory(BaseModel):
 
 
 def job_router(k: Kind) -> APIRouter:
-    check, route_class = FAMILIES[k.family]
-    router = APIRouter(prefix=k.prefix, tags=[k.tag], dependencies=[Depends(require_token)], route_class=route_class,
+    check = FAMILIES[k.family]
+    router = APIRouter(prefix=k.prefix, tags=[k.tag], dependencies=[Depends(require_token)], route_class=JSONBodyRoute,
                        responses={code: ERRORS[code] for code in (400, 401, 413, 503)})
 
     def entry(r, job_id: str, who: Principal):
@@ -187,7 +159,9 @@ def job_router(k: Kind) -> APIRouter:
         return found
 
     @router.post("", response_model=k.job_model, responses=only(403, 409), summary=f"Create {k.what} (queued)")
-    def create_job(spec: k.spec_model, r: RedisDep, settings: SettingsDep, who: WriterDep):  # type: ignore[valid-type]
+    def create_job(spec: k.spec_model, request: Request, r: RedisDep, settings: SettingsDep,  # type: ignore[valid-type]
+                   who: WriterDep):
+        spec = prepared(r, spec, who, request)
         check(r, spec, settings, who, ("body",))
         try:
             return jobstore.create_job(r, spec, owner=who.name, tenant=who.tenant)
@@ -273,7 +247,7 @@ def job_router(k: Kind) -> APIRouter:
         # Everything here runs on the event loop (no sync dependency: those take a pool thread).
         r, settings = get_async_redis(), get_settings()
         job_status, owner = None, None
-        if JOB_ID.fullmatch(job_id) and jobstore.of_kind(await r.hget(job_key(job_id), "kind")) == k.name:
+        if JOB_ID.fullmatch(job_id) and jobstore.of_kind(await r.hget(job_key(job_id), "kind")) in k.route_kinds:
             job_status, owner = await sse.status_and_owner(r, job_id)
         if job_status is None or not who.sees(owner):  # before the stream starts: afterwards no 404 can be sent
             raise not_found(job_id)

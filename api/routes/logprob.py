@@ -125,12 +125,14 @@ async def stored_request(ar, request_id: str, who: Principal) -> dict[bytes, byt
     return raw
 
 
-async def check_adapter(ar, who, model_id: str, adapter_name: str) -> None:
-    """404 unless a completed job made this adapter and the token may see that job."""
+async def check_adapter(ar, who, model_id: str, adapter_name: str) -> str:
+    """The id of the completed job that made this adapter; 404 unless there is one and the
+    token may see it."""
     job_id = await ar.hget(ADAPTERS_INDEX, adapter_ref(model_id, adapter_name))
     owner = None if job_id is None else await ar.hget(job_key(job_id.decode()), "owner")
     if job_id is None or not who.sees(None if owner is None else owner.decode()):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"Adapter not found: {model_id}/{adapter_name}")
+    return job_id.decode()
 
 
 WAIT_SLICE_S = 1.0  # one BLPOP of the wait for an answer: below the client's socket timeout (MTQ_REDIS_TIMEOUT_S)
