@@ -279,6 +279,7 @@ class JobRecord(BaseModel):
                               "starting, loading_model, compiling (first step on a fresh machine), sampling, scoring, "
                               "updating, checkpointing, saving.")
     phase_note: str | None = Field(None, description="A sentence about the phase, e.g. why compiling takes long.")
+    phase_s: float | None = Field(None, description="Seconds the job has been in its phase so far (running jobs).")
     waiting_for_worker: str | None = Field(None, description=WAITING_DOC)
     worker: str | None = Field(None, description="The worker running (or that last ran) the job.")
     checkpoint_step: int | None = Field(None, description="Step of the last checkpoint (resume starts there).")
