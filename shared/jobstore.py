@@ -95,7 +95,7 @@ def _record_fields(job_id: str, rec: dict[str, str], model_id: str, adapter_name
         status=rec["status"], created_at=float(rec["created_at"]), started_at=num("started_at", default=kind.unset_time),
         finished_at=num("finished_at", default=kind.unset_time), error=rec.get("error") or "",
         progress=json.loads(rec.get("progress") or "null") or kind.initial_progress, phase=phase, phase_note=phase_note,
-        phase_s=phase_s,
+        phase_s=phase_s, memory_plan=json.loads(rec["memory_plan"]) if rec.get("memory_plan") else None,
         waiting_for_worker=rec.get("waiting_for_worker"), worker=rec.get("worker"),
         checkpoint_step=num("checkpoint_step", int), attempts=num("attempts", int, 0),
         failed_attempts=num("failed_attempts", int, 0), max_attempts=num("max_attempts", int, 3),
