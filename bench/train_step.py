@@ -3,7 +3,7 @@ run, and the SFT kind against `mlx_lm lora` on the same model, rows and batch.
 
     python bench/train_step.py MODEL_DIR [--kinds sft sft-full sft-qlora dpo orpo reward] [--batch-size 4]
                                [--length 128] [--steps 8] [--warmup 2] [--quant-bits 4] [--uncompiled]
-                               [--mlx-lm] [--json OUT.json]
+                               [--mlx-lm] [--rounds 1] [--json OUT.json]
 
 Each kind's trainer (worker/sft_job.py, worker/dpo_job.py, worker/reward_model_job.py) runs
 on rows of --length tokens (SFT: batch_size rows; the preference kinds: batch_size pairs =
@@ -27,6 +27,9 @@ it (worker/models.py prepare_private). Prints one JSON line per kind (and writes
                   warmup + steps iterations with a report every iteration: its median
                   tokens_per_second and seconds per iteration over the steps after the warm-up,
                   and `speed_vs_mlx_lm` = its seconds per iteration / step_s (above 1: faster than mlx_lm)
+  --rounds N      every measurement N times, in turn (ours, mlx_lm's, the bound, ...): each figure
+                  is the median over the rounds, each ratio the median of the rounds' ratios (a
+                  loaded machine's drift hits both sides of a ratio alike)
 
 It imports MLX, mlx_lm (with transformers/tokenizers), numpy, pydantic and the project's
 trainer modules only: no Redis, rq or HTTP libraries (tests/test_supervised_trainer.py checks),
@@ -156,37 +159,51 @@ def bench(name: str, shared, args) -> dict:
         made.compiled = compiled
         return made
 
-    out = {"kind": name}
-    if args.uncompiled:
-        out["uncompiled_step_s"] = round(time_steps(trainer(False), args)[0], 4)
-    compiled = trainer(True)
-    mx.reset_peak_memory()
-    step_s, metrics = time_steps(compiled, args)
-    peak = mx.get_peak_memory() / 1e9
+    def lower_bound(trained) -> tuple[float, dict]:
+        """mlx_lm's loss, forward+backward, on the same padded rows as step 0's batch."""
+        (arrays, _) = trained.arrays(list(range(args.batch_size)), trained.train_rows)
+        inputs = arrays[0]
+        tokens = mx.concatenate([inputs, inputs[:, -1:]], axis=1)
+        lengths = mx.array([[1, inputs.shape[1]]] * inputs.shape[0])
+        vg = nn.value_and_grad(model, lambda b, l: default_loss(model, b, l)[0])
 
-    # The lower bound: mlx_lm's loss, forward+backward, on the same padded rows as step 0's batch.
-    (arrays, n_tokens) = compiled.arrays(list(range(args.batch_size)), compiled.train_rows)
-    inputs = arrays[0]
-    tokens = mx.concatenate([inputs, inputs[:, -1:]], axis=1)
-    lengths = mx.array([[1, inputs.shape[1]]] * inputs.shape[0])
-    vg = nn.value_and_grad(model, lambda b, l: default_loss(model, b, l)[0])
+        def fwd_bwd():
+            loss, grads = vg(tokens, lengths)
+            mx.eval(loss, grads)
 
-    def fwd_bwd():
-        loss, grads = vg(tokens, lengths)
-        mx.eval(loss, grads)
+        fwd_bwd()
+        return median_time(fwd_bwd, args.steps), {"rows": int(inputs.shape[0]), "width": int(inputs.shape[1])}
 
-    fwd_bwd()
-    bound = median_time(fwd_bwd, args.steps)
-    remove_adapter_layers(model)
-    out.update({"rows": int(inputs.shape[0]), "width": int(inputs.shape[1]), "step_s": round(step_s, 4),
-                "lower_bound_s": round(bound, 4), "ratio": round(step_s / bound, 2), "peak_memory_gb": round(peak, 3),
-                "tokens_per_s": round(statistics.median(m["tokens_per_second"] for m in metrics))})
-    if compiled.reference is not None:
-        batch = list(range(args.batch_size))
-        out["reference_s"] = round(median_time(lambda: compiled.reference_logps(batch, compiled.train_rows), args.steps), 4)
+    rounds = []  # each measurement once per round, in turn: a loaded machine's drift hits them alike
+    for _ in range(args.rounds):
+        r = {}
+        if args.uncompiled:
+            r["uncompiled_step_s"] = time_steps(trainer(False), args)[0]
+        compiled = trainer(True)
+        mx.reset_peak_memory()
+        r["step_s"], metrics = time_steps(compiled, args)
+        r["peak_memory_gb"] = mx.get_peak_memory() / 1e9
+        r["tokens_per_s"] = statistics.median(m["tokens_per_second"] for m in metrics)
+        r["lower_bound_s"], shape = lower_bound(compiled)
+        if compiled.reference is not None:
+            batch = list(range(args.batch_size))
+            r["reference_s"] = median_time(lambda: compiled.reference_logps(batch, compiled.train_rows), args.steps)
+        remove_adapter_layers(model)
+        if args.mlx_lm and name == "sft":
+            theirs = mlx_lm_lora(args.model, rows, args)
+            r["mlx_lm_step_s"], r["mlx_lm_tokens_per_s"] = theirs["step_s"], theirs["tokens_per_s"]
+        rounds.append(r)
+
+    def median(key: str, digits: int = 4):
+        return round(statistics.median(r[key] for r in rounds), digits)
+
+    out = {"kind": name, **shape, **{k: (round(median(k)) if "tokens" in k else median(k)) for k in rounds[0]},
+           "ratio": round(statistics.median(r["step_s"] / r["lower_bound_s"] for r in rounds), 2)}
     if args.mlx_lm and name == "sft":
-        theirs = mlx_lm_lora(args.model, rows, args)
-        out.update(mlx_lm=theirs, speed_vs_mlx_lm=round(theirs["step_s"] / step_s, 2))
+        speed = [r["mlx_lm_step_s"] / r["step_s"] for r in rounds]
+        out.update(speed_vs_mlx_lm=round(statistics.median(speed), 2), speed_vs_mlx_lm_by_round=[round(x, 2) for x in speed])
+    if args.uncompiled:
+        out["speed_vs_uncompiled"] = round(statistics.median(r["uncompiled_step_s"] / r["step_s"] for r in rounds), 2)
     return out
 
 
@@ -199,6 +216,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="steps not timed (MLX CUDA compiles kernels on first use)")
     p.add_argument("--quant-bits", type=int, choices=[4, 8], default=4, help="sft-qlora's base quantization")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every measurement this many times, in turn (medians)")
     p.add_argument("--uncompiled", action="store_true", help="also time each trainer with its step not compiled")
     p.add_argument("--mlx-lm", action="store_true", help="also run `mlx_lm lora` on the SFT rows (sft only)")
     p.add_argument("--json", metavar="OUT", help="also write the results, with the device, to this JSON file")
