@@ -161,10 +161,12 @@ class ReferenceLogps:
     computed at the example's first use and kept, since the reference never changes. They go
     with the job's checkpoint (worker/checkpoints.py), so a resumed job neither recomputes
     them nor gets other numbers. One table per split: rows of `width` log-probs (a pair's
-    chosen and rejected), NaN until computed."""
+    chosen and rejected), NaN until computed. `what` names the values (DPO's sums, or IPO's
+    per-token means): a job resumed with another loss_type computes its own again."""
 
-    def __init__(self, sizes: dict[str, int], width: int):
+    def __init__(self, sizes: dict[str, int], width: int, what: str):
         self.tables = {split: np.full((n, width), np.nan, np.float32) for split, n in sizes.items()}
+        self.what = what
         self.computed = 0  # examples computed by this process (tests count them)
 
     def get(self, split: str, ids: list[int], compute: Callable[[list[int]], mx.array]) -> mx.array:
@@ -179,13 +181,14 @@ class ReferenceLogps:
 
     def arrays(self) -> dict[str, mx.array]:
         """A copy, for a checkpoint."""
-        return {split: mx.array(table) for split, table in self.tables.items()}
+        return {f"{split}/{self.what}": mx.array(table) for split, table in self.tables.items()}
 
     def restore(self, arrays: dict[str, mx.array]) -> None:
         """A checkpoint's tables, where they fit this job's datasets (else they are computed again)."""
-        for split, a in arrays.items():
-            if split in self.tables and a.shape == self.tables[split].shape:
-                self.tables[split] = np.array(a)
+        for split, table in self.tables.items():
+            saved = arrays.get(f"{split}/{self.what}")
+            if saved is not None and saved.shape == table.shape:
+                self.tables[split] = np.array(saved)
 
 
 class PreferenceTrainer(Trainer):
