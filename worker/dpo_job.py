@@ -88,8 +88,9 @@ class DPOTrainer(PreferenceTrainer):
         self.method = spec.kind
         super().__init__(model, tokenizer, spec.config, train, valid)
         # DPO's reference log-probs, once per pair (ORPO has no reference).
-        what = "mean" if self.cfg.loss_type == "ipo" else "sum"
-        self.reference = ReferenceLogps({"train": len(train), "valid": len(valid or [])}, 2, what) if self.method == "dpo" else None
+        if self.method == "dpo":
+            self.reference = ReferenceLogps({"train": len(train), "valid": len(valid or [])}, 2,
+                                            "mean" if self.cfg.loss_type == "ipo" else "sum")
 
     def reference_logps(self, ids: list[int], rows: list[dict]) -> mx.array:
         """Pairs `ids`' chosen then rejected sequence log-probs under the reference: the same weights, LoRA off."""
