@@ -1,7 +1,8 @@
 """Decode speed of the GRPO sampler (worker/sampling.py) beside mlx_lm's own decoders, in one run.
 
     python3 bench/decode.py MODEL_DIR --rows 8 32 64 --tokens 128 [--group-size 8] [--prompt-len 24]
-                            [--reps 3] [--sampling FILE ...] [--queries 1 2] [--count-only] [--json OUT]
+                            [--reps 3] [--sampling FILE ...] [--queries 1 2] [--lora-layers N]
+                            [--count-only] [--json OUT]
 
 For each row count R, one after the other in this process (B = R / group size prompts of
 slightly different lengths, so rows are left-padded; temperature 1; EOS off everywhere, so
@@ -15,6 +16,8 @@ every row decodes --tokens tokens):
 
   ms/pos    wall time to generate --tokens tokens for all rows, divided by --tokens (prompt
             prefill included, as in a GRPO step); median of --reps after one warm-up run
+  host      ours only: the part of ms/pos the host spends in the decode steps' calls and in
+            mx.async_eval (building the graph, encoding its kernels); near ms/pos: host-bound
   prims     MLX primitives in one decode step's graph (mx.export_to_dot of the step's outputs
             with its inputs evaluated; views such as Reshape and Transpose included): what
             the device evaluates per decode position. Ours: the compiled step's graph
@@ -24,6 +27,9 @@ every row decodes --tokens tokens):
             at most 3 queries, or cuDNN with at least 2 queries) counted as the single
             primitive they are on a CUDA GPU. MLX's CPU backend expands them into a dozen
             primitives each, so the CPU's own count says little about a GPU's.
+
+--lora-layers N: every decoder runs the model with LoRA on all projections of its last N
+blocks, rank 8, scale 16 (a GRPO job's defaults: lora_layers 16), as GRPO samples with it.
 
 Ratios: ours / batch and ours / single (ms/pos). --count-only skips the timings (e.g. the
 28-layer model on a CPU). On Linux CPU the process re-executes itself with the system
@@ -57,6 +63,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
+from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 
 
 def load_sampling(path: Path):
@@ -149,16 +156,30 @@ def ours_counts(S, model, prompts, group_size, queries) -> collections.Counter:
     raise RuntimeError("sample() made fewer than two decode steps")
 
 
-def ours_time(S, model, prompts, group_size, queries, tokens, reps) -> list[float]:
+def ours_time(S, model, prompts, group_size, queries, tokens, reps) -> tuple[list[float], list[float]]:
+    """Wall times of sample(), and the host's share of each: the seconds spent in the decode
+    steps' calls (mx.compile's replay, building the step's graph) and in handing them to the
+    device (mx.async_eval, which encodes every kernel). Close to the wall time: host-bound."""
     p = S.SamplingParams(max_tokens=tokens, temperature=1.0)
     step = make_step(S, model, p, queries)
-    times = []
-    for i in range(reps + 1):  # the first run compiles
+    host = [0.0]
+
+    def timed(*args):
         t0 = time.perf_counter()
-        samples = S.sample(model, step, prompts, group_size, p, [], mx.random.key(i))
+        out = step(*args)
+        mx.async_eval(out)  # sample() then async_evals a part of it: already scheduled, no-op
+        host[0] += time.perf_counter() - t0
+        return out
+
+    times, hosts = [], []
+    for i in range(reps + 1):  # the first run compiles
+        host[0] = 0.0
+        t0 = time.perf_counter()
+        samples = S.sample(model, timed, prompts, group_size, p, [], mx.random.key(i))
         times.append(time.perf_counter() - t0)
+        hosts.append(host[0])
         assert samples.steps == tokens
-    return times[1:]
+    return times[1:], hosts[1:]
 
 
 def left_padded(rows):
@@ -229,20 +250,26 @@ def main():
                     help="copies of worker/sampling.py to measure (e.g. an older commit's)")
     ap.add_argument("--queries", type=int, nargs="+", choices=[1, 2], default=[None],
                     help="also force make_decode_step's queries per row (versions that have it; default: its own choice)")
+    ap.add_argument("--lora-layers", type=int, default=0, help="LoRA (rank 8, scale 16) on the last N blocks")
     ap.add_argument("--count-only", action="store_true", help="primitive counts only, no timings")
     ap.add_argument("--json", type=Path, help="write the records here as a JSON list")
     args = ap.parse_args()
 
     model, tokenizer = mlx_lm.load(args.model_dir)
+    if args.lora_layers:
+        model.freeze()
+        linear_to_lora_layers(model, args.lora_layers, {"rank": 8, "scale": 16.0, "dropout": 0.0})
+        model.eval()
     tokenizer.eos_token_ids = []  # batch_generate stops on these
     versions = {str(path): load_sampling(path) for path in args.sampling}
     on_cpu = mx.default_device() == mx.cpu
     print(f"device {mx.default_device()}, mlx {mx.__version__}, mlx_lm {mlx_lm.__version__}, "
-          f"{len(model.layers)} layers, {args.tokens} tokens per row", flush=True)
+          f"{len(model.layers)} layers ({args.lora_layers} with LoRA), {args.tokens} tokens per row", flush=True)
     records = []
 
-    def record(name, rows, counter, gpu_counter, times):
+    def record(name, rows, counter, gpu_counter, times, hosts=None):
         rec = {"decoder": name, "rows": rows, "tokens": args.tokens, "device": str(mx.default_device()),
+               "lora_layers": args.lora_layers,
                "primitives": count(counter), "primitives_by_type": dict(counter.most_common())}
         if gpu_counter is not None:
             rec["primitives_gpu"] = count(gpu_counter)
@@ -250,9 +277,14 @@ def main():
         if times:
             rec["ms_per_position"] = round(1000 * statistics.median(times) / args.tokens, 3)
             rec["seconds"] = [round(t, 4) for t in times]
+        if hosts:
+            rec["host_ms_per_position"] = round(1000 * statistics.median(hosts) / args.tokens, 3)
         records.append(rec)
+        if args.json:  # after each record: a run cut short keeps what it measured
+            args.json.write_text(json.dumps(records, indent=1))
         gpu = f" gpu {rec['primitives_gpu']:5d}" if gpu_counter is not None else ""
         ms = f" {rec['ms_per_position']:8.2f} ms/pos" if times else ""
+        ms += f" (host {rec['host_ms_per_position']:.2f})" if hosts else ""
         print(f"  {name:40s} rows {rows:3d}  prims {rec['primitives']:5d}{gpu}{ms}", flush=True)
         return rec
 
@@ -272,10 +304,14 @@ def main():
         for name, S in versions.items():
             has_queries = "queries" in inspect.signature(S.make_decode_step).parameters
             for q in args.queries if has_queries else [None]:
-                counts = both(lambda: ours_counts(S, model, prompts, G, q))
-                times = None if args.count_only else ours_time(S, model, prompts, G, q, args.tokens, args.reps)
                 label = f"ours {Path(name).name if len(versions) == 1 else name}" + (f" queries={q}" if q else "")
-                ours.append(record(label, R, *counts, times))
+                try:  # one decoder failing (e.g. a kernel path on one backend) leaves the others' figures
+                    counts = both(lambda: ours_counts(S, model, prompts, G, q))
+                    times = (None, None) if args.count_only else ours_time(S, model, prompts, G, q, args.tokens, args.reps)
+                except Exception as e:
+                    print(f"  {label:40s} rows {R:3d}  failed: {type(e).__name__}: {e}", flush=True)
+                    continue
+                ours.append(record(label, R, *counts, *times))
         counts = both(lambda: batch_counts(model, rows))
         batch = record("mlx_lm batch_generate", R, *counts,
                        None if args.count_only else batch_time(model, tokenizer, rows, args.tokens, args.reps))
@@ -286,8 +322,6 @@ def main():
             for rec in ours:
                 print(f"  {rec['decoder']}: {rec['ms_per_position'] / batch['ms_per_position']:.2f}x mlx_lm batch, "
                       f"{rec['ms_per_position'] / single['ms_per_position']:.2f}x mlx_lm single", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(records, indent=1))
 
 
 if __name__ == "__main__":

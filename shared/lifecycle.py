@@ -2,14 +2,17 @@
 
     from               event           to          side effects (all in one MULTI/EXEC)
     -                  create          queued      record + index; rq job pushed
-    queued             start           running     lease_epoch + 1; lease key (TTL); attempts + 1
+    queued             start           running     lease_epoch + 1; lease key (TTL); attempts + 1; a gang job: its
+                                                   members by rank (`gang`), each running its rank under the epoch
     queued|running     cancel          cancelled   lease_epoch + 1 (a running worker is fenced out at once and
                                                    stops at its next check); checkpoint kept; retention
     queued             requeue         queued      (reconciler) its rq job is gone: a new one pushed
     queued             reroute         queued      a worker cannot fit it, or (reconciler) it waited on a busy or
                                                    gone worker's own queue, or the live workers changed so that it
                                                    belongs on the hub queue or off it: routed again, its old rq job
-                                                   removed; or (reconciler) only its waiting_for_worker brought up to date
+                                                   removed; or (reconciler) only its waiting_for_worker brought up to date;
+                                                   or a gang job's leader found fewer free workers than it needs
+                                                   (shared/gangs.py): back on its queue, an event when that changed
     running            complete        completed   fenced; checkpoint dropped; adapter indexed; retention
     running            fail            failed      fenced; retention
     running            hand_back       queued      fenced; lease_epoch + 1; rq job pushed; attempt not counted
@@ -108,13 +111,14 @@ def create(r: redis.Redis, job_id: str, kind: str, spec, *, max_attempts: int, *
     return written
 
 
-def start(r: redis.Redis, job_id: str, worker: str, lease_ttl_s: float) -> int | None:
-    """A worker takes a queued job. Returns the new lease epoch; None if it is not queued."""
+def start(r: redis.Redis, job_id: str, worker: str, lease_ttl_s: float, gang: list[str] | None = None) -> int | None:
+    """A worker takes a queued job (gang: its leader, for these workers by rank, shared/gangs.py).
+    Returns the new lease epoch; None if it is not queued."""
     def decide(rec):
         epoch = int(rec.get("lease_epoch", 0)) + 1
         fields = {"lease_epoch": epoch, "worker": worker, "attempts": int(rec.get("attempts", 0)) + 1,
                   "error": None, "finished_at": None, "phase": None, "phase_note": None, "phase_since": None,
-                  "memory_plan": None, "waiting_for_worker": None}
+                  "memory_plan": None, "waiting_for_worker": None, "gang": None if gang is None else json.dumps(gang)}
         if not rec.get("started_at"):
             fields["started_at"] = repr(time.time())
         return Change("running", fields, lease=f"{worker}:{epoch}")
@@ -219,6 +223,19 @@ def reroute(r: redis.Redis, job_id: str, rq_job_id: str, reason: str, need_gb: f
             return None  # routed or started meanwhile
         fields = {} if need_gb is None else {"need_gb": max(need_gb, float(rec.get("need_gb") or 0))}
         return Change("queued", fields, {"type": "rerouted", "reason": reason, "from_queue": rec.get("queue")}, enqueue=True)
+
+    return _commit(r, job_id, "reroute", decide) is not None
+
+
+def wait_for_gang(r: redis.Redis, job_id: str, rq_job_id: str) -> bool:
+    """A gang job's leader (shared/gangs.py) found fewer free workers than the job needs: back on
+    its queue, not started (no attempt); an event only when what it waits for changed."""
+    def decide(rec):
+        if rec.get("rq_job") != rq_job_id:
+            return None  # routed or started meanwhile
+        waiting = _route(r, rec, read_spec(rec), warm=False).waiting_for_worker
+        event = None if waiting == rec.get("waiting_for_worker") else {"type": "waiting", "waiting_for_worker": waiting}
+        return Change("queued", {}, event, enqueue=True)
 
     return _commit(r, job_id, "reroute", decide) is not None
 

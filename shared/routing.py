@@ -151,6 +151,7 @@ class Route:
     queue: str
     need_gb: float | None
     waiting_for_worker: str | None  # why no live worker can run it now (None: some can)
+    free: tuple[dict[str, Any], ...] = ()  # a gang job's (config.workers > 1): the free workers that can run it
 
 
 def route(kind: str, spec, live: list[dict[str, Any]], floor_gb: float | None = None, warm: bool = True,
@@ -158,7 +159,8 @@ def route(kind: str, spec, live: list[dict[str, Any]], floor_gb: float | None = 
     """The queue for a job of `kind` (shared/kinds.py), given the live workers' advertisements (shared/workers.py).
     floor_gb: a need measured by a worker that could not fit the job. warm: prefer the own
     queue of a capable worker that holds the model loaded and is free (finished(job_id) says
-    whether the job a worker advertises as its current one has ended meanwhile)."""
+    whether the job a worker advertises as its current one has ended meanwhile). A gang job
+    (config.workers > 1, shared/gangs.py) waits until that many capable workers are free at once."""
     lane = getattr(spec.config, "queue", DEFAULT_LANE)
     key = model_key(spec.model_id)
     holders = [w for w in live if key in served_models(w)]
@@ -185,6 +187,14 @@ def route(kind: str, spec, live: list[dict[str, Any]], floor_gb: float | None = 
         largest = max((w.get("memory_gb") or 0) for w in candidates)
         waiting = (f"needs about {need:.2f} GB (memory class {cls} GB); the largest live worker that can run it "
                    f"has {largest:g} GB")
+    gang = getattr(spec.config, "workers", 1)
+    if gang > 1:  # shared/gangs.py: the leader that takes it needs gang - 1 more, free, at once
+        free = tuple(w for w in able if w.get("gang_address") and (not w.get("current_job") or finished(w["current_job"])))
+        if waiting is None and len(free) < gang:
+            names = ", ".join(w["name"] for w in free) or "none"
+            waiting = (f"needs {gang} free workers that can run it at once (config.workers); has {len(free)} "
+                       f"({names}) of {len(able)} live that can run it")
+        return Route(queue, need, waiting, free)
     if warm:
         for w in sorted(able, key=lambda w: w["name"]):
             if key in {model_key(m) for m in w.get("loaded", [])} and (not w.get("current_job") or finished(w["current_job"])):

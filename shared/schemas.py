@@ -13,6 +13,9 @@ from shared.model_ids import MODEL_ID_RE
 from shared.reward_specs import RewardSource
 
 SEED_MAX = 2**32 - 1
+MAX_GANG = 8  # workers one job may span (docs/distributed.md): ring's all_sum is rarely reliable beyond
+GANG_DESCRIPTION = ("Workers that train the job together, data-parallel over mx.distributed (docs/distributed.md): "
+                    "it starts once this many capable workers are free, each taking 1/N of a step's rows.")
 DEFAULT_LANE = "default"
 LANE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"  # a job's queue (lane): part of rq queue names
 
@@ -92,6 +95,13 @@ def prompt_chars(prompt: Prompt) -> int:
     return len(prompt) if isinstance(prompt, str) else sum(len(m.content) for m in prompt)
 
 
+def check_gang(cfg):
+    """Every worker of a gang takes at least one of a step's batch_size prompts or rows."""
+    if cfg.workers > cfg.batch_size:
+        raise ValueError(f"workers ({cfg.workers}) must be at most batch_size ({cfg.batch_size}): each takes a share of a step's batch")
+    return cfg
+
+
 class OptimizerConfig(BaseModel):
     """The optimizer of every kind: AdamW as PyTorch's and TRL's (bias-corrected), TRL's names
     and defaults (worker/train_core.py make_optimizer)."""
@@ -168,6 +178,8 @@ class GRPOConfig(OptimizerConfig):
     queue: str = Field(DEFAULT_LANE, pattern=LANE_PATTERN, description="The job's lane: workers serve the lanes they "
                        "are given in their order (mtq worker --lanes high,default).")
 
+    workers: int = Field(1, ge=1, le=MAX_GANG, description=GANG_DESCRIPTION)
+
     # Durability.
     checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Save a checkpoint every N steps.")
     checkpoint_interval_s: float = Field(300.0, gt=0.0, description="...and at least this often.")
@@ -187,6 +199,8 @@ class GRPOConfig(OptimizerConfig):
         if self.gradient_checkpointing and self.lora_dropout > 0:
             raise ValueError("gradient_checkpointing needs lora_dropout = 0 (recomputed layers would draw new dropout masks)")
         return self
+
+    _a_share_per_worker = model_validator(mode="after")(check_gang)
 
     @property
     def use_gradient_checkpointing(self) -> bool | None:

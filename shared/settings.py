@@ -32,6 +32,12 @@ class Settings:
     kernel_cache_dir: Path | None = None  # load_settings: $MTQ_HOME/kernel-cache
     memory_gb: float | None = None  # a worker's memory for jobs (MTQ_MEMORY_GB, mtq worker --memory-gb); default: detected
     hub: bool = False  # a worker may download from the Hugging Face hub (MTQ_HUB, mtq worker --hub)
+    # Gangs (docs/distributed.md): the address a worker's ranks listen on, as its peers reach it
+    # (MTQ_GANG_HOST; MTQ_GANG_PORT 0: a free port, picked at start), and how long a gang's ranks
+    # may take to form their group before the attempt is given up (MTQ_GANG_JOIN_S).
+    gang_host: str = "127.0.0.1"
+    gang_port: int = 0
+    gang_join_s: float = 60.0
     # The API's Redis socket timeout: a Redis that stops answering is a quick 503, not a hung request.
     redis_timeout_s: float = 3.0
     # Who may do what (api/auth.py): a JSON or YAML file of named tokens with roles.
@@ -103,6 +109,9 @@ def load_settings() -> Settings:
         kernel_cache_dir=Path(os.environ.get("MTQ_KERNEL_CACHE") or home / "kernel-cache").expanduser(),
         memory_gb=_float("MTQ_MEMORY_GB", 0.0) or None,
         hub=os.environ.get("MTQ_HUB", "") not in ("", "0"),
+        gang_host=os.environ.get("MTQ_GANG_HOST", Settings.gang_host),
+        gang_port=_int("MTQ_GANG_PORT", Settings.gang_port),
+        gang_join_s=_float("MTQ_GANG_JOIN_S", Settings.gang_join_s),
         redis_timeout_s=_float("MTQ_REDIS_TIMEOUT_S", Settings.redis_timeout_s),
         tokens_file=Path(tokens_file).expanduser() if tokens_file else None,
         reward_modules=_list("MTQ_REWARD_MODULES"),

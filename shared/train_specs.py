@@ -19,7 +19,10 @@ from shared.datasets import (
     PREFERENCE_ROWS, SFT_ROWS, DatasetRef, PreferencePair, RowFormat, fields_error, rows_errors, sft_format,
 )
 from shared.model_ids import MODEL_ID_RE
-from shared.schemas import DEFAULT_LANE, LANE_PATTERN, SEED_MAX, InitAdapter, JobRecord, OptimizerConfig, check_json_values
+from shared.schemas import (
+    DEFAULT_LANE, GANG_DESCRIPTION, LANE_PATTERN, MAX_GANG, SEED_MAX, InitAdapter, JobRecord, OptimizerConfig, check_gang,
+    check_json_values,
+)
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 SCHEDULES = ("cosine_decay", "linear_schedule", "exponential_decay", "step_decay")
@@ -57,10 +60,13 @@ class TrainConfig(OptimizerConfig):
     gradient_checkpointing: bool = False
     seed: int = Field(0, ge=0, le=SEED_MAX)
     queue: str = Field(DEFAULT_LANE, pattern=LANE_PATTERN, description="The job's lane (as GRPO's: shared/routing.py).")
+    workers: int = Field(1, ge=1, le=MAX_GANG, description=GANG_DESCRIPTION)
     # Durability (as GRPO's).
     checkpoint_interval_s: float = Field(300.0, gt=0.0, le=86_400.0, description="...and at least this often.")
     max_attempts: int = Field(3, ge=1, le=100)
     stall_timeout_s: float = Field(600.0, ge=1.0, le=86_400.0)
+
+    _a_share_per_worker = model_validator(mode="after")(check_gang)
 
     @model_validator(mode="after")
     def _one_schedule(self):
@@ -108,6 +114,13 @@ class _MethodConfig(PreferenceConfig):
     lambda_odds: float = Field(1.0, ge=0.0, le=1e3, description="ORPO's weight of the odds-ratio term (the seed's name; "
                                "TRL's ORPO calls it beta); DPO ignores it.")
 
+    @model_validator(mode="after")
+    def _orpo_alone(self):
+        if self.method == "orpo" and self.workers > 1:
+            raise ValueError("ORPO runs on one worker (workers: 1): its loss mixes a mean over tokens and one over "
+                             "pairs, which a gang's weighted sum of shares does not reproduce")
+        return self
+
 
 class DPOConfig(_MethodConfig):
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
@@ -124,6 +137,8 @@ class KTOConfig(TrainConfig):
     beta: float = Field(0.1, gt=0.0, le=1e3, description="KTO's beta (TRL's).")
     desirable_weight: float = Field(1.0, gt=0.0, le=1e3, description="Weight of the desirable rows' losses (lambda_D).")
     undesirable_weight: float = Field(1.0, gt=0.0, le=1e3, description="Weight of the undesirable rows' losses (lambda_U).")
+    workers: int = Field(1, ge=1, le=1, description="1: the KL estimate pairs rows across the whole batch, which a "
+                         "gang would split (docs/distributed.md).")
 
 
 class RewardConfig(PreferenceConfig):

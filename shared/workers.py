@@ -6,7 +6,8 @@ Two keys per worker, both expiring (a dead worker disappears within `ttl_s`):
                              models: [{model_id, model_type, model_path, size_bytes, shape}],
                              queues, lanes, hub, declared (model ids it offers besides),
                              device, device_name, memory_total_gb, memory_gb, memory_declared,
-                             current_job}; written by the worker's supervisor from its heartbeat
+                             current_job, gang_address ("host:port" its gang ranks listen on,
+                             shared/gangs.py)}; written by the worker's supervisor from its heartbeat
                              and when a job starts or ends (`advertise`), which also renews the
                              key below.
   mtq:worker:<name>:loaded   JSON [model_id, ...]: the models its training process holds
@@ -109,7 +110,7 @@ def all_local_models(models_dir: Path, model_roots: tuple[Path, ...]) -> list[di
 def record(name: str, models_dir: Path, models: list[dict[str, Any]], started_at: float, **offer: Any) -> dict[str, Any]:
     """A worker's advertisement. models: all_local_models(...). offer: queues, lanes, hub,
     declared (--models), device, device_name, memory_total_gb, memory_gb (what it runs jobs
-    in: declared or detected), memory_declared, current_job."""
+    in: declared or detected), memory_declared, current_job, gang_address."""
     return {"name": name, "host": socket.gethostname(), "pid": os.getpid(), "version": package_version(),
             "started_at": started_at, "models_dir": str(models_dir), "models": models, **offer}
 

@@ -207,10 +207,12 @@ class Stack:
         return {s.name + json.dumps(s.labels, sort_keys=True): s.value
                 for family in text_string_to_metric_families(res.text) for s in family.samples}
 
-    def wait_job(self, job_id: str, statuses=("completed", "failed", "cancelled"), timeout: float = 240) -> dict:
+    def wait_job(self, job_id: str, statuses=("completed", "failed", "cancelled"), timeout: float = 240,
+                 path: str = JOBS) -> dict:
+        """The job once it reaches one of `statuses`; path: its kind's routes (default GRPO's)."""
         with self.client() as c:
             def done():
-                job = c.get(f"{JOBS}/{job_id}").json()
+                job = c.get(f"{path}/{job_id}").json()
                 return job if job["status"] in statuses else None
             try:
                 return wait_for(done, timeout, f"job {job_id} to reach {statuses}", interval=0.2)
@@ -230,6 +232,13 @@ class Stack:
         for proc in reversed(self.procs):
             self.stop_proc(proc)
         self.redis_server.stop()
+
+
+def wait_done(stack: Stack, path: str, job_id: str, timeout: float = 300, status: str = "completed") -> dict:
+    """The job once finished (Stack.wait_job), which must be in `status`."""
+    job = stack.wait_job(job_id, timeout=timeout, path=path)
+    assert job["status"] == status, f"{job['error']}\n{stack.logs('worker')}"
+    return job
 
 
 @pytest.fixture(scope="session")

@@ -15,15 +15,17 @@ import subprocess
 import sys
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 import mlx_lm
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from conftest import ROOT
 
-from worker.sampling import SamplingParams, make_decode_step, sample
+from worker.sampling import SamplingParams, lora_groups, make_decode_step, sample
 
 PAD = 7
 
@@ -31,6 +33,20 @@ PAD = 7
 @pytest.fixture(scope="module")
 def model(tiny_model):
     return mlx_lm.load(str(tiny_model))[0]
+
+
+@pytest.fixture(scope="module")
+def lora_model(tiny_model):
+    """The tiny model with LoRA on every projection of its top block (as GRPO samples with
+    it), B not zero so that the LoRA products count."""
+    model = mlx_lm.load(str(tiny_model))[0]
+    model.freeze()
+    linear_to_lora_layers(model, 1, {"rank": 4, "scale": 2.0, "dropout": 0.0})
+    model.eval()
+    for i, (name, b) in enumerate(tree_flatten(model.trainable_parameters())):
+        if name.endswith("lora_b"):
+            model.update(tree_unflatten([(name, 0.05 * mx.random.normal(b.shape, key=mx.random.key(i)))]))
+    return model
 
 
 def reference_decode(model, prompts, group_size, p: SamplingParams, eos_ids, key):
@@ -75,14 +91,17 @@ CASES = {
 EOS = list(range(0, 1024, 24))  # about 4% of the vocabulary: rows end at different steps
 
 
-@pytest.mark.parametrize("queries", [1, 2])  # 2: the decode step CUDA gets (fused_queries)
-@pytest.mark.parametrize("case", CASES)
-def test_batched_decode_equals_row_by_row_decode(model, case, queries):
+def decode_both(model, case, queries):
     params, prompts, group_size = CASES[case]
     p = SamplingParams(**params)
     key = mx.random.key(3)
     want = reference_decode(model, prompts, group_size, p, EOS, key)
     got = sample(model, make_decode_step(model, p, EOS, PAD, queries), prompts, group_size, p, EOS, key)
+    assert_same(got, want, p)
+    return want
+
+
+def assert_same(got, want, p):
     tokens, logprobs, entropy, mask, ended = want
     np.testing.assert_array_equal(np.array(got.mask), mask)
     np.testing.assert_array_equal(np.where(mask, np.array(got.tokens), -1), np.where(mask, tokens, -1))
@@ -90,8 +109,24 @@ def test_batched_decode_equals_row_by_row_decode(model, case, queries):
     np.testing.assert_allclose(np.array(got.entropy), entropy, atol=2e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.array(got.ended), ended)
     assert got.steps >= mask.sum(axis=1).max()
+
+
+@pytest.mark.parametrize("queries", [1, 2])  # 2: the decode step CUDA gets (fused_queries)
+@pytest.mark.parametrize("case", CASES)
+def test_batched_decode_equals_row_by_row_decode(model, case, queries):
+    tokens, logprobs, entropy, mask, ended = decode_both(model, case, queries)
     if case == "categorical":  # the case exercises what it is meant to
-        assert 0 < ended.sum() < len(ended) and mask.sum(axis=1).min() < p.max_tokens
+        assert 0 < ended.sum() < len(ended) and mask.sum(axis=1).min() < CASES[case][0]["max_tokens"]
+
+
+def test_decode_with_lora_equals_row_by_row_decode(lora_model, model):
+    """The decode step's grouped LoRA (worker/sampling.py: grouped_lora) gives what each
+    LoRA layer gives alone; and the LoRA changes the tokens (it is not a no-op)."""
+    assert len(lora_groups(lora_model)) == 2  # q/k/v and gate/up of the top block
+    tokens, _, _, mask, _ = decode_both(lora_model, "categorical", 2)
+    base = reference_decode(model, *CASES["categorical"][1:], SamplingParams(**CASES["categorical"][0]), EOS,
+                            mx.random.key(3))
+    assert (np.where(mask, tokens, -1) != np.where(base[3], base[0], -1)).any()
 
 
 def test_bench_decode_runs_and_counts(tiny_model, tmp_path):
@@ -108,3 +143,5 @@ def test_bench_decode_runs_and_counts(tiny_model, tmp_path):
         "ours sampling.py queries=1", "ours sampling.py queries=2", "mlx_lm batch_generate", "mlx_lm generate_step (1 row)"]
     for r in records:
         assert r["ms_per_position"] > 0 and 0 < r["primitives_gpu"] < r["primitives"]
+        if r["decoder"].startswith("ours"):
+            assert 0 < r["host_ms_per_position"] <= r["ms_per_position"]

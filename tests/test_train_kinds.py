@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import Stack, read_events, running, wait_for
+from conftest import Stack, read_events, running, wait_done, wait_for
 
 SFT, DPO, ORPO, REWARD = ("/admin/api/fine-tune/jobs", "/admin/api/fine-tune/dpo/jobs", "/admin/api/fine-tune/orpo/jobs",
                           "/admin/api/fine-tune/reward/jobs")
@@ -85,18 +85,6 @@ def submit(client, path: str, body: dict) -> dict:
     return res.json()
 
 
-def wait_done(stack, client, path: str, job_id: str, timeout: float = 240, status: str = "completed") -> dict:
-    def done():
-        job = client.get(f"{path}/{job_id}").json()
-        return job if job["status"] in ("completed", "failed", "cancelled") else None
-    try:
-        job = wait_for(done, timeout, f"job {job_id}", interval=0.2)
-    except TimeoutError as e:
-        raise TimeoutError(f"{e}\n{stack.logs('worker')}") from None
-    assert job["status"] == status, job["error"]
-    return job
-
-
 def events(stack, job_id: str, kind: str | None = None) -> list[dict]:
     evs = [e for _, e in read_events(stack.redis, job_id, count=100_000)]
     return evs if kind is None else [e for e in evs if e["type"] == kind]
@@ -126,8 +114,8 @@ def test_sft_from_an_uploaded_file_lowers_validation_loss_and_reproduces_an_answ
     body = {"model_id": "tiny", "dataset": {"file_id": file_id}, "valid_dataset": SFT_ROWS, "adapter_name": "sft-learned"}
     learned = submit(client, SFT, {**body, "config": SFT_CONFIG})
     frozen = submit(client, SFT, {**body, "adapter_name": "sft-frozen", "config": {**SFT_CONFIG, "iters": 5, "learning_rate": 0.0}})
-    job = wait_done(stack, client, SFT, learned["job_id"])
-    wait_done(stack, client, SFT, frozen["job_id"])
+    job = wait_done(stack, SFT, learned["job_id"])
+    wait_done(stack, SFT, frozen["job_id"])
 
     curve = [(e["iter"], e["val_loss"]) for e in events(stack, learned["job_id"], "eval")]
     control = [(e["iter"], e["val_loss"]) for e in events(stack, frozen["job_id"], "eval")]
@@ -161,8 +149,8 @@ def test_full_fine_tune_trains_a_private_copy_and_yields_a_model_directory(stack
     body = {"model_id": "tiny", "dataset": SFT_ROWS, "valid_dataset": SFT_ROWS}
     learned = submit(client, SFT, {**body, "adapter_name": "sft-full", "config": FULL_CONFIG})
     frozen = submit(client, SFT, {**body, "adapter_name": "sft-full-frozen", "config": {**FULL_CONFIG, "iters": 3, "learning_rate": 0.0}})
-    wait_done(stack, client, SFT, learned["job_id"])
-    wait_done(stack, client, SFT, frozen["job_id"])
+    wait_done(stack, SFT, learned["job_id"])
+    wait_done(stack, SFT, frozen["job_id"])
     curve = [(e["iter"], round(e["val_loss"], 3)) for e in events(stack, learned["job_id"], "eval")]
     control = [e["val_loss"] for e in events(stack, frozen["job_id"], "eval")]
     print(f"\nfull fine-tune val_loss {curve}; lr 0: {control}")
@@ -207,7 +195,7 @@ def test_qlora_trains_on_a_quantized_copy_and_its_adapter_reproduces_the_answer(
 
     job = submit(client, SFT, {"model_id": "tiny", "dataset": SFT_ROWS, "valid_dataset": SFT_ROWS, "adapter_name": "sft-qlora",
                                "config": QLORA_CONFIG})
-    wait_done(stack, client, SFT, job["job_id"])
+    wait_done(stack, SFT, job["job_id"])
     curve = [(e["iter"], round(e["val_loss"], 3)) for e in events(stack, job["job_id"], "eval")]
     print(f"\nqlora (8-bit base) val_loss {curve}")
     assert curve[-1][1] < curve[0][1] - 0.8  # measured: 6.90 -> 5.73
@@ -225,7 +213,7 @@ def test_qlora_trains_on_a_quantized_copy_and_its_adapter_reproduces_the_answer(
     for fine_tune_type in ("full", "qlora"):
         failed = submit(client, SFT, {"model_id": str(stack.quantized_model), "dataset": SFT_ROWS,
                                       "config": {"iters": 2, "batch_size": 2, "fine_tune_type": fine_tune_type}})
-        failed = wait_done(stack, client, SFT, failed["job_id"], status="failed")
+        failed = wait_done(stack, SFT, failed["job_id"], status="failed")
         assert "is already quantized" in failed["error"], failed["error"]
     res = client.post(SFT, json={"model_id": "tiny", "dataset": SFT_ROWS, "config": {"fine_tune_type": "full", "quantize_base": True}})
     assert res.status_code == 400 and "quantize_base does not apply" in res.json()["detail"]
@@ -236,8 +224,8 @@ def test_dpo_raises_accuracies_and_margins_and_a_zero_lr_control_does_not(stack,
     learned = submit(client, DPO, {"model_id": "tiny", "preference_pairs": pairs, "config": PREF_CONFIG})
     frozen = submit(client, DPO, {"model_id": "tiny", "preference_pairs": pairs,
                                   "config": {**PREF_CONFIG, "iters": 5, "learning_rate": 0.0}})
-    wait_done(stack, client, DPO, learned["job_id"])
-    wait_done(stack, client, DPO, frozen["job_id"])
+    wait_done(stack, DPO, learned["job_id"])
+    wait_done(stack, DPO, frozen["job_id"])
     steps = events(stack, learned["job_id"], "dpo_step")
     control = events(stack, frozen["job_id"], "dpo_step")
     print("\nDPO rewards/accuracies, rewards/margins by step:",
@@ -253,8 +241,8 @@ def test_kto_raises_its_margins_on_unpaired_rows_and_a_zero_lr_control_does_not(
     rows = unpaired(keyword_pairs(16, 0))
     learned = submit(client, KTO, {"model_id": "tiny", "dataset": rows, "config": PREF_CONFIG})
     frozen = submit(client, KTO, {"model_id": "tiny", "dataset": rows, "config": {**PREF_CONFIG, "iters": 5, "learning_rate": 0.0}})
-    wait_done(stack, client, KTO, learned["job_id"])
-    wait_done(stack, client, KTO, frozen["job_id"])
+    wait_done(stack, KTO, learned["job_id"])
+    wait_done(stack, KTO, frozen["job_id"])
     steps = events(stack, learned["job_id"], "kto_step")
     control = events(stack, frozen["job_id"], "kto_step")
     def mean(key, some):
@@ -273,7 +261,7 @@ def test_kto_raises_its_margins_on_unpaired_rows_and_a_zero_lr_control_does_not(
 
 def test_orpo_lowers_its_loss_with_trl_metrics(stack, client):
     job = submit(client, ORPO, {"model_id": "tiny", "preference_pairs": keyword_pairs(16, 0), "config": {**PREF_CONFIG, "iters": 15}})
-    wait_done(stack, client, ORPO, job["job_id"])
+    wait_done(stack, ORPO, job["job_id"])
     steps = events(stack, job["job_id"], "orpo_step")
     assert {"nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/accuracies", "rewards/margins"} <= set(steps[-1])
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.3
@@ -285,8 +273,8 @@ def test_reward_model_scores_held_out_pairs_and_grpo_raises_its_reward(stack, cl
                                       "valid_dataset": held_out, "config": RM_CONFIG})
     frozen = submit(client, REWARD, {"model_id": "tiny", "preference_pairs": train, "adapter_name": "rm-frozen",
                                      "config": {**RM_CONFIG, "iters": 3, "learning_rate": 0.0}})
-    wait_done(stack, client, REWARD, learned["job_id"])
-    wait_done(stack, client, REWARD, frozen["job_id"])
+    wait_done(stack, REWARD, learned["job_id"])
+    wait_done(stack, REWARD, frozen["job_id"])
 
     def accuracy(adapter_name):
         right = 0
@@ -351,7 +339,7 @@ def test_dataset_paths_under_the_data_root_work_and_others_are_refused(stack, cl
     (data_dir / "valid.jsonl").write_text(json.dumps(SFT_ROWS[0]))
     seed_body = {"model_id": "tiny", "dataset": str(data_dir), "adapter_name": "from-path",
                  "config": {"iters": 2, "batch_size": 2, "lora_layers": 1}}
-    job = wait_done(stack, client, SFT, submit(client, SFT, seed_body)["job_id"])
+    job = wait_done(stack, SFT, submit(client, SFT, seed_body)["job_id"])
     assert events(stack, job["job_id"], "model_ready")[0]["valid_rows"] == 1
 
     for path in ("/etc", str(stack.data_root / ".." / "x"), "relative/dir"):
@@ -401,7 +389,7 @@ def test_seed_shapes_list_get_delete_and_kinds_stay_apart(stack, client):
     assert client.get(f"{REWARD}/{job['job_id']}").status_code == 404
     assert job["job_id"] not in [j["job_id"] for j in client.get(SFT).json()]
     assert job["job_id"] not in [j["job_id"] for j in client.get("/admin/api/fine-tune/grpo/jobs").json()]
-    wait_done(stack, client, ORPO, job["job_id"])
+    wait_done(stack, ORPO, job["job_id"])
     assert client.post(f"{ORPO}/{job['job_id']}/cancel").json()["detail"] == f"Job not found or not cancellable: {job['job_id']}"
     assert client.delete(f"{ORPO}/{job['job_id']}").json() == {"status": "deleted"}
     assert client.get(f"{ORPO}/{job['job_id']}").json()["detail"] == f"Job not found: {job['job_id']}"
@@ -417,7 +405,7 @@ def test_cancel_stops_a_running_job_within_2s(stack, client):
     cancelled_at = time.time()
     res = client.post(f"{SFT}/{job['job_id']}/cancel")
     assert res.status_code == 200 and res.json()["status"] == "cancelled"
-    wait_done(stack, client, SFT, nxt["job_id"])
+    wait_done(stack, SFT, nxt["job_id"])
     # The worker left the cancelled job and started the next one (queued behind it) within 2 s.
     started = [int(eid.split("-")[0]) / 1000 for eid, e in read_events(stack.redis, nxt["job_id"]) if e["type"] == "started"]
     print(f"\ncancel -> next job started: {started[0] - cancelled_at:.2f} s")
@@ -428,7 +416,7 @@ def test_cancel_stops_a_running_job_within_2s(stack, client):
     assert res.status_code == 400 and "cannot change lora_rank" in res.json()["detail"]
     res = client.post(f"{SFT}/{job['job_id']}/resume", json={"config": {"iters": 3, "learning_rate": 1e-3}})
     assert res.status_code == 200 and res.json()["config"]["iters"] == 3
-    assert wait_done(stack, client, SFT, job["job_id"])["progress"]["iter"] == 3
+    assert wait_done(stack, SFT, job["job_id"])["progress"]["iter"] == 3
 
 
 @pytest.mark.parametrize("path,kind,extra", [(DPO, "dpo", {}), (SFT, "sft", {}), (REWARD, "reward", {}),
@@ -450,7 +438,7 @@ def test_kill_9_of_the_worker_resumes_from_the_checkpoint_and_completes(stack, c
     os.killpg(stack.worker.pid, signal.SIGKILL)
     stack.worker.wait(10)
     stack.worker = stack.start_worker()
-    done = wait_done(stack, client, path, job["job_id"], timeout=180)
+    done = wait_done(stack, path, job["job_id"], timeout=180)
     assert done["progress"]["iter"] == 40 and done["failed_attempts"] == 1 and done["resumed_from"] >= 8
     assert events(stack, job["job_id"], "resumed")[-1]["from_step"] >= 8
     history = client.get(f"{path}/{job['job_id']}/history").json()["history"]

@@ -43,6 +43,13 @@ One step (= one `iter` of the job config), GRPOTrainer.step, in four phases:
      betas adam_beta1/adam_beta2, eps adam_epsilon), gradients clipped to max_grad_norm:
          m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  theta *= 1 - lr * weight_decay
          theta -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
+
+On a gang of N workers (config.workers, worker/gang.py) each rank runs the four phases on every
+N-th of the step's B prompts with their groups: it pads them to the whole step's width and
+draws each row's random numbers as that row of the whole batch would (so it samples what one
+worker would), sums every rank's rewards into the whole (B, G) before the advantages, and sums
+the loss, its statistics and gradients (normalised by the whole step's B*G and tokens) before
+clipping: the update is one worker's for the same B prompts.
 """
 
 import math
@@ -58,6 +65,7 @@ from mlx.utils import tree_map
 
 from shared.schemas import GRPOConfig, JobCreate, PromptItem
 from worker.adapters import lora_disabled
+from worker.gang import SOLO, Gang
 from worker.logprobs import as_item, completion_logprobs, prompt_token_ids
 from worker.memory import GB, logits_chunk_tokens, model_shape, plan_memory
 from worker.rewards.batch import RewardStopped
@@ -195,8 +203,9 @@ class Batch:
 
 
 
-def make_batch(prompt_ids: list[list[int]], samples: Samples, mask: mx.array, advantages: np.ndarray, group_size: int) -> Batch:
-    prompts, pad = left_pad([p for p in prompt_ids for _ in range(group_size)], pad_id=0)
+def make_batch(prompt_ids: list[list[int]], samples: Samples, mask: mx.array, advantages: np.ndarray, group_size: int,
+               width: int | None = None) -> Batch:
+    prompts, pad = left_pad([p for p in prompt_ids for _ in range(group_size)], pad_id=0, width=width)
     used = max(int(samples.steps), 1)
     L = min(samples.tokens.shape[1], math.ceil(used / LENGTH_BUCKET) * LENGTH_BUCKET)
     completion = samples.tokens[:, :L]
@@ -271,6 +280,7 @@ class Rollout:
     ended: list[bool]  # ended by EOS or a stop string (not cut at max_completion_len)
     mask: mx.array  # (rows, L) bool: the completion tokens
     seconds: float  # of sampling
+    width: int  # the prompts' padded width: the longest of the whole step's (a gang's too)
 
     def groups(self, per_row: list) -> list[list]:
         """A per-row list as B groups of G."""
@@ -281,16 +291,21 @@ class Rollout:
 class GRPOTrainer:
     """Runs the steps of one job on a model with LoRA attached (worker/adapters.py)."""
 
-    def __init__(self, model: nn.Module, tokenizer, spec: JobCreate, scorer):
+    def __init__(self, model: nn.Module, tokenizer, spec: JobCreate, scorer, gang: Gang = SOLO):
         self.model, self.tokenizer, self.spec, self.cfg, self.scorer = model, tokenizer, spec, spec.config, scorer
         cfg = self.cfg
+        # A gang's rank (worker/gang.py) takes every size-th prompt of a step, and its groups' rows.
+        self.gang = gang
+        self.positions = gang.share(list(range(cfg.batch_size)))
+        rows = tuple(b * cfg.group_size + g for b in self.positions for g in range(cfg.group_size))
         self.items = [as_item(p) for p in spec.prompts]
         self.prompt_ids = [prompt_token_ids(tokenizer, it, cfg.use_chat_template) for it in self.items]
         check_fits_model(model, self.prompt_ids, cfg)
         eos = getattr(tokenizer, "eos_token_ids", None)
         self.eos_ids = sorted(eos) if eos is not None else [tokenizer.eos_token_id]
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self.sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
+        self.sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
+                                       *((rows, cfg.batch_size * cfg.group_size) if gang.size > 1 else ()))
         self.decode_step = make_decode_step(model, self.sampling, self.eos_ids, pad_id)
         self.optimizer = make_optimizer(cfg, cfg.iters * cfg.num_iterations)
         self.optimizer.init(model.trainable_parameters())
@@ -348,9 +363,10 @@ class GRPOTrainer:
         return mx.concatenate(parts)
 
     def loss_and_grads(self, batch: Batch, ref_logp: mx.array) -> tuple[mx.array, dict, mx.array, dict]:
-        """The step's loss, statistics, gradient norm and (clipped) gradients, summed over micro-batches."""
-        n_rows = mx.array(batch.inputs.shape[0], dtype=mx.float32)
-        n_tokens = mx.maximum(batch.mask.sum(), 1).astype(mx.float32)
+        """The step's loss, statistics, gradient norm and (clipped) gradients, summed over
+        micro-batches (and a gang's ranks: the normalisers are the whole step's)."""
+        n_rows = mx.array(self.cfg.batch_size * self.cfg.group_size, dtype=mx.float32)  # B*G: every row of the step
+        n_tokens = mx.maximum(self.gang.sum(batch.mask.sum()), 1).astype(mx.float32)
         loss, stats, grads = None, None, None
         for rows in self.micro_batches(batch):
             part = self.micro_batch_step(
@@ -359,6 +375,7 @@ class GRPOTrainer:
             )
             loss, stats, grads = part if loss is None else tree_map(mx.add, (loss, stats, grads), part)
             mx.eval(loss, stats, grads)
+        loss, stats, grads = self.gang.sum_tree((loss, stats, grads))
         grads, grad_norm = clipped(grads, self.cfg.max_grad_norm)
         return loss, stats, grad_norm, grads
 
@@ -373,20 +390,33 @@ class GRPOTrainer:
         mx.reset_peak_memory()
         rollout = self.rollout(state.step, should_stop)
         rewards, reward_metrics = self.score(rollout, state.step, should_stop)
-        advantages = advantages_from_rewards(rewards, self.cfg.scale_rewards)
+        every = self.whole_batch(rewards)  # (B, G): a gang's ranks' rewards together
+        advantages = advantages_from_rewards(every, self.cfg.scale_rewards)[self.positions]
         loss, stats, grad_norm = self.update(rollout, advantages, state.step, should_stop, on_finite_loss)
 
-        state.num_tokens += sum(rollout.lengths) + sum(len(p) for p in rollout.prompt_ids) * self.cfg.group_size
-        metrics = step_metrics(rollout, rewards, reward_metrics, loss, stats, grad_norm, self.optimizer, state.num_tokens)
+        tokens = sum(rollout.lengths) + sum(len(p) for p in rollout.prompt_ids) * self.cfg.group_size
+        state.num_tokens += tokens if self.gang.size == 1 else int(self.gang.sum(mx.array(tokens)).item())
+        metrics = step_metrics(rollout, every, reward_metrics, loss, stats, grad_norm, self.optimizer, state.num_tokens)
         metrics["step_time"] = time.perf_counter() - t0
         state.step += 1
         return metrics, samples_event(rollout, rewards)
+
+    def whole_batch(self, rewards: np.ndarray) -> np.ndarray:
+        """A gang's rank's rewards (its prompts' groups) as the whole step's (B, G), every rank's
+        in its place (NaN stays NaN: the others add 0 there)."""
+        if self.gang.size == 1:
+            return rewards
+        every = np.zeros((self.cfg.batch_size, self.cfg.group_size))
+        every[self.positions] = rewards
+        return np.array(self.gang.sum(mx.array(every, dtype=mx.float32)), dtype=np.float64)
 
     def rollout(self, step: int, should_stop: Callable[[], bool]) -> Rollout:
         """Phase 1: sample G completions for each of the step's B prompts; their texts, with
         stop strings ending a completion early (host side)."""
         cfg, tok = self.cfg, self.tokenizer
-        idx = batch_indices(len(self.items), cfg.batch_size, step, cfg.seed)
+        every = batch_indices(len(self.items), cfg.batch_size, step, cfg.seed)
+        width = max(len(self.prompt_ids[i]) for i in every)  # as the whole step pads them
+        idx = self.gang.share(every)
         prompt_ids = [self.prompt_ids[i] for i in idx]
         seed = step_seed(cfg.seed, step)  # sampling and LoRA dropout: reproducible, and as before on resume
         mx.random.seed(seed)
@@ -394,7 +424,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         samples = sample(
             self.model, self.decode_step, prompt_ids, cfg.group_size, self.sampling, self.eos_ids,
-            mx.random.key(seed), should_stop,
+            mx.random.key(seed), should_stop, width,
         )
         if samples is None:
             raise Cancelled()
@@ -417,7 +447,8 @@ class GRPOTrainer:
             mask = mx.arange(mask.shape[1])[None, :] < mx.array(cut)[:, None]
         else:
             texts = [completion_text(tok, body) for body in bodies]
-        return Rollout(idx, [self.items[i] for i in idx], prompt_ids, samples, bodies, texts, lengths, ended, mask, seconds)
+        return Rollout(idx, [self.items[i] for i in idx], prompt_ids, samples, bodies, texts, lengths, ended, mask, seconds,
+                       width)
 
     def score(self, rollout: Rollout, step: int, should_stop: Callable[[], bool]) -> tuple[np.ndarray, dict[str, float]]:
         """Phase 2: the completions' rewards, (B, G) with NaN where unscorable, and the reward
@@ -435,7 +466,7 @@ class GRPOTrainer:
         when beta > 0. Returns the last update's loss, statistics and gradient norm."""
         cfg, model = self.cfg, self.model
         mask = rollout.mask & mx.array(rollout.ended)[:, None] if cfg.mask_truncated_completions else rollout.mask
-        batch = make_batch(rollout.prompt_ids, rollout.samples, mask, advantages, cfg.group_size)
+        batch = make_batch(rollout.prompt_ids, rollout.samples, mask, advantages, cfg.group_size, rollout.width)
         if cfg.beta > 0:
             with lora_disabled(model):
                 batch.ref_logp = self.forward_logprobs(batch)

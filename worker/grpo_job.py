@@ -36,7 +36,7 @@ def load(job, spec: JobCreate, settings) -> Iterator[Run]:
         mx.random.seed(cfg.seed)  # LoRA init and dropout
         attach_adapter(model, cfg, init=init)
         try:
-            trainer = GRPOTrainer(model, tokenizer, spec, MarkedScorer(scorer, job))
+            trainer = GRPOTrainer(model, tokenizer, spec, MarkedScorer(scorer, job), job.gang)
             job.write(memory_plan=json.dumps(trainer.memory.as_record()))  # GET on the job shows it
 
             def step(state, should_stop, on_finite_loss):

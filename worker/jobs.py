@@ -9,3 +9,8 @@ from worker import supervisor
 
 def run_job(job_id: str) -> str:
     return supervisor.current().run(job_id)
+
+
+def run_rank(job_id: str, epoch: int, rank: int, hosts: list[list[str]], token: str) -> str:
+    """A gang job's rank other than 0, pushed by its leader on this worker's own queue (shared/gangs.py)."""
+    return supervisor.current().run_rank(job_id, epoch, rank, hosts, token)

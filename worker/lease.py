@@ -48,10 +48,11 @@ class Lease:
         self.lost = threading.Event()
 
     @classmethod
-    def start(cls, r: redis.Redis, job_id: str, worker: str) -> "Lease | None":
-        """Take a queued job; None if it is not queued (cancelled, deleted, taken)."""
+    def start(cls, r: redis.Redis, job_id: str, worker: str, gang: list[str] | None = None) -> "Lease | None":
+        """Take a queued job (gang: as the leader of these workers, shared/gangs.py); None if it
+        is not queued (cancelled, deleted, taken)."""
         ttl = load_settings().lease_ttl_s
-        epoch = retrying(lambda: lifecycle.start(r, job_id, worker, ttl), "lease start")
+        epoch = retrying(lambda: lifecycle.start(r, job_id, worker, ttl, gang), "lease start")
         return None if epoch is None else cls(r, job_id, worker, epoch)
 
     def _fenced(self, fn: Callable[[], T], what: str) -> T:

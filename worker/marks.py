@@ -5,7 +5,7 @@ ends a training process whose marks stop (a stall) and shows its phase."""
 import ctypes
 import time
 
-PHASES = ("idle", "loading_model", "compiling", "sampling", "scoring", "updating", "checkpointing", "saving")
+PHASES = ("idle", "joining", "loading_model", "compiling", "sampling", "scoring", "updating", "checkpointing", "saving")
 
 
 class Marks:

@@ -9,18 +9,20 @@ chunk of tokens (all finished? cancelled?).
 
 On a GPU a decode step costs about its number of MLX primitives (host work per primitive,
 not arithmetic), so the step keeps that number down: what all layers share (positions,
-mask, write slot) is computed once (`Slots`), and on CUDA each row feeds its token twice
-so that MLX fuses the masked attention (`fused_queries`). bench/decode.py counts them.
+mask, write slot) is computed once (`Slots`), and on CUDA the attention sees each row's
+query twice so that MLX fuses it (`fused_queries`). bench/decode.py counts them.
 
 The prompt of each group is prefilled once and its cache repeated group_size times.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.tuner.lora import LoRALinear
 
 CHUNK = 16  # decode steps between host checks (early stop when all rows ended, cancel)
 
@@ -58,8 +60,6 @@ class StaticKVCache:
             self.keys = mx.zeros((rows, heads, self.capacity, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((rows, heads, self.capacity, values.shape[3]), values.dtype)
         if self.slots.one is not None:
-            if keys.shape[2] > 1:  # a decode step's second query (make_decode_step): not written
-                keys, values = keys[:, :, :1], values[:, :, :1]
             # A select, not slice_update: one kernel, a pure op inside mx.compile (slice_update
             # copies the buffer unless it can donate it, then computes the offset, then writes).
             self.keys = mx.where(self.slots.one, keys.astype(self.keys.dtype), self.keys)
@@ -113,6 +113,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # A gang's rank (worker/gang.py) samples some rows of a step's batch: which rows of the whole
+    # batch they are, and its height. Each row then draws the random numbers it would draw in the
+    # whole batch on one worker (Gumbel noise of the whole batch's shape; categorical's own way).
+    batch_rows: tuple[int, ...] | None = None
+    batch_height: int = 0
 
 
 @dataclass
@@ -158,7 +163,11 @@ def draw(logits: mx.array, key: mx.array, p: SamplingParams) -> tuple[mx.array, 
             filtered = apply_top_p(filtered, p.top_p)
         if p.min_p > 0.0:
             filtered = apply_min_p(filtered, p.min_p)
-        tokens = mx.random.categorical(filtered, key=key)
+        if p.batch_rows is None:
+            tokens = mx.random.categorical(filtered, key=key)
+        else:
+            noise = mx.random.gumbel(shape=(p.batch_height, filtered.shape[-1]), key=key)
+            tokens = mx.argmax(filtered + noise[mx.array(p.batch_rows)], axis=-1)
     tokens = tokens.astype(mx.int32)
     return (tokens, *pick(logp_all, tokens))
 
@@ -174,23 +183,105 @@ def fused_queries(keys: mx.array) -> int:
     return 2 if cuda and keys.dtype in (mx.float16, mx.bfloat16) and d % 8 == 0 and d <= 128 else 1
 
 
+@contextlib.contextmanager
+def attention_queries(queries: int):
+    """While a decode step is traced: mx.fast.scaled_dot_product_attention, given one query
+    per row and an array mask, attends with that query repeated `queries` times and keeps
+    the first output. The copies see the same keys under the same mask, so the result is
+    that of one query; they are there only for MLX to fuse the attention (fused_queries).
+    Only the attention sees them: projections, norms and RoPE run on one token per row."""
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def repeated(q, k, v, *, scale, mask=None, sinks=None):
+        if q.shape[2] == 1 and isinstance(mask, mx.array):
+            q = mx.concatenate([q] * queries, axis=2)
+            return sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks)[:, :, :1]
+        return sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+    mx.fast.scaled_dot_product_attention = repeated if queries > 1 else sdpa
+    try:
+        yield
+    finally:
+        mx.fast.scaled_dot_product_attention = sdpa
+
+
+# Projections of one block that read the same input: with LoRA on all of them, a decode step
+# runs their LoRA as one pair of matmuls (grouped_lora).
+SHARED_INPUT = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+def lora_groups(model: nn.Module) -> list[list[LoRALinear]]:
+    """The model's projections that read one input and all carry LoRA (mlx_lm's LoRALinear)."""
+    groups = []
+    for layer in model.layers:
+        for parent, names in SHARED_INPUT:
+            mods = [getattr(getattr(layer, parent, None), name, None) for name in names]
+            if all(type(m) is LoRALinear for m in mods):
+                groups.append(mods)
+    return groups
+
+
+def stacked_lora(model: nn.Module) -> list[tuple[mx.array, mx.array]]:
+    """Each lora_groups group's LoRA matrices as one pair: its A side by side, its B
+    block-diagonal, so that x @ A @ B holds every projection's LoRA product. Made once per
+    sample() (the job's LoRA weights change between steps): small, rank x outputs."""
+    stacked = []
+    for mods in lora_groups(model):
+        ranks, outs = [m.lora_b.shape[0] for m in mods], [m.lora_b.shape[1] for m in mods]
+        b = mx.zeros((sum(ranks), sum(outs)), mods[0].lora_b.dtype)
+        r0 = n0 = 0
+        for m, r, n in zip(mods, ranks, outs):
+            b[r0:r0 + r, n0:n0 + n] = m.lora_b
+            r0, n0 = r0 + r, n0 + n
+        stacked.append((mx.concatenate([m.lora_a for m in mods], axis=1), b))
+    return stacked
+
+
+@contextlib.contextmanager
+def grouped_lora(model: nn.Module, stacked: list[tuple[mx.array, mx.array]]):
+    """While a decode step is traced: each lora_groups projection takes its LoRA product from
+    its group's (x @ A) @ B, made by the group's first call on that input, instead of two
+    matmuls of its own; the rest of mlx_lm's LoRALinear as it is (dropout must be off,
+    as in sampling). A block then runs 2 LoRA matmuls for q, k, v and 2 for gate, up, not 10."""
+    groups = lora_groups(model)
+    where = {id(m): (g, i) for g, mods in enumerate(groups) for i, m in enumerate(mods)}
+    call = LoRALinear.__call__
+    products = {}  # group -> (its input, x @ A @ B)
+
+    def grouped(self, x):
+        if id(self) not in where or self.dropout(x) is not x:
+            return call(self, x)
+        g, i = where[id(self)]
+        if g not in products or products[g][0] is not x:
+            a, b = stacked[g]
+            products[g] = (x, (x @ a) @ b)
+        start = sum(m.lora_b.shape[1] for m in groups[g][:i])
+        z = products[g][1][..., start:start + self.lora_b.shape[1]]
+        return self.linear(x) + (self.scale * z).astype(x.dtype)
+
+    LoRALinear.__call__ = grouped
+    try:
+        yield
+    finally:
+        LoRALinear.__call__ = call
+
+
 def make_decode_step(
     model: nn.Module, params: SamplingParams, eos_ids: list[int], pad_id: int, queries: int | None = None,
 ) -> Callable:
     """One compiled decode step for all rows: forward one token, pick the next, track EOS.
 
-    queries=2 feeds every row's token twice, the copy one position further: it is masked
-    like the token (sees the same keys), its keys and values are never written and its
-    output is dropped, so the results are those of one query; it is there only for MLX to
-    fuse the attention (fused_queries, the default when queries is None)."""
+    queries: how many copies of each row's query the attention gets (attention_queries;
+    by default fused_queries'): the results are those of one query."""
     head = lm_head(model)
 
-    def step(tokens, keys, values, write_pos, left_pad, finished, key):
-        rows, capacity = tokens.shape[0], keys[0].shape[2]
+    def step(tokens, keys, values, write_pos, left_pad, finished, key, lora):
+        capacity = keys[0].shape[2]
         slots = Slots(capacity, write_pos, left_pad, 1)
         caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
-        x = mx.broadcast_to(tokens[:, None], (rows, queries or fused_queries(keys[0])))
-        logits = head(model.model(x, cache=caches)[:, 0])
+        # The function runs only while traced: what the two contexts change is in the graph.
+        with attention_queries(queries or fused_queries(keys[0])), grouped_lora(model, lora):
+            logits = head(model.model(tokens[:, None], cache=caches)[:, 0])
         nxt, logp, ent = draw(logits, key, params)
         nxt = mx.where(finished, pad_id, nxt)
         valid = ~finished
@@ -205,8 +296,10 @@ def is_eos(tokens: mx.array, eos_ids: list[int]) -> mx.array:
     return (tokens[:, None] == eos[None, :]).any(axis=1)
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[mx.array, mx.array]:
-    width = max(len(p) for p in prompts)
+def left_pad(prompts: list[list[int]], pad_id: int, width: int | None = None) -> tuple[mx.array, mx.array]:
+    """Prompts left-padded to one width (the longest's, or `width`: a gang's rank pads its share as
+    the whole batch would be, so that its positions are the same)."""
+    width = max(max(len(p) for p in prompts), width or 0)
     rows = [[pad_id] * (width - len(p)) + p for p in prompts]
     return mx.array(rows, dtype=mx.int32), mx.array([width - len(p) for p in prompts], dtype=mx.int32)
 
@@ -220,12 +313,14 @@ def sample(
     eos_ids: list[int],
     key: mx.array,
     should_stop: Callable[[], bool] = lambda: False,
+    width: int | None = None,
 ) -> Samples | None:
-    """Sample group_size completions for each prompt (rows ordered prompt-major).
+    """Sample group_size completions for each prompt (rows ordered prompt-major); width: pad
+    the prompts to at least this (left_pad).
 
     Returns None when should_stop() said so between chunks (the job was cancelled).
     """
-    prompt_tokens, pad = left_pad(prompts, pad_id=0)
+    prompt_tokens, pad = left_pad(prompts, pad_id=0, width=width)
     width = prompt_tokens.shape[1]
 
     # Prefill each distinct prompt once, into buffers sized for the whole completion.
@@ -242,6 +337,7 @@ def sample(
     pad = mx.repeat(pad, group_size, axis=0)
     write_pos = mx.array(width, dtype=mx.int32)
 
+    lora = stacked_lora(model)  # the LoRA weights of this step
     step_keys = mx.random.split(key, params.max_tokens + 1)
     first, first_logp, first_ent = draw(logits, step_keys[0], params)
 
@@ -253,7 +349,7 @@ def sample(
         n = min(CHUNK, params.max_tokens - steps)
         for i in range(n):
             tokens, logp, ent, valid, finished_next, keys, values = decode_step(
-                tokens, keys, values, write_pos, pad, finished, step_keys[steps + i]
+                tokens, keys, values, write_pos, pad, finished, step_keys[steps + i], lora
             )
             out_tokens.append(tokens)
             out_logp.append(logp)

@@ -65,6 +65,10 @@ class SFTTrainer(Trainer):
         return (batch.inputs, batch.targets, batch.mask), int(batch.mask.sum().item())
 
     @staticmethod
+    def weight(ids: list[int], tokens: int) -> float:
+        return float(tokens)  # the loss is a mean over the trained tokens
+
+    @staticmethod
     def loss(model, inputs, targets, mask):
         logits = model(inputs)
         correct = (mx.argmax(logits, axis=-1) == targets) * mask  # TRL's mean_token_accuracy

@@ -26,6 +26,7 @@ from shared.adapters import init_adapter_dir
 from shared.datasets import load_rows
 from shared.train_specs import TrainConfig
 from worker.adapters import adapter_config, attach_adapter, remove_adapter_layers, save_adapter, started_from
+from worker.gang import SOLO, Gang
 from worker.logprobs import pair_tokens
 from worker.models import get_model, gradient_checkpointing, private_base
 from worker.train_core import (
@@ -39,27 +40,34 @@ HISTORY_METRICS = ("loss", "learning_rate", "step_time")
 
 
 def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int, max_grad_norm: float | None,
-              compiled: bool = True) -> Callable:
+              gang: Gang = SOLO, compiled: bool = True) -> Callable:
     """One micro-batch of an optimizer step, as mlx_lm's trainer makes its step: compiled with
     the model's, the optimizer's and the random state as inputs and outputs, so that the
     forward, backward and update are one graph MLX simplifies and fuses. Gradient
     accumulation sums the micro-batches' gradients (and metrics), then averages them: the
-    same update as one batch of all their rows, for equal sizes.
+    same update as one batch of all their rows, for equal sizes. In a gang (worker/gang.py)
+    each rank has a share of every micro-batch: its mean counts by its `share` of the
+    micro-batch's normaliser (an array: a new value is not a new compile), and the ranks'
+    sums are summed before the update.
 
-        step(arrays, running, do_update) -> (running, metrics)
+        step(arrays, share, running, do_update) -> (running, metrics)
         running: the summed (gradients, metrics) so far (None at the first micro-batch);
         do_update: the last micro-batch: the mean gradient's norm (before clipping, as TRL
         reports it), the gradient clipped to max_grad_norm (None: not clipped), the update."""
     vg = nn.value_and_grad(module, loss_fn)
 
-    def step(arrays, running, do_update: bool):
+    def step(arrays, share, running, do_update: bool):
         (loss, stats), grads = vg(module, *arrays)
         metrics = {"loss": loss, **stats}
+        if gang.size > 1:
+            grads = tree_map(lambda g: g * share, grads)
+            metrics = {k: v * share for k, v in metrics.items()}
         if running is not None:
             grads = tree_map(mx.add, grads, running[0])
             metrics = {k: v + running[1][k] for k, v in metrics.items()}
         if not do_update:
             return (grads, metrics), None
+        grads, metrics = gang.sum_tree((grads, metrics))
         grads = tree_map(lambda g: g / accumulation, grads)
         metrics = {k: v / accumulation for k, v in metrics.items()}
         grads, metrics["grad_norm"] = clipped(grads, max_grad_norm)
@@ -81,6 +89,7 @@ class Trainer:
     truncated = 0  # rows cut to max_seq_length
     reference: ReferenceLogps | None = None  # log-probs kept with the checkpoint (DPO's reference)
     compiled = True  # the step compiled (make_step); the benchmark and a test compare it with the plain one
+    gang: Gang = SOLO  # worker/gang.py: this process's rank of the job's gang
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, train: list, valid: list | None):
         self.module, self.cfg, self.train_rows, self.valid_rows = module, cfg, train, valid
@@ -96,14 +105,19 @@ class Trainer:
         mx.reset_peak_memory()
         mx.random.seed(step_seed(cfg.seed, state.step))  # LoRA dropout
         ids = batch_rows(len(self.train_rows), cfg.batch_size, state.step, cfg.grad_accumulation_steps, cfg.seed)
-        micro = [self.arrays(rows, self.train_rows) for rows in ids]
+        shares = [self.gang.share(rows) for rows in ids]  # this rank's rows of each micro-batch (all, alone)
+        micro = [self.arrays(rows, self.train_rows) for rows in shares]
+        weights = [self.weight(rows, n) for rows, (_, n) in zip(shares, micro)]
+        parts = [1.0] * len(micro) if self.gang.size == 1 else [
+            w / max(t, 1e-30) for w, t in zip(weights, self.gang.sum(mx.array(weights, dtype=mx.float32)).tolist())]
         if self.micro_step_state is not self.optimizer.state:  # a checkpoint's restore put in a new state
-            self.micro_step = make_step(self.module, self.optimizer, self.loss, len(micro), cfg.max_grad_norm, self.compiled)
+            self.micro_step = make_step(self.module, self.optimizer, self.loss, len(micro), cfg.max_grad_norm, self.gang,
+                                        self.compiled)
             self.micro_step_state = self.optimizer.state
         self.module.train()
         running = None
-        for k, (arrays, _) in enumerate(micro):
-            running, metrics = self.micro_step(arrays, running, k == len(micro) - 1)
+        for k, ((arrays, _), part) in enumerate(zip(micro, parts)):
+            running, metrics = self.micro_step(arrays, mx.array(part, dtype=mx.float32), running, k == len(micro) - 1)
             mx.eval(running if running is not None else (metrics, self.module.state, self.optimizer.state))
         self.module.eval()
         metrics = {k: float(v.item()) for k, v in metrics.items()}
@@ -111,6 +125,8 @@ class Trainer:
         check_finite(metrics["loss"], metrics["grad_norm"], state.step + 1)
         on_finite_loss()
         n_tokens = sum(n for _, n in micro)
+        if self.gang.size > 1:
+            n_tokens = int(self.gang.sum(mx.array(n_tokens)).item())
         state.step += 1
         state.num_tokens += n_tokens
         dt = time.perf_counter() - t0
@@ -118,6 +134,12 @@ class Trainer:
         return {**metrics, "learning_rate": float(lr.item() if isinstance(lr, mx.array) else lr),
                 "examples": sum(map(len, ids)), "num_tokens": state.num_tokens, "tokens_per_second": n_tokens / max(dt, 1e-9),
                 "peak_memory_gb": mx.get_peak_memory() / 1e9, "step_time": dt}
+
+    @staticmethod
+    def weight(ids: list[int], tokens: int) -> float:
+        """A micro-batch's normaliser, of which a gang's rank has a share: its examples (the
+        loss is a mean over them); SFT's is its tokens."""
+        return float(len(ids))
 
     def evaluate(self) -> dict[str, float]:
         """The loss and statistics over val_batches batches of the valid rows, as val_<name>."""
@@ -251,6 +273,7 @@ def load(job, spec, settings, make_trainer: Callable, fine_tune_type: str = "lor
         attach_adapter(model, cfg, fine_tune_type, init)
         with gradient_checkpointing(model, cfg.gradient_checkpointing):
             trainer = make_trainer(model, tokenizer, spec, train, valid)
+            trainer.gang = job.gang
             if init is not None:
                 trainer.start_from(init)
             if trainer.truncated:
@@ -266,7 +289,8 @@ def load(job, spec, settings, make_trainer: Callable, fine_tune_type: str = "lor
                 module=trainer.module, optimizer=trainer.optimizer,
                 step=lambda state, should_stop, on_finite_loss: (trainer.step(state, on_finite_loss), []),
                 save=save, phase="updating", history_metrics=HISTORY_METRICS, steps_per_save=cfg.steps_per_save,
-                steps_per_report=cfg.steps_per_report, evaluate=trainer.evaluate if valid else None,
+                steps_per_report=cfg.steps_per_report,
+                evaluate=trainer.evaluate if valid and job.gang.rank == 0 else None,  # rank 0 reports it
                 steps_per_eval=cfg.steps_per_eval,
                 serves_scoring=not private,  # scoring requests use the shared copy: a private job leaves them to idle workers
                 reference=trainer.reference,

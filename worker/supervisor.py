@@ -17,7 +17,13 @@ While a job runs, the supervisor's main thread watches (Supervisor.watch):
                                                    counted), or is killed after SHUTDOWN_GRACE_S and the job
                                                    handed back anyway
   the lease is lost (another worker has the job, -> the child drops it at its next check or write, or is
-  or it was cancelled)                             killed after LEASE_LOST_GRACE_S
+  or it was cancelled)                             killed after LEASE_LOST_GRACE_S (a gang's rank: at once,
+                                                   a collective cannot be left)
+
+A gang job (shared/gangs.py) runs as one rank per worker, each in a training process watched
+as above that has never joined a group (MLX forms one per process: after a gang's attempt the
+process is replaced); the worker that took its rq job leads (rank 0, `lead_gang`), the others
+run the rank jobs it pushes on their own queues (`run_rank`).
 """
 
 import ctypes
@@ -38,7 +44,7 @@ from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
 from rq.worker import WorkerStatus
 
-from shared import kinds, lifecycle, routing, workers
+from shared import gangs, kinds, lifecycle, routing, workers
 from shared.jobstore import connect
 from shared.keys import job_key
 from shared.reconciler import Reconciler
@@ -54,6 +60,7 @@ SHUTDOWN_GRACE_S = 30.0
 LEASE_LOST_GRACE_S = 10.0
 READY_TIMEOUT_S = 300.0  # importing MLX and the trainer
 MAX_BACKOFF_S = 30.0  # between two tries of rq's work loop while Redis is in trouble
+GANG_RETRY_S = 1.0  # a leader that found too few free workers for a gang job waits this long before its next dequeue
 
 
 def training_entry(conn, marks: Marks, worker: str, parent_pid: int) -> None:
@@ -85,6 +92,7 @@ class TrainingProcess:
         self.proc = None
         self.conn = None
         self.device: dict | None = None  # the MLX device and its memory, as the child reports it
+        self.in_gang = False  # it was given a gang's rank: its MLX group lives as long as it does
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.is_alive()
@@ -92,6 +100,7 @@ class TrainingProcess:
     def start(self) -> None:
         """Start the child and wait until it has loaded MLX and the trainers."""
         ours, theirs = self.ctx.Pipe()
+        self.in_gang = False
         self.proc = self.ctx.Process(target=training_entry, name="mtq-training", daemon=True,
                                      args=(theirs, self.marks, self.worker_name, os.getpid()))
         self.proc.start()
@@ -147,6 +156,8 @@ class Supervisor(SimpleWorker):
         self.models: dict[str, dict] = {}  # model key -> what it advertises of the models it has on disk
         self._advertising = threading.Lock()
         self._started_at = time.time()
+        settings = load_settings()
+        self.gang_address = f"{settings.gang_host}:{settings.gang_port or _free_port(settings.gang_host)}"
 
     @property
     def dequeue_timeout(self) -> int:
@@ -278,7 +289,7 @@ class Supervisor(SimpleWorker):
                     lanes=self.lanes, hub=self.hub, declared=self.declared_models, current_job=self.current_job,
                     device=device.get("device"), device_name=device.get("device_name"),
                     memory_total_gb=device.get("memory_total_gb"), memory_gb=self.memory_gb,
-                    memory_declared=self.declared_memory_gb is not None,
+                    memory_declared=self.declared_memory_gb is not None, gang_address=self.gang_address,
                 )
                 workers.advertise(self.connection, rec, ttl_s=settings.lease_ttl_s)
             except (redis.RedisError, OSError) as e:
@@ -308,9 +319,65 @@ class Supervisor(SimpleWorker):
         too_big = spec is not None and self._does_not_fit(job_id, kinds.of_record(kind).name, spec)
         if too_big:
             return too_big
+        claimed = retrying(lambda: gangs.claimed_by(self.connection, self.name), "gang claim")
+        if claimed is not None and claimed != job_id:  # its rank job is on its way: this job goes elsewhere
+            reason = f"worker {self.name} is claimed by the gang of job {claimed}"
+            rq_job_id = self._running[0].id
+            retrying(lambda: lifecycle.reroute(self.connection, job_id, rq_job_id, reason), "reroute")
+            time.sleep(GANG_RETRY_S)  # not at once again, should the job come back here
+            return f"not started: {reason}"
+        if spec is not None and spec.config.workers > 1:
+            return self.lead_gang(job_id, kinds.of_record(kind).name, spec)
         lease = Lease.start(self.connection, job_id, self.name)
         if lease is None:
             return "not started: the job is no longer queued"
+        return self._run_leased(lease, spec, unreadable)
+
+    def lead_gang(self, job_id: str, kind: str, spec) -> str:
+        """Form the job's gang (shared/gangs.py) with this worker as rank 0, or put the job back
+        on its queue, not started, when too few capable workers are free."""
+        r, size, rq_job_id = self.connection, spec.config.workers, self._running[0].id
+        live = retrying(lambda: workers.live_workers(r), "live workers")
+        where = routing.route(kind, spec, live, warm=False,
+                              finished=lambda j: r.hget(job_key(j), "status") != b"running")
+        members = gangs.pick(self.name, list(where.free), size)
+        names = [w["name"] for w in members or []]
+        join_s = load_settings().gang_join_s
+        token = members and retrying(lambda: gangs.claim(r, names, job_id, join_s), "gang claim")
+        if not token:
+            retrying(lambda: lifecycle.wait_for_gang(r, job_id, rq_job_id), "wait for gang")
+            time.sleep(GANG_RETRY_S)  # the job is back on the queue this worker reads: not at once again
+            return f"not started: {where.waiting_for_worker or 'its gang could not be claimed'}"
+        lease = Lease.start(r, job_id, self.name, gang=names)
+        if lease is None:
+            gangs.release(r, names, token)
+            return "not started: the job is no longer queued"
+        hosts = gangs.hostfile(members)
+        for rank, name in enumerate(names[1:], 1):
+            queue = Queue(routing.own_queue(spec.config.queue, name), connection=r)
+            retrying(lambda: queue.enqueue_call(
+                gangs.RANK_JOB_FUNC, args=(job_id, lease.epoch, rank, hosts, token), timeout=-1,
+                job_id=f"{job_id}-e{lease.epoch}-rank{rank}", result_ttl=3600, failure_ttl=3600,
+                description=f"rank {rank} of {size} of job {job_id} (epoch {lease.epoch})"), "rank job")
+        gangs.release(r, [self.name], token)
+        log.info("job %s: leading a gang of %d: %s", job_id, size, ", ".join(names))
+        return self._run_leased(lease, spec, gang=(0, hosts))
+
+    def run_rank(self, job_id: str, epoch: int, rank: int, hosts: list[list[str]], token: str) -> str:
+        """rq's rank job (worker/jobs.py): this worker's part of a gang job its leader started
+        under `epoch`; watched as any job, so that its death or stall ends the gang's attempt."""
+        gangs.release(self.connection, [self.name], token)
+        lease = Lease(self.connection, job_id, self.name, epoch)
+        if not lease.renew():
+            return "not started: the gang's attempt is over"
+        raw = retrying(lambda: self.connection.hmget(job_key(job_id), "kind", "spec"), "job read")
+        spec = lifecycle.read_spec({"kind": raw[0] and raw[0].decode(), "spec": raw[1]})
+        return self._run_leased(lease, spec, gang=(rank, hosts))
+
+    def _run_leased(self, lease: Lease, spec, unreadable: str | None = None,
+                    gang: tuple[int, list[list[str]]] | None = None) -> str:
+        """Run the job (or its gang rank) under the lease this worker holds; watch its child."""
+        job_id = lease.job_id
         self.lease = lease
         self.current_job = job_id
         self._advertise()
@@ -320,7 +387,7 @@ class Supervisor(SimpleWorker):
                 lease.finish("failed", {"type": "failed", "error": error}, error=error)
                 return "failed"
             # The server's cap too: a record written around the API (or before the cap) may ask for a day.
-            return self.watch(lease, min(spec.config.stall_timeout_s, load_settings().max_stall_timeout_s))
+            return self.watch(lease, min(spec.config.stall_timeout_s, load_settings().max_stall_timeout_s), gang)
         except LeaseLost:
             return "lease lost"
         except BaseException:  # e.g. a cold shutdown (second Ctrl-C): end the child, give the job back now
@@ -333,6 +400,9 @@ class Supervisor(SimpleWorker):
         finally:
             self.lease = None
             self.current_job = None
+            if self.training.in_gang:  # its process is in the attempt's group for good: a fresh one for the next job
+                self.training.kill()
+                self.training.start()
             self._advertise()
 
     def _does_not_fit(self, job_id: str, kind: str, spec) -> str | None:
@@ -351,30 +421,41 @@ class Supervisor(SimpleWorker):
         log.info("job %s: %s; %s", job_id, reason, "routed again" if rerouted else "already moved on")
         return f"not started: {reason}"
 
-    def watch(self, lease: Lease, stall_timeout_s: float) -> str:
+    def watch(self, lease: Lease, stall_timeout_s: float, gang: tuple[int, list[list[str]]] | None = None) -> str:
         t = self.training
+        if t.in_gang:  # MLX joins one group per process: one that has joined one never serves again
+            t.kill()
         if not t.alive():
             t.start()
         t.marks.reset()
-        t.conn.send((lease.job_id, lease.epoch))
+        t.in_gang = gang is not None
+        t.conn.send((lease.job_id, lease.epoch, gang))
         stop_seen = lost_seen = None
+        join_s = load_settings().gang_join_s
         while True:
             if t.conn.poll(POLL_S):
                 try:
-                    return t.conn.recv()
+                    result = t.conn.recv()
                 except EOFError:
                     pass  # it died: below
+                else:
+                    if result.startswith(gangs.GANG_LOST):
+                        return self._lost(lease, result)
+                    return result
             now = time.monotonic()
             if not t.alive():
                 t.proc.join(5)
                 return self._lost(lease, f"training process {t.exit_description()}")
             if lease.lost.is_set():  # cancelled, or another worker has it: the child stops at its next check
                 lost_seen = lost_seen or now
-                if now - lost_seen > LEASE_LOST_GRACE_S:
+                if gang is not None or now - lost_seen > LEASE_LOST_GRACE_S:
                     t.kill()
                     return "lease lost"
                 continue
             silence = now - t.marks.last
+            if gang is not None and t.marks.phase == "joining" and silence > join_s:
+                t.kill()
+                return self._lost(lease, f"rank {gang[0]}: its gang did not form within {join_s:g}s (MTQ_GANG_JOIN_S)")
             allowed = stall_timeout_s
             if t.marks.steps == 0 and t.marks.phase != "scoring":
                 allowed += load_settings().compile_grace_s
@@ -401,6 +482,13 @@ class Supervisor(SimpleWorker):
         self.lease = None  # nothing left to renew
         self.training.start()  # a fresh child for the next job
         return f"lost: {reason}; job is now {status}"
+
+
+def _free_port(host: str) -> int:
+    """A port free now on `host`, for this worker's gang ranks to listen on."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 _current: Supervisor | None = None

@@ -28,11 +28,12 @@ from typing import Callable
 import mlx.core as mx
 
 from shared import kinds, workers
+from shared.gangs import GANG_LOST
 from shared.jobstore import connect
 from shared.keys import adapter_key, checkpoint_key, events_key, job_key
 from shared.metrics import recorder
 from shared.settings import load_settings
-from worker import job_loop, kernel_cache, scoring
+from worker import gang, job_loop, kernel_cache, scoring
 from worker.lease import Lease, LeaseLost, retrying
 from worker.marks import Marks
 from worker.memory import device_description
@@ -63,8 +64,10 @@ class JobRun:
     """What a job kind gets: fenced writes for its job, progress marks, stop checks,
     checkpoints and the adapter commit."""
 
-    def __init__(self, lease: Lease, marks: Marks, parent_pid: int, tenant: str | None = None):
+    def __init__(self, lease: Lease, marks: Marks, parent_pid: int, tenant: str | None = None,
+                 part: gang.Gang = gang.SOLO):
         self.lease, self.marks, self.parent_pid = lease, marks, parent_pid
+        self.gang = part  # worker/gang.py: this process's rank of the job's gang (SOLO: the whole job)
         self.job_id = lease.job_id
         self.tenant = tenant  # a trainer's job uses only that trainer's adapters and files (None: anyone's)
         self.shown_phase: str | None = None  # the phase in the job record
@@ -150,19 +153,54 @@ class JobRun:
         return out_dir
 
 
-def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: int) -> str:
-    """Run one job whose lease the supervisor holds; every outcome is written by this process."""
+class RankRun(JobRun):
+    """A gang's rank other than 0: it trains its share of every step, and writes nothing of the
+    job (rank 0 writes progress, events, checkpoints and the adapter)."""
+
+    def mark(self, phase: str | None = None) -> None:
+        self.marks.mark(phase)
+
+    def write(self, event: dict | None = None, **fields) -> None:
+        pass
+
+    def write_kept(self, event: dict, keep: int) -> None:
+        pass
+
+    def between_steps(self, model_id: str) -> None:
+        self.marks.mark()
+
+    def save_checkpoint(self, step: int, blobs: dict[str, bytes]) -> None:
+        pass
+
+    def commit_adapter(self, out_dir: Path, write_files: Callable[[Path], None]) -> Path:
+        return out_dir
+
+
+def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: int,
+            ranks: tuple[int, list[list[str]]] | None = None) -> str:
+    """Run one job whose lease the supervisor holds; every outcome is written by this process.
+    ranks: (rank, hostfile) of this worker's part of a gang job (shared/gangs.py)."""
     lease = Lease(r, job_id, worker, epoch)
     record = retrying(lambda: r.hmget(job_key(job_id), "kind", "spec", "tenant"), "job read")
-    job = JobRun(lease, marks, parent_pid, None if record[2] is None else record[2].decode())
+    tenant = None if record[2] is None else record[2].decode()
     if record[1] is None:
         return "deleted"
+    rank = 0 if ranks is None else ranks[0]
     try:
+        if ranks is not None:
+            marks.mark("joining")  # the supervisor bounds this phase (MTQ_GANG_JOIN_S)
+            part = gang.join(*ranks)
+            job = (JobRun if rank == 0 else RankRun)(lease, marks, parent_pid, tenant, part)
+        else:
+            job = JobRun(lease, marks, parent_pid, tenant)
         kind = kinds.of_record(record[0])
-        lease.write(event={"type": "started", "worker": worker, "pid": os.getpid(), "supervisor_pid": parent_pid,
-                           "main_thread": threading.current_thread() is threading.main_thread()})
+        job.write(event={"type": "started", "worker": worker, "pid": os.getpid(), "supervisor_pid": parent_pid,
+                         "main_thread": threading.current_thread() is threading.main_thread(),
+                         **({} if ranks is None else {"rank": rank, "gang_size": len(ranks[1])})})
         spec = kind.spec_model.model_validate_json(record[1])
         fields = job_loop.run(job, kind, spec, importlib.import_module(kind.worker_module).load)
+        if rank > 0:
+            return "rank done"
         events = [*fields.pop("events"), {"type": "done", "adapter_path": fields.get("adapter_path")}]
         lease.finish("completed", events, adapter=fields.pop("adapter", None), **fields)
         return "completed"
@@ -175,9 +213,11 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
         log.warning("%s; leaving the job to its new owner", e)
         return "lease lost"
     except job_loop.USER_ERRORS as e:
-        return _fail(lease, str(e))
+        return "rank done" if rank > 0 else _fail(lease, str(e))  # every rank meets it: rank 0 says so
     except Exception as e:
         log.error("job %s failed:\n%s", job_id, traceback.format_exc())
+        if ranks is not None:  # e.g. "[ring] connection to a peer was lost": the attempt's, not the job's
+            return f"{GANG_LOST}rank {rank}: {type(e).__name__}: {e}"
         return _fail(lease, f"{type(e).__name__}: {e}")
     finally:
         recorder.flush(r)  # what the job measured since its last step (e.g. the reward errors that failed it)
@@ -229,10 +269,10 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
                 if os.getppid() != parent_pid:
                     return
             retrying(lambda: scoring.serve_waiting(r, settings, queues=queues), "scoring")
-            job_id, epoch = conn.recv()
+            job_id, epoch, ranks = conn.recv()
         except (EOFError, OSError):
             return
         marks.mark("idle")
-        conn.send(run_one(r, job_id, epoch, worker, marks, parent_pid))
+        conn.send(run_one(r, job_id, epoch, worker, marks, parent_pid, ranks))
         published = None  # the job may have published its own list (models loaded, or one dropped): say ours again
         publish_changes()
