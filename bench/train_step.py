@@ -1,19 +1,35 @@
-"""Seconds per optimizer step of the supervised kinds against a lower bound measured in the same run.
+"""Seconds per optimizer step of the supervised kinds against a lower bound measured in the same
+run, and the SFT kind against `mlx_lm lora` on the same model, rows and batch.
 
     python bench/train_step.py MODEL_DIR [--kinds sft sft-full sft-qlora dpo orpo reward] [--batch-size 4]
-                               [--length 128] [--steps 8] [--warmup 2] [--quant-bits 4] [--json OUT.json]
+                               [--length 128] [--steps 8] [--warmup 2] [--quant-bits 4] [--uncompiled]
+                               [--mlx-lm] [--rounds 1] [--json OUT.json]
 
 Each kind's trainer (worker/sft_job.py, worker/dpo_job.py, worker/reward_model_job.py) runs
 on rows of --length tokens (SFT: batch_size rows; the preference kinds: batch_size pairs =
-2 x batch_size rows, chosen and rejected in one padded batch). `sft` is LoRA on the model as
-loaded; `sft-full` trains every transformer block's weights and `sft-qlora` LoRA on a copy
-quantized to --quant-bits, each on a fresh copy made as a job makes it (worker/models.py
-prepare_private). Prints one JSON line per kind (and writes them all to --json):
-  step_s          median seconds of a whole trainer step (batch, loss, gradient, update, metrics)
+2 x batch_size rows, chosen and rejected in one padded batch), 2 x batch_size examples, so
+that the warm-up steps have seen every one (DPO's reference log-probs are computed at an
+example's first step and kept, so the timed steps have none to compute: `reference_s` is what
+a step of the first epoch adds, the reference forward of its batch).
+`sft` is LoRA on the model as loaded; `sft-full` trains every transformer block's weights and
+`sft-qlora` LoRA on a copy quantized to --quant-bits, each on a fresh copy made as a job makes
+it (worker/models.py prepare_private). Prints one JSON line per kind (and writes them all to
+--json):
+  step_s          median seconds of a whole trainer step (batch, loss, gradient, update, metrics),
+                  compiled as the job runs it (worker/supervised.py make_step)
+  uncompiled_step_s  (--uncompiled) the same trainer with its step not compiled
   lower_bound_s   median seconds of mlx_lm's default_loss forward+backward of the same padded
-                  batch (the same token rows, the same trainable weights, no update)
-  ratio           step_s / lower_bound_s (DPO also runs a reference forward with the LoRA off)
-  peak_memory_gb, tokens_per_s
+                  batch (the same token rows, the same trainable weights, no update, not compiled)
+  ratio           step_s / lower_bound_s
+  peak_memory_gb, tokens_per_s (trained tokens per second of a whole step)
+  mlx_lm          (--mlx-lm, SFT only) `mlx_lm lora` in a child process on a data directory of the
+                  same rows (train.jsonl), the same batch, LoRA shape and learning rate, run for
+                  warmup + steps iterations with a report every iteration: its median
+                  tokens_per_second and seconds per iteration over the steps after the warm-up,
+                  and `speed_vs_mlx_lm` = its seconds per iteration / step_s (above 1: faster than mlx_lm)
+  --rounds N      every measurement N times, in turn (ours, mlx_lm's, the bound, ...): each figure
+                  is the median over the rounds, each ratio the median of the rounds' ratios (a
+                  loaded machine's drift hits both sides of a ratio alike)
 
 It imports MLX, mlx_lm (with transformers/tokenizers), numpy, pydantic and the project's
 trainer modules only: no Redis, rq or HTTP libraries (tests/test_supervised_trainer.py checks),
@@ -23,7 +39,9 @@ so it runs on a machine that has just MLX's wheels (e.g. the H200: ../shared/gpu
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,42 +96,115 @@ def model_for(fine_tune_type: str | None, shared, args):
     return model, tokenizer
 
 
+LORA = {"lora_layers": -1, "lora_rank": 8, "lora_alpha": 20.0, "learning_rate": 1e-5}  # mlx_lm lora's defaults, all layers
+
+# `mlx_lm lora` itself (its main(), as the command runs it) with a callback that prints its per-report figures.
+MLX_LM_LORA = """
+import json, sys
+from mlx_lm import lora
+from mlx_lm.tuner.callbacks import TrainingCallback
+class Print(TrainingCallback):
+    def on_train_loss_report(self, info):
+        print("REPORT " + json.dumps(info), flush=True)
+lora.get_reporting_callbacks = lambda *args, **kwargs: Print()  # what --report-to would make
+sys.argv = ["mlx_lm.lora", *sys.argv[1:]]
+lora.main()
+"""
+
+
+def mlx_lm_lora(model_dir: str, rows: list[dict], args) -> dict:
+    """`mlx_lm lora` on the same rows, batch and LoRA: its median figures after the warm-up."""
+    with tempfile.TemporaryDirectory() as d:
+        data = Path(d) / "data"
+        data.mkdir()
+        for split in ("train", "valid"):
+            (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (Path(d) / "config.yaml").write_text(json.dumps({"lora_parameters": {"rank": LORA["lora_rank"], "scale": LORA["lora_alpha"],
+                                                                               "dropout": 0.0}}))
+        cmd = [sys.executable, "-c", MLX_LM_LORA, "--model", model_dir, "--train", "--data", str(data), "-c", str(Path(d) / "config.yaml"),
+               "--batch-size", str(args.batch_size), "--iters", str(args.warmup + args.steps), "--num-layers", "-1",
+               "--learning-rate", str(LORA["learning_rate"]), "--steps-per-report", "1", "--steps-per-eval", "100000",
+               "--val-batches", "1", "--adapter-path", str(Path(d) / "adapter"), "--save-every", "100000"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"mlx_lm lora failed: {out.stderr[-2000:]}")
+    reports = [json.loads(line[len("REPORT "):]) for line in out.stdout.splitlines() if line.startswith("REPORT ")]
+    timed = reports[args.warmup:]
+    return {"tokens_per_s": round(statistics.median(r["tokens_per_second"] for r in timed)),
+            "step_s": round(statistics.median(1 / r["iterations_per_second"] for r in timed), 4)}
+
+
+def time_steps(trainer, args) -> tuple[float, list[dict]]:
+    """(median step seconds after the warm-up, the timed steps' metrics)."""
+    state = TrainState()
+    for _ in range(args.warmup):
+        trainer.step(state)
+    metrics = []
+    return median_time(lambda: metrics.append(trainer.step(state)), args.steps), metrics
+
+
 def bench(name: str, shared, args) -> dict:
     kind, trainer_class, fine_tune_type = VARIANTS[name]
     model, tokenizer = model_for(fine_tune_type, shared, args)
     rows = rows_for(kind, args.batch_size * 2, args.length)
-    config = {"batch_size": args.batch_size, "iters": args.warmup + args.steps, "lora_layers": -1}
+    config = {"batch_size": args.batch_size, "iters": args.warmup + args.steps, **LORA}
     if fine_tune_type:
         config.update(fine_tune_type=fine_tune_type, quant_bits=args.quant_bits)
     spec = KINDS[kind].spec_model.model_validate({"model_id": "bench", "dataset": rows, "config": config})
-    mx.random.seed(0)
-    attach_adapter(model, spec.config, fine_tune_type or "lora")
-    trainer = trainer_class(model, tokenizer, spec, rows, None)
-    state = TrainState()
-    for _ in range(args.warmup):
-        trainer.step(state)
-    mx.reset_peak_memory()
-    metrics = []
-    step_s = median_time(lambda: metrics.append(trainer.step(state)), args.steps)
-    peak = mx.get_peak_memory() / 1e9
 
-    # The lower bound: mlx_lm's loss, forward+backward, on the same padded rows as step 0's batch.
-    (arrays, n_tokens) = trainer.arrays(list(range(args.batch_size)), trainer.train_rows)
-    inputs = arrays[0]
-    tokens = mx.concatenate([inputs, inputs[:, -1:]], axis=1)
-    lengths = mx.array([[1, inputs.shape[1]]] * inputs.shape[0])
-    vg = nn.value_and_grad(model, lambda b, l: default_loss(model, b, l)[0])
+    def trainer(compiled: bool):
+        mx.random.seed(0)
+        attach_adapter(model, spec.config, fine_tune_type or "lora")
+        made = trainer_class(model, tokenizer, spec, rows, None)
+        made.compiled = compiled
+        return made
 
-    def fwd_bwd():
-        loss, grads = vg(tokens, lengths)
-        mx.eval(loss, grads)
+    def lower_bound(trained) -> tuple[float, dict]:
+        """mlx_lm's loss, forward+backward, on the same padded rows as step 0's batch."""
+        (arrays, _) = trained.arrays(list(range(args.batch_size)), trained.train_rows)
+        inputs = arrays[0]
+        tokens = mx.concatenate([inputs, inputs[:, -1:]], axis=1)
+        lengths = mx.array([[1, inputs.shape[1]]] * inputs.shape[0])
+        vg = nn.value_and_grad(model, lambda b, l: default_loss(model, b, l)[0])
 
-    fwd_bwd()
-    bound = median_time(fwd_bwd, args.steps)
-    remove_adapter_layers(model)
-    return {"kind": name, "rows": int(inputs.shape[0]), "width": int(inputs.shape[1]), "step_s": round(step_s, 4),
-            "lower_bound_s": round(bound, 4), "ratio": round(step_s / bound, 2), "peak_memory_gb": round(peak, 3),
-            "tokens_per_s": round(statistics.median(m["tokens_per_second"] for m in metrics))}
+        def fwd_bwd():
+            loss, grads = vg(tokens, lengths)
+            mx.eval(loss, grads)
+
+        fwd_bwd()
+        return median_time(fwd_bwd, args.steps), {"rows": int(inputs.shape[0]), "width": int(inputs.shape[1])}
+
+    rounds = []  # each measurement once per round, in turn: a loaded machine's drift hits them alike
+    for _ in range(args.rounds):
+        r = {}
+        if args.uncompiled:
+            r["uncompiled_step_s"] = time_steps(trainer(False), args)[0]
+        compiled = trainer(True)
+        mx.reset_peak_memory()
+        r["step_s"], metrics = time_steps(compiled, args)
+        r["peak_memory_gb"] = mx.get_peak_memory() / 1e9
+        r["tokens_per_s"] = statistics.median(m["tokens_per_second"] for m in metrics)
+        r["lower_bound_s"], shape = lower_bound(compiled)
+        if compiled.reference is not None:
+            batch = list(range(args.batch_size))
+            r["reference_s"] = median_time(lambda: compiled.reference_logps(batch, compiled.train_rows), args.steps)
+        remove_adapter_layers(model)
+        if args.mlx_lm and name == "sft":
+            theirs = mlx_lm_lora(args.model, rows, args)
+            r["mlx_lm_step_s"], r["mlx_lm_tokens_per_s"] = theirs["step_s"], theirs["tokens_per_s"]
+        rounds.append(r)
+
+    def median(key: str, digits: int = 4):
+        return round(statistics.median(r[key] for r in rounds), digits)
+
+    out = {"kind": name, **shape, **{k: (round(median(k)) if "tokens" in k else median(k)) for k in rounds[0]},
+           "ratio": round(statistics.median(r["step_s"] / r["lower_bound_s"] for r in rounds), 2)}
+    if args.mlx_lm and name == "sft":
+        speed = [r["mlx_lm_step_s"] / r["step_s"] for r in rounds]
+        out.update(speed_vs_mlx_lm=round(statistics.median(speed), 2), speed_vs_mlx_lm_by_round=[round(x, 2) for x in speed])
+    if args.uncompiled:
+        out["speed_vs_uncompiled"] = round(statistics.median(r["uncompiled_step_s"] / r["step_s"] for r in rounds), 2)
+    return out
 
 
 def main() -> None:
@@ -125,6 +216,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="steps not timed (MLX CUDA compiles kernels on first use)")
     p.add_argument("--quant-bits", type=int, choices=[4, 8], default=4, help="sft-qlora's base quantization")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every measurement this many times, in turn (medians)")
+    p.add_argument("--uncompiled", action="store_true", help="also time each trainer with its step not compiled")
+    p.add_argument("--mlx-lm", action="store_true", help="also run `mlx_lm lora` on the SFT rows (sft only)")
     p.add_argument("--json", metavar="OUT", help="also write the results, with the device, to this JSON file")
     args = p.parse_args()
     shared = mlx_lm.load(args.model)

@@ -7,7 +7,7 @@ checks that mlx_lm loads the adapter and generates with it, and stops the stack.
 
 Ends with one summary line (`demo: ...`: job id, steps, final reward, adapter path, the first
 step's time and the whole run's); exits 0 only when the job completed and mlx_lm loaded the
-adapter and generated with it. `.ci/run` runs it on an empty MLX kernel cache (TMPDIR).
+adapter and generated with it. `.ci/run` runs it on an empty MLX kernel cache (MTQ_KERNEL_CACHE).
 """
 
 import json

@@ -7,6 +7,7 @@ fields a resume cannot change) is the kind's entry in shared/kinds.py.
 """
 
 import json
+import time
 import uuid
 from typing import Any
 
@@ -88,13 +89,14 @@ def _record_fields(job_id: str, rec: dict[str, str], model_id: str, adapter_name
     def num(name: str, cast=float, default=None):
         return cast(rec[name]) if rec.get(name) else default
 
-    phase, phase_note = _phase(rec)
+    phase, phase_note, phase_s = _phase(rec)
     return dict(
         job_id=job_id, kind=kind.name, model_id=model_id, adapter_name=adapter_name,
         adapter_path=rec.get("adapter_path") or str(adapter_dir(load_settings(), model_id, adapter_name)),
         status=rec["status"], created_at=float(rec["created_at"]), started_at=num("started_at", default=kind.unset_time),
         finished_at=num("finished_at", default=kind.unset_time), error=rec.get("error") or "",
         progress=json.loads(rec.get("progress") or "null") or kind.initial_progress, phase=phase, phase_note=phase_note,
+        phase_s=phase_s, memory_plan=json.loads(rec["memory_plan"]) if rec.get("memory_plan") else None,
         waiting_for_worker=rec.get("waiting_for_worker"), worker=rec.get("worker"),
         checkpoint_step=num("checkpoint_step", int), attempts=num("attempts", int, 0),
         failed_attempts=num("failed_attempts", int, 0), max_attempts=num("max_attempts", int, 3),
@@ -109,15 +111,20 @@ def job_from_hash(job_id: str, h: dict[bytes, bytes]) -> BaseModel:
     return job_from_record(job_id, lifecycle.read_spec(rec), rec)
 
 
-def _phase(rec: dict[str, str]) -> tuple[str | None, str | None]:
-    """(phase, note): a queued job waits for a worker (the note says why none could run it, if
-    so); a running one is in the phase its training process last wrote (record fields of their
-    own: not rewritten per step); a finished one is in none."""
+def _phase(rec: dict[str, str]) -> tuple[str | None, str | None, float | None]:
+    """(phase, note, seconds in it so far): a queued job waits for a worker (the note says why
+    none could run it, if so); a running one is in the phase its training process last wrote
+    (record fields of their own: not rewritten per step), since the time it wrote with it
+    (`compiling`'s note says how long so far); a finished one is in none."""
     if rec["status"] == "queued":
-        return "waiting_for_worker", rec.get("waiting_for_worker")
-    if rec["status"] == "running":
-        return rec.get("phase") or "starting", rec.get("phase_note")
-    return None, None
+        return "waiting_for_worker", rec.get("waiting_for_worker"), None
+    if rec["status"] != "running":
+        return None, None, None
+    phase, note = rec.get("phase") or "starting", rec.get("phase_note")
+    seconds = max(0.0, time.time() - float(rec["phase_since"])) if rec.get("phase_since") else None
+    if phase == "compiling" and note and seconds is not None:
+        note = f"{note}; compiling for {seconds:.0f} s so far"
+    return phase, note, seconds
 
 
 def job_or_unreadable(job_id: str, h: dict[bytes, bytes], build=job_from_hash) -> BaseModel:
@@ -139,7 +146,7 @@ def get_status(r: redis.Redis, job_id: str) -> JobStatus | None:
 
 # The record's fields a summary shows (the spec, of any size, only when a record has no summary).
 SUMMARY_FIELDS = ("kind", "status", "owner", "created_at", "started_at", "finished_at", "error", "progress", "phase",
-                  "phase_note", "waiting_for_worker", "worker", "checkpoint_step", "attempts", "failed_attempts",
+                  "phase_note", "phase_since", "waiting_for_worker", "worker", "checkpoint_step", "attempts", "failed_attempts",
                   "max_attempts", "resumed_from", "adapter_path", "summary")
 ENTRY_BYTES = 4096  # what a job object holds besides its spec, about
 

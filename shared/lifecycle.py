@@ -119,8 +119,8 @@ def start(r: redis.Redis, job_id: str, worker: str, lease_ttl_s: float, gang: li
     def decide(rec):
         epoch = int(rec.get("lease_epoch", 0)) + 1
         fields = {"lease_epoch": epoch, "worker": worker, "attempts": int(rec.get("attempts", 0)) + 1,
-                  "error": None, "finished_at": None, "phase": None, "phase_note": None, "waiting_for_worker": None,
-                  "gang": None if gang is None else json.dumps(gang)}
+                  "error": None, "finished_at": None, "phase": None, "phase_note": None, "phase_since": None,
+                  "memory_plan": None, "waiting_for_worker": None, "gang": None if gang is None else json.dumps(gang)}
         if not rec.get("started_at"):
             fields["started_at"] = repr(time.time())
         return Change("running", fields, lease=f"{worker}:{epoch}")

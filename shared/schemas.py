@@ -293,6 +293,10 @@ class JobRecord(BaseModel):
                               "starting, loading_model, compiling (first step on a fresh machine), sampling, scoring, "
                               "updating, checkpointing, saving.")
     phase_note: str | None = Field(None, description="A sentence about the phase, e.g. why compiling takes long.")
+    phase_s: float | None = Field(None, description="Seconds the job has been in its phase so far (running jobs).")
+    memory_plan: dict[str, Any] | None = Field(None, description="GRPO: the memory plan its worker chose (worker/memory.py): "
+                                               "micro_batch_size, gradient_checkpointing, estimated_peak_gb, memory_limit_gb, "
+                                               "budget (max_memory_gb spent on speed) and the reason; null until it starts.")
     waiting_for_worker: str | None = Field(None, description=WAITING_DOC)
     worker: str | None = Field(None, description="The worker running (or that last ran) the job.")
     checkpoint_step: int | None = Field(None, description="Step of the last checkpoint (resume starts there).")

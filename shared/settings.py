@@ -27,6 +27,9 @@ class Settings:
     # Extra room before a job's first step: MLX compiles kernels on first use (about a minute on
     # a fresh Linux CPU machine, about six on a fresh CUDA machine).
     compile_grace_s: float = 600.0
+    # Where the training process keeps the kernels MLX compiles (worker/kernel_cache.py): shared by
+    # the workers of one $MTQ_HOME, so only the first of them compiles (MTQ_KERNEL_CACHE).
+    kernel_cache_dir: Path | None = None  # load_settings: $MTQ_HOME/kernel-cache
     memory_gb: float | None = None  # a worker's memory for jobs (MTQ_MEMORY_GB, mtq worker --memory-gb); default: detected
     hub: bool = False  # a worker may download from the Hugging Face hub (MTQ_HUB, mtq worker --hub)
     # Gangs (docs/distributed.md): the address a worker's ranks listen on, as its peers reach it
@@ -106,6 +109,7 @@ def load_settings() -> Settings:
         max_stall_timeout_s=_float("MTQ_MAX_STALL_TIMEOUT_S", Settings.max_stall_timeout_s),
         score_wait_s=_float("MTQ_SCORE_WAIT_S", Settings.score_wait_s),
         compile_grace_s=_float("MTQ_COMPILE_GRACE_S", Settings.compile_grace_s),
+        kernel_cache_dir=Path(os.environ.get("MTQ_KERNEL_CACHE") or home / "kernel-cache").expanduser(),
         memory_gb=_float("MTQ_MEMORY_GB", 0.0) or None,
         hub=os.environ.get("MTQ_HUB", "") not in ("", "0"),
         gang_host=os.environ.get("MTQ_GANG_HOST", Settings.gang_host),

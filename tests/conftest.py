@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR") or ROOT / "test-artifacts")  # screenshots
+# Every test's workers share one kernel cache (worker/kernel_cache.py), the temp directory's, as
+# MLX's default: each stack's own $MTQ_HOME/kernel-cache would compile the kernels again.
+os.environ.setdefault("MTQ_KERNEL_CACHE", tempfile.gettempdir())
 
 
 def read_events(r, job_id: str, after_id: str = "0-0", count: int = 100) -> list[tuple[str, dict]]:

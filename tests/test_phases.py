@@ -1,12 +1,13 @@
 """Phases a person can read: a queued job waits for a worker; the first job on a fresh kernel
-cache says, within 2 s of starting, that MLX is compiling its kernels and that this happens once.
+cache says, within 2 s of starting, that MLX is compiling its kernels, that this happens once,
+and how long it has taken so far; the kernels go into the worker's kernel cache (MTQ_KERNEL_CACHE).
 
-A module of its own: its one worker has an empty kernel cache (its own TMPDIR, where MLX's CPU
-backend keeps the kernels it compiles) and is killed once the phase is seen, so that the test
-does not wait the minute the compilation takes.
+A module of its own: its one worker has an empty kernel cache and is killed once the phase is
+seen, so that the test does not wait the minute the compilation takes.
 """
 
 import os
+import re
 import signal
 import time
 
@@ -26,7 +27,7 @@ def test_waiting_for_worker_then_compiling_within_2s_on_a_fresh_kernel_cache(sta
 
         fresh_tmp = tmp_path / "tmp"  # an empty kernel cache
         fresh_tmp.mkdir()
-        worker = stack.start_worker(env=dict(stack.env, TMPDIR=str(fresh_tmp)))
+        worker = stack.start_worker(env=dict(stack.env, MTQ_KERNEL_CACHE=str(fresh_tmp)))
         try:
             seen = []  # (seconds since started_at, phase, note)
 
@@ -42,6 +43,10 @@ def test_waiting_for_worker_then_compiling_within_2s_on_a_fresh_kernel_cache(sta
             assert after_s < 2.0, seen
             assert "compiling its kernels" in note and "happens once" in note
             assert {phase for _, phase, _ in seen} <= {"starting", "loading_model", "compiling"}, seen
+            time.sleep(1.5)
+            job = c.get(f"{JOBS}/{job_id}").json()
+            assert job["phase"] == "compiling" and job["phase_s"] >= 1.0, job  # how long so far
+            assert re.search(r"compiling for \d+ s so far", job["phase_note"]), job["phase_note"]
             # The kernels really are being compiled into the fresh cache.
             wait_for(lambda: list(fresh_tmp.glob("mlx/*/cpu/*")), 60, "kernels in the fresh cache")
         finally:

@@ -12,7 +12,7 @@ from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 
 from shared.train_specs import DPOJobCreate, SFTJobCreate
-from worker.adapters import attach_adapter, remove_adapter_layers
+from worker.adapters import attach_adapter, lora_disabled, remove_adapter_layers
 from worker.dpo_job import DPOTrainer
 from worker.logprobs import sequence_logps, token_logps
 from worker.models import gradient_checkpointing
@@ -87,28 +87,99 @@ def test_dora_trains_and_the_shared_model_is_left_without_adapters(lm):
     assert not any(isinstance(m, (LoRALinear, DoRALinear)) for _, m in model.named_modules())
 
 
-def test_dpo_reference_is_the_model_with_lora_off(lm):
-    """After some training the reference log-probs still equal the base model's."""
+def dpo(lm, pairs, **config) -> DPOTrainer:
     model, tokenizer = lm
-    pairs = [{"prompt": "Q?", "chosen": "yes good", "rejected": "no bad"}] * 2
-    spec = DPOJobCreate(model_id="tiny", preference_pairs=pairs, config={k: v for k, v in BASE.items() if k != "mask_prompt"})
+    spec = DPOJobCreate(model_id="tiny", preference_pairs=pairs,
+                        config={**{k: v for k, v in BASE.items() if k != "mask_prompt"}, **config})
     mx.random.seed(0)
     attach_adapter(model, spec.config)
-    trainer = DPOTrainer(model, tokenizer, spec, pairs, None)
-    (inputs, targets, mask, ref_before), _ = trainer.arrays([0, 1], pairs)
+    return DPOTrainer(model, tokenizer, spec, pairs, None)
+
+
+PAIRS = [{"prompt": f"Q{i}?", "chosen": "yes good " * (i + 1), "rejected": "no bad"} for i in range(4)]
+
+
+def test_dpo_reference_is_the_model_with_lora_off(lm):
+    """After some training the reference log-probs a batch gets are the model's with the LoRA
+    off, computed here afresh, while the policy's moved."""
+    model, _ = lm
+    trainer = dpo(lm, PAIRS[:2])
     for _ in range(3):
         trainer.step(TrainState())
-    (_, _, _, ref_after), _ = trainer.arrays([0, 1], pairs)
-    np.testing.assert_allclose(np.array(ref_after), np.array(ref_before), rtol=1e-5)
+    (inputs, targets, mask, ref), _ = trainer.arrays([0, 1], trainer.train_rows)
+    with lora_disabled(model):
+        fresh = sequence_logps(token_logps(model(inputs), targets), mask)
+    np.testing.assert_allclose(np.array(ref), np.array(fresh), rtol=1e-5)
     policy = sequence_logps(token_logps(model(inputs), targets), mask)
-    assert not np.allclose(np.array(policy), np.array(ref_after))  # the policy moved, the reference did not
+    assert not np.allclose(np.array(policy), np.array(ref))  # the policy moved, the reference did not
+
+
+def test_dpo_computes_each_reference_once_and_a_resume_keeps_them(lm):
+    """Each pair's reference log-probs are computed at its first step only; a job resumed from a
+    checkpoint has them from the checkpoint (computes none of them again) and takes the same
+    steps as one that never stopped."""
+    from worker import checkpoints
+
+    straight = dpo(lm, PAIRS, iters=4)
+    state = TrainState()
+    losses = [straight.step(state)["loss"] for _ in range(4)]  # two epochs of two batches of two pairs
+    assert straight.reference.computed == 4
+    first = dpo(lm, PAIRS, iters=4)
+    state = TrainState()
+    for _ in range(2):
+        first.step(state)
+    blobs = checkpoints.to_blobs(checkpoints.snapshot(first.module, first.optimizer, state, first.reference))
+    first.step(state)  # the snapshot holds the tables as they were at step 2
+    resumed = dpo(lm, PAIRS, iters=4)
+    state = checkpoints.restore(resumed.module, resumed.optimizer, {k.encode(): v for k, v in blobs.items()},
+                                resumed.reference)
+    np.testing.assert_array_equal(resumed.reference.tables["train"], first.reference.tables["train"])
+    assert [resumed.step(state)["loss"] for _ in range(2)] == pytest.approx(losses[2:], rel=1e-6)
+    assert resumed.reference.computed == 0
+    ipo = dpo(lm, PAIRS, iters=4, loss_type="ipo")  # resumed with another loss_type: per-token means, its own
+    checkpoints.restore(ipo.module, ipo.optimizer, {k.encode(): v for k, v in blobs.items()}, ipo.reference)
+    assert np.isnan(ipo.reference.tables["train"]).all()
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo", "reward"])
+def test_the_compiled_step_equals_the_uncompiled_one(lm, kind):
+    """The step compiled with its optimizer and random state (worker/supervised.py make_step)
+    trains as the plain one: the same losses, gradient norms and weights, with LoRA dropout and
+    gradient accumulation (SFT), a learning-rate schedule and clipped gradients."""
+    from shared.train_specs import RewardJobCreate
+    from worker.reward_model_job import RewardTrainer
+
+    model, tokenizer = lm
+    config = {**{k: v for k, v in BASE.items() if k != "mask_prompt"}, "lora_dropout": 0.1, "iters": 3,
+              "lr_schedule": {"name": "cosine_decay", "arguments": [1e-2, 3], "warmup": 1}, "max_grad_norm": 0.5}
+    runs = []
+    for compiled in (False, True):
+        if kind == "sft":
+            trainer = sft(lm, batch_size=1, grad_accumulation_steps=2, lora_dropout=0.1, iters=3, max_grad_norm=0.5)
+        elif kind == "dpo":
+            trainer = dpo(lm, PAIRS, **config)
+        else:
+            mx.random.seed(0)
+            spec = RewardJobCreate(model_id="tiny", preference_pairs=PAIRS, config=config)
+            attach_adapter(model, spec.config)
+            trainer = RewardTrainer(model, tokenizer, spec, PAIRS, None)
+        trainer.compiled = compiled
+        state = TrainState()
+        metrics = [trainer.step(state) for _ in range(3)]
+        runs.append((metrics, weights(trainer.module)))
+    (plain, plain_weights), (compiled, compiled_weights) = runs
+    for a, b in zip(plain, compiled):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["learning_rate"] == pytest.approx(a["learning_rate"], rel=1e-6)
+    assert plain[0]["loss"] != plain[2]["loss"] and max(m["grad_norm"] for m in plain) > 0.5  # it trained, clipped
+    for name, w in compiled_weights.items():
+        np.testing.assert_allclose(w, plain_weights[name], rtol=1e-4, atol=1e-6)
 
 
 def test_kto_kl_estimate_scores_each_prompt_with_the_previous_row_s_completion(lm):
     """After some training, a batch's z0 is the mean of policy minus reference (LoRA off)
     log-probs of the rotated pairs, each scored here one row at a time from its own tokens."""
     from shared.train_specs import KTOJobCreate
-    from worker.adapters import lora_disabled
     from worker.kto_job import KTOTrainer
 
     model, tokenizer = lm

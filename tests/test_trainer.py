@@ -289,6 +289,45 @@ def test_micro_batches_and_checkpointing_give_the_unbatched_loss_and_gradients(l
             assert np.abs(g - grads0[k]).max() <= 1e-5 * np.abs(grads0[k]).max(), (k, micro_batch_size, checkpointing)
 
 
+def test_a_memory_budget_is_spent_on_speed_with_the_same_loss_and_gradients(lm):
+    """Without max_memory_gb the plan is memory-first (the loss step within sampling's memory);
+    an explicit budget above its need buys a larger micro-batch, no checkpointing where it fits
+    (a deep model with long rows), MLX's memory limit at the budget, and the plan says why. The
+    loss and gradients stay those of the memory-first plan."""
+    from mlx_lm.models import qwen3
+
+    from worker.memory import GB, plan_memory
+
+    deep = qwen3.Model(qwen3.ModelArgs.from_dict({**vars(lm[0].args), "num_hidden_layers": 16}))
+    first, spent = plan_memory(deep, 64, 276, None, None, None), plan_memory(deep, 64, 276, None, None, 16.0)
+    assert first.gradient_checkpointing and not spent.gradient_checkpointing
+    assert spent.micro_batch_size >= first.micro_batch_size and spent.peak_gb > first.peak_gb  # no recompute, on a CPU capped at 8192 tokens
+    assert "memory first" in first.reason and "max_memory_gb 16 spent on speed" in spent.reason
+    assert spent.as_record()["memory_limit_gb"] == 16.0 and first.as_record()["memory_limit_gb"] == round(first.peak_gb, 4)
+
+    rng = np.random.default_rng(0)
+    rows, P, L = 16, 5, 16
+    inputs = rng.integers(3, 1000, (rows, P + L))
+    batch = Batch(inputs=mx.array(inputs, dtype=mx.int32), left_pad=mx.zeros((rows,), dtype=mx.int32),
+                  completion=mx.array(inputs[:, P:], dtype=mx.int32), mask=mx.array(np.arange(L)[None] < rng.integers(1, L + 1, (rows, 1))),
+                  old_logp=mx.array(-rng.uniform(6.0, 8.0, (rows, L)).astype(np.float32)),
+                  advantages=mx.array(rng.normal(size=rows).astype(np.float32)))
+    results = []
+    for budget in (None, 4.0):  # 16 rows of 128-token completions: memory first takes 4 rows at a time
+        trainer = make_trainer(lm, group_size=8, batch_size=2, max_completion_len=128, max_memory_gb=budget,
+                               num_iterations=2, max_grad_norm=None)
+        assert mx.get_memory_limit() == int(trainer.memory.memory_limit_gb * GB)
+        mx.random.seed(1)
+        trainer.model.update(tree_map(lambda p: 0.05 * mx.random.normal(p.shape), trainer.model.trainable_parameters()))
+        loss, _, _, grads = trainer.loss_and_grads(batch, batch.old_logp + 0.1)
+        results.append((trainer.memory, loss.item(), {k: np.array(v) for k, v in tree_flatten(grads)}))
+    (plan0, loss0, grads0), (plan1, loss1, grads1) = results
+    assert plan0.micro_batch_size == 4 and plan1.micro_batch_size == 16 and plan1.memory_limit_gb == pytest.approx(4.0)
+    assert loss1 == pytest.approx(loss0, rel=1e-5)
+    for k, g in grads1.items():
+        assert np.abs(g - grads0[k]).max() <= 1e-5 * np.abs(grads0[k]).max(), k
+
+
 # ----------------------------------------------------------------------------------------
 # 5. Chat messages and prompt items with extra fields
 # ----------------------------------------------------------------------------------------
@@ -507,13 +546,18 @@ def test_second_job_on_a_worker_reuses_the_loaded_model(stack, workers):
             "config": {"iters": 1, "group_size": 2, "batch_size": 1, "max_completion_len": 8,
                        "lora_layers": 2, "lora_rank": 4}}
     ready = []
-    for name in ("first", "second"):
+    for name, budget in (("first", None), ("second", 4.0)):
         with stack.client() as c:
-            created = c.post(JOBS, json=dict(body, adapter_name=f"cache-{name}"))
+            created = c.post(JOBS, json=dict(body, adapter_name=f"cache-{name}",
+                                             config={**body["config"], "max_memory_gb": budget}))
             assert created.status_code == 200, created.text
             job_id = created.json()["job_id"]
         job = stack.wait_job(job_id)
         assert job["status"] == "completed", job["error"]
+        plan = job["memory_plan"]  # the plan the worker chose, and why
+        assert plan["micro_batch_size"] == 2 and plan["budget"] == (budget is not None), plan
+        assert ("spent on speed" if budget else "memory first") in plan["reason"]
+        assert plan["memory_limit_gb"] == (4.0 if budget else plan["estimated_peak_gb"])
         events = [e for _, e in read_events(stack.redis, job_id)]
         ready += [e for e in events if e["type"] == "model_ready"]
         samples = [e for e in events if e["type"] == "samples"]

@@ -1,7 +1,8 @@
 """Checkpoints as bytes, so they can live in Redis where any worker can resume from them.
 
-A checkpoint holds the LoRA weights, the optimizer state and the trainer's counters and
-metric history. No RNG state: the trainer draws every step's randomness (sampling, LoRA
+A checkpoint holds the LoRA weights, the optimizer state, the trainer's counters and
+metric history, and the log-probs a kind keeps (DPO's reference log-probs: `reference`, an
+object with arrays() and restore(arrays), worker/supervised.py ReferenceLogps). No RNG state: the trainer draws every step's randomness (sampling, LoRA
 dropout) from (seed, step), so a resumed job samples what the original would have.
 """
 
@@ -40,12 +41,13 @@ def _from_bytes(blob: bytes) -> dict[str, mx.array]:
         return mx.load(str(path))
 
 
-def snapshot(model: nn.Module, optimizer: optim.Optimizer, state: TrainState) -> dict:
+def snapshot(model: nn.Module, optimizer: optim.Optimizer, state: TrainState, reference=None) -> dict:
     """Cheap: MLX arrays are immutable, so holding references freezes this moment."""
     return {
         "lora": adapter_weights(model),
         "optimizer": dict(tree_flatten(optimizer.state)),
         "state": TrainState(state.step, state.num_tokens, state.history[-HISTORY_KEPT:]),
+        "reference": reference.arrays() if reference is not None else None,
     }
 
 
@@ -59,10 +61,11 @@ def to_blobs(snap: dict) -> dict[str, bytes]:
         "lora": _to_bytes(snap["lora"]),
         "optimizer": _to_bytes(snap["optimizer"]),
         "state": json.dumps(asdict(snap["state"])).encode(),
+        **({"reference": _to_bytes(snap["reference"])} if snap["reference"] else {}),
     }
 
 
-def restore(model: nn.Module, optimizer: optim.Optimizer, blobs: dict[bytes, bytes]) -> TrainState:
+def restore(model: nn.Module, optimizer: optim.Optimizer, blobs: dict[bytes, bytes], reference=None) -> TrainState:
     saved_lora = _from_bytes(blobs[b"lora"])
     expected = {name: p.shape for name, p in tree_flatten(model.trainable_parameters())}
     got = {name: a.shape for name, a in saved_lora.items()}
@@ -77,6 +80,8 @@ def restore(model: nn.Module, optimizer: optim.Optimizer, blobs: dict[bytes, byt
     saved.pop("learning_rate", None)
     optimizer.state = tree_map_with_path(lambda path, v: saved.get(path, v), optimizer.state)
     mx.eval(model.parameters(), optimizer.state)
+    if reference is not None and b"reference" in blobs:  # a checkpoint written before there were kept log-probs has none
+        reference.restore(_from_bytes(blobs[b"reference"]))
     return TrainState(**json.loads(blobs[b"state"]))
 
 
@@ -96,16 +101,16 @@ class CheckpointSaver:
         self.last_written = start_step  # of the last checkpoint in Redis
         self.last_time = time.monotonic()
 
-    def maybe_snapshot(self, model, optimizer, state: TrainState) -> None:
+    def maybe_snapshot(self, model, optimizer, state: TrainState, reference=None) -> None:
         due = state.step - self.last_step >= self.every or time.monotonic() - self.last_time >= self.interval_s
         if due:
-            self.pending = snapshot(model, optimizer, state)
+            self.pending = snapshot(model, optimizer, state, reference)
             self.last_step, self.last_time = state.step, time.monotonic()
 
-    def save_now(self, model, optimizer, state: TrainState) -> None:
+    def save_now(self, model, optimizer, state: TrainState, reference=None) -> None:
         """Checkpoint the weights as they are (the worker is shutting down), unless they are
         not finite: then the last good checkpoint stays."""
-        snap = snapshot(model, optimizer, state)
+        snap = snapshot(model, optimizer, state, reference)
         if state.step > self.last_written and all_finite(snap):
             self.pending = snap
             self.flush()

@@ -2,7 +2,9 @@
 
 For a pair (x, y_w chosen, y_l rejected), with log pi(y | x) = sum_t log pi(y_t | x, y_<t)
 over the completion tokens (EOS included), pi_theta the policy (base + LoRA) and pi_ref the
-same weights with the LoRA off (worker/adapters.py lora_disabled: no second copy):
+same weights with the LoRA off (worker/adapters.py lora_disabled: no second copy). The reference
+never changes, so each pair's log-probs under it are computed at the pair's first step and kept,
+with the job's checkpoint too (worker/supervised.py ReferenceLogps):
 
 DPO (Rafailov et al. 2023), z = [log pi_theta(y_w) - log pi_ref(y_w)] - [log pi_theta(y_l) - log pi_ref(y_l)]:
     sigmoid: loss = -(1 - eps) log sigma(beta z) - eps log sigma(-beta z)     (eps = label_smoothing)
@@ -28,7 +30,7 @@ import mlx.nn as nn
 from worker import supervised
 from worker.adapters import lora_disabled
 from worker.logprobs import sequence_logps, token_logps
-from worker.supervised import PreferenceTrainer
+from worker.supervised import PreferenceTrainer, ReferenceLogps
 
 
 # --------------------------------------------------------------------------- the math
@@ -85,15 +87,26 @@ class DPOTrainer(PreferenceTrainer):
     def __init__(self, model, tokenizer, spec, train, valid):
         self.method = spec.kind
         super().__init__(model, tokenizer, spec.config, train, valid)
+        # DPO's reference log-probs, once per pair (ORPO has no reference).
+        if self.method == "dpo":
+            self.reference = ReferenceLogps({"train": len(train), "valid": len(valid or [])}, 2,
+                                            "mean" if self.cfg.loss_type == "ipo" else "sum")
+
+    def reference_logps(self, ids: list[int], rows: list[dict]) -> mx.array:
+        """Pairs `ids`' chosen then rejected sequence log-probs under the reference: the same weights, LoRA off."""
+        batch = self.padded(ids, rows)
+        with lora_disabled(self.module):
+            ref = sequence_logps(token_logps(self.module(batch.inputs), batch.targets), batch.mask,
+                                 average=self.cfg.loss_type == "ipo")
+        mx.eval(ref)
+        return ref
 
     def arrays(self, ids, rows):
         batch = self.padded(ids, rows)
-        ref = mx.zeros((batch.inputs.shape[0],))  # ORPO has no reference
-        if self.method == "dpo":
-            with lora_disabled(self.module):  # the reference policy: the same weights, LoRA off
-                ref = sequence_logps(token_logps(self.module(batch.inputs), batch.targets), batch.mask,
-                                     average=self.cfg.loss_type == "ipo")
-            mx.eval(ref)
+        if self.reference is None:
+            ref = mx.zeros((batch.inputs.shape[0],))
+        else:
+            ref = self.reference.get(self.split(rows), ids, lambda missing: self.reference_logps(missing, rows))
         return (batch.inputs, batch.targets, batch.mask, ref), int(batch.mask.sum().item())
 
     def loss(self, model, inputs, targets, mask, ref):

@@ -320,7 +320,7 @@ class GRPOTrainer:
         # MLX queues GPU work ahead of the host and frees a buffer only once its kernel has
         # run, so without a limit the whole backward pass (recomputed layers included) can
         # be alive at once. Above this limit its scheduler waits for queued work first.
-        mx.set_memory_limit(int(self.memory.peak_gb * GB))
+        mx.set_memory_limit(int(self.memory.memory_limit_gb * GB))  # with a budget (max_memory_gb): the budget
 
         loss_kwargs = dict(
             loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,

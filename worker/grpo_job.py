@@ -5,6 +5,7 @@ and /metrics timings around scoring, and a `samples` event per step."""
 
 import contextlib
 import functools
+import json
 import time
 from typing import Iterator
 
@@ -36,6 +37,7 @@ def load(job, spec: JobCreate, settings) -> Iterator[Run]:
         attach_adapter(model, cfg, init=init)
         try:
             trainer = GRPOTrainer(model, tokenizer, spec, MarkedScorer(scorer, job), job.gang)
+            job.write(memory_plan=json.dumps(trainer.memory.as_record()))  # GET on the job shows it
 
             def step(state, should_stop, on_finite_loss):
                 metrics, samples = trainer.step(state, should_stop, on_finite_loss)

@@ -67,7 +67,7 @@ def train(job, kind: Kind, spec, run: Run, settings: Settings) -> dict:
     state = TrainState()
     saved = job.load_checkpoint()
     if saved:
-        state = checkpoints.restore(run.module, run.optimizer, saved)
+        state = checkpoints.restore(run.module, run.optimizer, saved, run.reference)
         job.write(event={"type": "resumed", "from_step": state.step}, resumed_from=state.step)
         log.info("job %s: resumed from the checkpoint of step %d", job.job_id, state.step)
     saver = checkpoints.CheckpointSaver(job, run.steps_per_save, cfg.checkpoint_interval_s, start_step=state.step)
@@ -90,14 +90,14 @@ def train(job, kind: Kind, spec, run: Run, settings: Settings) -> dict:
                 job.write_kept({**event, "iter": step_index}, settings.samples_events_kept)
             recorder.flush(job.lease.r)
             state.history.append({k: metrics[k] for k in run.history_metrics})
-            saver.maybe_snapshot(run.module, run.optimizer, state)
+            saver.maybe_snapshot(run.module, run.optimizer, state, run.reference)
             if run.serves_scoring:
                 job.between_steps(spec.model_id)
             log.info("job %s step %d/%d loss %.4f (%.2fs)", job.job_id, state.step, cfg.iters, metrics["loss"],
                      metrics["step_time"])
     except Cancelled:
         if job.marks.hand_back_requested:  # the worker is shutting down: keep what was done
-            saver.save_now(run.module, run.optimizer, state)
+            saver.save_now(run.module, run.optimizer, state, run.reference)
         raise
 
     out = adapter_dir(settings, spec.model_id, spec.adapter_name or job.job_id)

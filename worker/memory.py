@@ -24,10 +24,18 @@ The micro-batch (when the job does not set it) is the largest divisor m of B*G s
     on a GPU they are, at a cost in memory: docs/performance.md, the loss-phase table), and
   - weights + loss(m) fits max_memory_gb.
 Gradient checkpointing (unless the job sets it) is used where it allows a larger micro-batch.
+
+That is the memory-first default, what a 16 GB Mac needs. A job's explicit max_memory_gb is a
+budget spent on speed instead: the first rule goes (the loss step may need more than
+sampling, up to the budget), on a GPU the token cap too, checkpointing stays off unless
+without it the micro-batch would fall under MIN_MICRO_BATCH_TOKENS where with it it would not,
+and MLX's memory limit is the budget rather than the estimate. The plan says which rules chose
+it (`reason`); the job record shows it (GET on the job: memory_plan).
 If even m = 1 (or sampling) does not fit max_memory_gb, the job fails at start with
 MemoryEstimateError, which says how much it needs.
 """
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -98,10 +106,24 @@ class MemoryPlan:
     sampling_gb: float
     loss_gb: float  # of one micro-batch
     limit_gb: float
+    budget: bool = False  # the job's max_memory_gb, spent on speed (above)
+    reason: str = ""
 
     @property
     def peak_gb(self) -> float:
         return self.weights_gb + max(self.sampling_gb, self.loss_gb)
+
+    @property
+    def memory_limit_gb(self) -> float:
+        """MLX's memory limit for the job: the budget, else the estimated peak."""
+        return self.limit_gb if self.budget else self.peak_gb
+
+    def as_record(self) -> dict:
+        """For the job record (GET on a job: memory_plan)."""
+        return {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing,
+                "estimated_peak_gb": round(self.peak_gb, 4), "weights_gb": round(self.weights_gb, 4),
+                "sampling_gb": round(self.sampling_gb, 4), "loss_gb": round(self.loss_gb, 4),
+                "memory_limit_gb": round(self.memory_limit_gb, 4), "budget": self.budget, "reason": self.reason}
 
 
 def plan_memory(
@@ -109,14 +131,29 @@ def plan_memory(
     micro_batch_size: int | None, max_memory_gb: float | None,
 ) -> MemoryPlan:
     """rows = B*G, width = longest prompt + max_completion_len. checkpointing None: only
-    where it buys a larger micro-batch (recomputing costs a forward pass)."""
-    if checkpointing is None:
-        with_it = plan_memory(model, rows, width, True, micro_batch_size, max_memory_gb)
-        try:
-            without = plan_memory(model, rows, width, False, micro_batch_size, max_memory_gb)
-        except MemoryEstimateError:
-            return with_it
-        return without if without.micro_batch_size >= with_it.micro_batch_size else with_it
+    where it buys a larger micro-batch (recomputing costs a forward pass); with a budget
+    (max_memory_gb) only where without it the micro-batch would be small (module docstring)."""
+    if checkpointing is not None:
+        plan = _plan(model, rows, width, checkpointing, micro_batch_size, max_memory_gb)
+        return _because(plan, f"checkpointing {'on' if checkpointing else 'off'} as the job's config says")
+    with_it = _plan(model, rows, width, True, micro_batch_size, max_memory_gb)
+    try:
+        without = _plan(model, rows, width, False, micro_batch_size, max_memory_gb)
+    except MemoryEstimateError:
+        return _because(with_it, "checkpointing on: without it not even one row fits")
+    if max_memory_gb is None:
+        enough = with_it.micro_batch_size
+    else:
+        enough = min(with_it.micro_batch_size, max(1, MIN_MICRO_BATCH_TOKENS // width))
+    if without.micro_batch_size >= enough:
+        return _because(without, "checkpointing off" + (": it allows no larger micro-batch" if max_memory_gb is None
+                                                        else ": the budget fits the micro-batch without it"))
+    return _because(with_it, f"checkpointing on: it allows a micro-batch of {with_it.micro_batch_size} rows, "
+                             f"without it {without.micro_batch_size}")
+
+
+def _plan(model: nn.Module, rows: int, width: int, checkpointing: bool, micro_batch_size: int | None,
+          max_memory_gb: float | None) -> MemoryPlan:
     s = model_shape(model)
     limit = device_memory_bytes() if max_memory_gb is None else min(max_memory_gb * GB, device_memory_bytes())
     weights = weights_bytes(model)
@@ -135,9 +172,23 @@ def plan_memory(
             f"lower group_size, batch_size or max_completion_len"
             + ("" if checkpointing else ", or turn gradient_checkpointing on (needs lora_dropout 0)")
         )
+    budget = max_memory_gb is not None
+    capped = not budget or device_kind() == "cpu"  # larger forward passes are faster on a GPU only
     if micro_batch_size is not None:
         m = max(d for d in divisors if d <= micro_batch_size)
+        reason = f"micro_batch_size {micro_batch_size} set by the job" + (f", lowered to {m}, a divisor of {rows}" if m != micro_batch_size else "")
     else:
-        m = max(d for d in divisors if d == 1 or (fits(d) and d * width <= MAX_MICRO_BATCH_TOKENS and (
-            loss_bytes(s, d, width, checkpointing) <= sampling or d * width <= MIN_MICRO_BATCH_TOKENS)))
-    return MemoryPlan(m, checkpointing, weights / GB, sampling / GB, loss_bytes(s, m, width, checkpointing) / GB, limit / GB)
+        m = max(d for d in divisors if d == 1 or (fits(d) and (not capped or d * width <= MAX_MICRO_BATCH_TOKENS) and (
+            budget or loss_bytes(s, d, width, checkpointing) <= sampling or d * width <= MIN_MICRO_BATCH_TOKENS)))
+        if budget:
+            reason = (f"max_memory_gb {max_memory_gb:g} spent on speed: the largest micro-batch dividing {rows} rows that fits "
+                      "it" + (f", at most {MAX_MICRO_BATCH_TOKENS} tokens (a CPU)" if capped else ""))
+        else:
+            reason = (f"memory first (no max_memory_gb): the largest micro-batch dividing {rows} rows whose loss step needs "
+                      f"no more than sampling or is at most {MIN_MICRO_BATCH_TOKENS} tokens, at most {MAX_MICRO_BATCH_TOKENS}")
+    return MemoryPlan(m, checkpointing, weights / GB, sampling / GB, loss_bytes(s, m, width, checkpointing) / GB, limit / GB,
+                      budget, reason)
+
+
+def _because(plan: MemoryPlan, why: str) -> MemoryPlan:
+    return dataclasses.replace(plan, reason=f"{plan.reason}; {why}")

@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_map
 from mlx_lm.utils import save_config, save_model
 
@@ -38,29 +39,45 @@ HISTORY_METRICS = ("loss", "learning_rate", "step_time")
 # --------------------------------------------------------------------------- the trainer
 
 
-def value_and_grad_step(module: nn.Module, loss_fn: Callable, micro_batches: list[tuple], weights: list[float],
-                        gang: Gang = SOLO) -> tuple[dict, dict]:
-    """Average the loss, metrics and gradients of a step's micro-batches (gradient
-    accumulation: the same update as one batch of all their rows, for equal sizes). In a gang
-    (worker/gang.py) each rank has a share of every micro-batch: its mean counts by its share
-    of the micro-batch's normaliser (`weights`: this rank's), and the ranks' parts are summed."""
+def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int, max_grad_norm: float | None,
+              gang: Gang = SOLO, compiled: bool = True) -> Callable:
+    """One micro-batch of an optimizer step, as mlx_lm's trainer makes its step: compiled with
+    the model's, the optimizer's and the random state as inputs and outputs, so that the
+    forward, backward and update are one graph MLX simplifies and fuses. Gradient
+    accumulation sums the micro-batches' gradients (and metrics), then averages them: the
+    same update as one batch of all their rows, for equal sizes. In a gang (worker/gang.py)
+    each rank has a share of every micro-batch: its mean counts by its `share` of the
+    micro-batch's normaliser (an array: a new value is not a new compile), and the ranks'
+    sums are summed before the update.
+
+        step(arrays, share, running, do_update) -> (running, metrics)
+        running: the summed (gradients, metrics) so far (None at the first micro-batch);
+        do_update: the last micro-batch: the mean gradient's norm (before clipping, as TRL
+        reports it), the gradient clipped to max_grad_norm (None: not clipped), the update."""
     vg = nn.value_and_grad(module, loss_fn)
-    total, metrics = None, {}
-    n = len(micro_batches)
-    shares = [1.0] * n if gang.size == 1 else [w / max(t, 1e-30) for w, t in
-                                              zip(weights, gang.sum(mx.array(weights, dtype=mx.float32)).tolist())]
-    for args, share in zip(micro_batches, shares):
-        (loss, stats), grads = vg(module, *args)
+
+    def step(arrays, share, running, do_update: bool):
+        (loss, stats), grads = vg(module, *arrays)
+        metrics = {"loss": loss, **stats}
         if gang.size > 1:
             grads = tree_map(lambda g: g * share, grads)
-        total = grads if total is None else tree_map(lambda a, b: a + b, total, grads)
-        for k, v in {"loss": loss, **stats}.items():
-            metrics[k] = metrics.get(k, 0.0) + v * share / n
-        mx.eval(total, metrics)
-    total, metrics = gang.sum_tree((total, metrics))
-    grads = tree_map(lambda g: g / n, total)
-    metrics["grad_norm"] = clipped(grads, None)[1]  # before clipping, as TRL reports it
-    return {k: float(v.item()) for k, v in metrics.items()}, grads
+            metrics = {k: v * share for k, v in metrics.items()}
+        if running is not None:
+            grads = tree_map(mx.add, grads, running[0])
+            metrics = {k: v + running[1][k] for k, v in metrics.items()}
+        if not do_update:
+            return (grads, metrics), None
+        grads, metrics = gang.sum_tree((grads, metrics))
+        grads = tree_map(lambda g: g / accumulation, grads)
+        metrics = {k: v / accumulation for k, v in metrics.items()}
+        grads, metrics["grad_norm"] = clipped(grads, max_grad_norm)
+        optimizer.update(module, grads)
+        return None, metrics
+
+    if not compiled:
+        return step
+    state = [module.state, optimizer.state, mx.random.state]
+    return mx.compile(step, inputs=state, outputs=state)
 
 
 class Trainer:
@@ -70,12 +87,15 @@ class Trainer:
 
     module: nn.Module
     truncated = 0  # rows cut to max_seq_length
+    reference: ReferenceLogps | None = None  # log-probs kept with the checkpoint (DPO's reference)
+    compiled = True  # the step compiled (make_step); the benchmark and a test compare it with the plain one
     gang: Gang = SOLO  # worker/gang.py: this process's rank of the job's gang
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, train: list, valid: list | None):
         self.module, self.cfg, self.train_rows, self.valid_rows = module, cfg, train, valid
         self.optimizer = make_optimizer(cfg, cfg.iters, cfg.optimizer, cfg.lr_schedule and cfg.lr_schedule.model_dump())
         self.optimizer.init(module.trainable_parameters())
+        self.micro_step, self.micro_step_state = None, None  # made at the first step (make_step), below
 
     def step(self, state: TrainState, on_finite_loss: Callable[[], None] = lambda: None) -> dict[str, float]:
         """One optimizer step; on_finite_loss is called once the current weights gave a finite
@@ -87,15 +107,23 @@ class Trainer:
         ids = batch_rows(len(self.train_rows), cfg.batch_size, state.step, cfg.grad_accumulation_steps, cfg.seed)
         shares = [self.gang.share(rows) for rows in ids]  # this rank's rows of each micro-batch (all, alone)
         micro = [self.arrays(rows, self.train_rows) for rows in shares]
+        weights = [self.weight(rows, n) for rows, (_, n) in zip(shares, micro)]
+        parts = [1.0] * len(micro) if self.gang.size == 1 else [
+            w / max(t, 1e-30) for w, t in zip(weights, self.gang.sum(mx.array(weights, dtype=mx.float32)).tolist())]
+        if self.micro_step_state is not self.optimizer.state:  # a checkpoint's restore put in a new state
+            self.micro_step = make_step(self.module, self.optimizer, self.loss, len(micro), cfg.max_grad_norm, self.gang,
+                                        self.compiled)
+            self.micro_step_state = self.optimizer.state
         self.module.train()
-        metrics, grads = value_and_grad_step(self.module, self.loss, [arrays for arrays, _ in micro],
-                                             [self.weight(rows, n) for rows, (_, n) in zip(shares, micro)], self.gang)
+        running = None
+        for k, ((arrays, _), part) in enumerate(zip(micro, parts)):
+            running, metrics = self.micro_step(arrays, mx.array(part, dtype=mx.float32), running, k == len(micro) - 1)
+            mx.eval(running if running is not None else (metrics, self.module.state, self.optimizer.state))
         self.module.eval()
+        metrics = {k: float(v.item()) for k, v in metrics.items()}
+        # A non-finite loss fails the job; the update it made is never checkpointed (on_finite_loss is not called).
         check_finite(metrics["loss"], metrics["grad_norm"], state.step + 1)
         on_finite_loss()
-        grads, _ = clipped(grads, cfg.max_grad_norm)
-        self.optimizer.update(self.module, grads)
-        mx.eval(self.module.trainable_parameters(), self.optimizer.state)
         n_tokens = sum(n for _, n in micro)
         if self.gang.size > 1:
             n_tokens = int(self.gang.sum(mx.array(n_tokens)).item())
@@ -150,6 +178,41 @@ def pair_rows(tokenizer, pairs: list[dict], max_len: int) -> tuple[Rows, Rows, i
     return chosen, rejected, n1 + n2
 
 
+class ReferenceLogps:
+    """Each example's sequence log-probs under the reference policy (the base: the LoRA off),
+    computed at the example's first use and kept, since the reference never changes. They go
+    with the job's checkpoint (worker/checkpoints.py), so a resumed job neither recomputes
+    them nor gets other numbers. One table per split: rows of `width` log-probs (a pair's
+    chosen and rejected), NaN until computed. `what` names the values (DPO's sums, or IPO's
+    per-token means): a job resumed with another loss_type computes its own again."""
+
+    def __init__(self, sizes: dict[str, int], width: int, what: str):
+        self.tables = {split: np.full((n, width), np.nan, np.float32) for split, n in sizes.items()}
+        self.what = what
+        self.computed = 0  # examples computed by this process (tests count them)
+
+    def get(self, split: str, ids: list[int], compute: Callable[[list[int]], mx.array]) -> mx.array:
+        """The log-probs of examples `ids`, column by column ((width x len(ids),): all chosen,
+        then all rejected); compute(missing) gives those of examples not seen yet, in that order."""
+        table = self.tables[split]
+        missing = sorted({i for i in ids if np.isnan(table[i, 0])})
+        if missing:
+            table[missing] = np.array(compute(missing)).reshape(table.shape[1], len(missing)).T
+            self.computed += len(missing)
+        return mx.array(table[ids].T.reshape(-1))
+
+    def arrays(self) -> dict[str, mx.array]:
+        """A copy, for a checkpoint."""
+        return {f"{split}/{self.what}": mx.array(table) for split, table in self.tables.items()}
+
+    def restore(self, arrays: dict[str, mx.array]) -> None:
+        """A checkpoint's tables, where they fit this job's datasets (else they are computed again)."""
+        for split, table in self.tables.items():
+            saved = arrays.get(f"{split}/{self.what}")
+            if saved is not None and saved.shape == table.shape:
+                self.tables[split] = np.array(saved)
+
+
 class PreferenceTrainer(Trainer):
     """Rows of pairs: a batch is its pairs' chosen rows, then their rejected rows."""
 
@@ -158,6 +221,9 @@ class PreferenceTrainer(Trainer):
         self.valid_tok = pair_rows(tokenizer, valid, cfg.max_seq_length) if valid else None
         self.truncated = self.train_tok[2] + (self.valid_tok[2] if self.valid_tok else 0)
         super().__init__(module, cfg, train, valid)
+
+    def split(self, rows: list[dict]) -> str:
+        return "train" if rows is self.train_rows else "valid"
 
     def padded(self, ids: list[int], rows: list[dict]):
         chosen, rejected, _ = self.train_tok if rows is self.train_rows else self.valid_tok
@@ -227,6 +293,7 @@ def load(job, spec, settings, make_trainer: Callable, fine_tune_type: str = "lor
                 evaluate=trainer.evaluate if valid and job.gang.rank == 0 else None,  # rank 0 reports it
                 steps_per_eval=cfg.steps_per_eval,
                 serves_scoring=not private,  # scoring requests use the shared copy: a private job leaves them to idle workers
+                reference=trainer.reference,
             )
     finally:
         remove_adapter_layers(model)  # the process keeps a shared model for the next job

@@ -49,7 +49,7 @@ from shared.jobstore import connect
 from shared.keys import job_key
 from shared.reconciler import Reconciler
 from shared.settings import load_settings
-from worker import openblas
+from worker import kernel_cache, openblas
 from worker.lease import Lease, LeaseLost, retrying
 from worker.marks import Marks
 
@@ -68,6 +68,7 @@ def training_entry(conn, marks: Marks, worker: str, parent_pid: int) -> None:
     of MLX). It imports the training process's module, and with it MLX, only here, in the child."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    kernel_cache.use(load_settings().kernel_cache_dir)  # before MLX compiles anything
     from worker import training_process  # in the child only: the supervisor never loads MLX
 
     training_process.main(conn, marks, worker, parent_pid)

@@ -186,3 +186,5 @@ class Run:
     evaluate: Callable[[], dict] | None = None  # val_* metrics on the valid rows (None: there are none)
     steps_per_eval: int = 0
     serves_scoring: bool = True  # answer log-prob requests between steps (False: a private copy of the model)
+    # Log-probs kept with the checkpoint (worker/supervised.py ReferenceLogps: DPO's reference): arrays() and restore().
+    reference: object | None = None

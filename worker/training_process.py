@@ -33,7 +33,7 @@ from shared.jobstore import connect
 from shared.keys import adapter_key, checkpoint_key, events_key, job_key
 from shared.metrics import recorder
 from shared.settings import load_settings
-from worker import gang, job_loop, scoring
+from worker import gang, job_loop, kernel_cache, scoring
 from worker.lease import Lease, LeaseLost, retrying
 from worker.marks import Marks
 from worker.memory import device_description
@@ -51,13 +51,13 @@ _first_step_compiles = False  # set at start (main): this process found the kern
 
 
 def kernel_cache_is_fresh() -> bool:
-    """MLX's CPU backend caches the kernels it compiles in $TMPDIR/mlx/<version>; its GPU
-    backends compile in the process (Metal) or cache elsewhere (CUDA), so on a GPU every
-    training process's first step is taken to compile."""
-    if mx.default_device() != mx.cpu:
-        return True
-    cache = Path(tempfile.gettempdir()) / "mlx" / mx.__version__
-    return not cache.is_dir() or not any(cache.rglob("*.so"))
+    """Whether this process's kernel cache (worker/kernel_cache.py) holds no compiled kernel
+    yet. Metal keeps none on disk: there every training process's first step compiles."""
+    if mx.default_device() == mx.cpu:
+        return not kernel_cache.compiled_kernels(mx.__version__, "cpu")
+    if mx.cuda.is_available():
+        return not kernel_cache.compiled_kernels(mx.__version__, "cuda")
+    return True
 
 
 class JobRun:
@@ -83,7 +83,7 @@ class JobRun:
         shown = "compiling" if compiling else phase
         if shown != self.shown_phase:
             self.shown_phase = shown
-            self.write(phase=shown, phase_note=COMPILING_NOTE if compiling else None)
+            self.write(phase=shown, phase_note=COMPILING_NOTE if compiling else None, phase_since=repr(time.time()))
 
     def step_done(self) -> None:
         global _first_step_compiles

@@ -1,0 +1,104 @@
+"""The first training step of a fresh training process with a cold and with a warm kernel cache
+(worker/kernel_cache.py): what a second worker on the same $MTQ_HOME saves.
+
+    python bench/first_step.py MODEL_DIR [--kinds sft dpo grpo] [--cache DIR]
+
+For each kind, two fresh processes in turn, each set up as a worker's training process is
+(kernel_cache.use with MTQ_KERNEL_CACHE = a new empty directory, or --cache, emptied first):
+the first finds the cache empty and compiles MLX's kernels into it, the second finds them
+there. Each times its job's first step and then a second one (the step without any compile).
+Prints one JSON line per kind:
+  cold_first_step_s  the first step with an empty cache (MLX compiles its kernels)
+  warm_first_step_s  the first step of the next process on the same cache
+  later_step_s       the warm process's second step
+  kernels            compiled kernels in the cache after the cold run (the CPU's .so files)
+The trainers: SFT and DPO on 4 rows / pairs of about 64 tokens, batch 2, LoRA on all layers;
+GRPO group 4, batch 2, 32 completion tokens (bench/grpo_step.py make_trainer).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from shared.settings import load_settings  # noqa: E402
+from worker import kernel_cache  # noqa: E402
+from worker.openblas import reexec_with_openblas  # noqa: E402
+
+
+def child(kind: str, model_dir: str) -> None:
+    """A training process's first two steps of a job of `kind`, as one JSON line."""
+    kernel_cache.use(load_settings().kernel_cache_dir)  # as worker/supervisor.py training_entry, before MLX
+    import mlx.core as mx
+    import mlx_lm
+
+    from shared.kinds import KINDS
+    from worker.adapters import attach_adapter
+    from worker.dpo_job import DPOTrainer
+    from worker.sft_job import SFTTrainer
+    from worker.train_core import TrainState
+
+    model, tokenizer = mlx_lm.load(model_dir)
+    words = " ".join(["word"] * 32)
+    if kind == "grpo":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from grpo_step import make_trainer
+
+        tokenizer.eos_token_ids = []
+        _, trainer = make_trainer(model, tokenizer, model_dir, 4, 2, 32, 2, {})
+        step = lambda state: trainer.step(state, lambda: False)  # noqa: E731
+    else:
+        rows = [{"text": f"{i} {words} {words}"} for i in range(4)] if kind == "sft" else [
+            {"prompt": f"{i} {words}", "chosen": f"yes {words}", "rejected": f"no {words}"} for i in range(4)]
+        spec = KINDS[kind].spec_model.model_validate({"model_id": "bench", "dataset": rows, "config": {
+            "batch_size": 2, "iters": 2, "lora_layers": -1}})
+        mx.random.seed(0)
+        attach_adapter(model, spec.config)
+        trainer = (SFTTrainer if kind == "sft" else DPOTrainer)(model, tokenizer, spec, rows, None)
+        step = trainer.step
+    state, times = TrainState(), []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        step(state)
+        times.append(time.perf_counter() - t0)
+    kernels = len(kernel_cache.compiled_kernels(mx.__version__, "cuda" if mx.cuda.is_available() else "cpu"))
+    print(json.dumps({"first_step_s": times[0], "later_step_s": times[1], "kernels": kernels, "device": str(mx.default_device())}))
+
+
+def run_child(kind: str, model_dir: str, cache: Path) -> dict:
+    out = subprocess.run([sys.executable, __file__, model_dir, "--child", kind], capture_output=True, text=True,
+                         env=dict(os.environ, MTQ_KERNEL_CACHE=str(cache)), timeout=3600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="an mlx_lm model directory")
+    p.add_argument("--kinds", nargs="+", default=["sft", "dpo", "grpo"], choices=["sft", "dpo", "grpo"])
+    p.add_argument("--cache", type=Path, help="the kernel cache directory to use (emptied first); default: a new temporary one")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    reexec_with_openblas()
+    if args.child:
+        return child(args.child, args.model)
+    for kind in args.kinds:
+        with tempfile.TemporaryDirectory() as d:
+            cache = args.cache or Path(d) / "kernel-cache"
+            shutil.rmtree(cache, ignore_errors=True)
+            cold = run_child(kind, args.model, cache)
+            warm = run_child(kind, args.model, cache)
+        print(json.dumps({"kind": kind, "device": cold["device"], "cold_first_step_s": round(cold["first_step_s"], 3),
+                          "warm_first_step_s": round(warm["first_step_s"], 3), "later_step_s": round(warm["later_step_s"], 3),
+                          "kernels": cold["kernels"]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
