@@ -15,6 +15,7 @@ import json
 import math
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,6 +72,8 @@ def run_grader(source: str, sample: dict, item: dict, limit: float) -> tuple[flo
                                   preexec_fn=functools.partial(_limits, max(1, math.ceil(limit))), env={"PATH": "/usr/bin:/bin"})
         except subprocess.TimeoutExpired:
             return 0.0, f"the grader ran past its time limit ({limit:g} s, MTQ_PYTHON_GRADER_TIMEOUT_S)"
+    if done.returncode in (-signal.SIGXCPU, -signal.SIGKILL):  # RLIMIT_CPU: on a loaded machine it can come first
+        return 0.0, f"the grader ran past its time limit ({limit:g} s of CPU, MTQ_PYTHON_GRADER_TIMEOUT_S)"
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         return 0.0, last[:500]
