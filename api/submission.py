@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from api.auth import Principal
 from shared import adapters, graders
 from shared.adapters import CONFIG_FILE, adapter_shape, shape_mismatches
-from shared.datasets import FileRef, file_meta, load_rows, path_error
+from shared.datasets import FileRef, load_rows, path_error, visible_file
 from shared.keys import adapter_key, job_key
 from shared.kinds import KINDS
 from shared.model_ids import model_id_error
@@ -113,8 +113,8 @@ def check_datasets(r, spec, settings: Settings, who: Principal, loc: tuple = ("b
         if isinstance(ref, str) and (error := path_error(ref, settings)):
             errors.append(error)
         elif isinstance(ref, FileRef):
-            meta = file_meta(r, ref.file_id)
-            if meta is None or not who.sees(meta.get("owner")):
+            meta = visible_file(r, ref.file_id, who)
+            if meta is None:
                 errors.append(f"{name}: file {ref.file_id} not found")
             elif meta.get("purpose") == "adapter":
                 errors.append(f"{name}: file {ref.file_id} is an adapter (purpose adapter), not a dataset")
@@ -155,8 +155,8 @@ def resolved_init_adapter(r, spec, who: Principal) -> InitAdapter:
     shape is the job's (400 naming the fields) and that this token may see it (else 404)."""
     init, cfg = spec.init_adapter, spec.config
     if init.file_id is not None:
-        meta = file_meta(r, init.file_id)
-        if meta is None or not who.sees(meta.get("owner")):
+        meta = visible_file(r, init.file_id, who)
+        if meta is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"init_adapter: file {init.file_id} not found")
         if meta.get("purpose") != "adapter":
             raise HTTPException(status.HTTP_400_BAD_REQUEST, f"init_adapter: file {init.file_id} is not an adapter "

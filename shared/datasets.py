@@ -16,6 +16,7 @@ are mlx_lm's, `{"text"}`, `{"messages": [{role, content}], "tools"?}` or `{"prom
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -231,6 +232,13 @@ def file_content(r: redis.Redis, file_id: str) -> bytes | None:
 def file_meta(r: redis.Redis, file_id: str) -> dict | None:
     raw = r.hget(file_key(file_id), "meta")
     return None if raw is None else json.loads(raw)
+
+
+def visible_file(r: redis.Redis, file_id: str, who) -> dict | None:
+    """The file's metadata if `file_id` names one and `who` (a principal: `who.sees(owner)`) may
+    see it; None otherwise, so that another trainer's file reads as missing."""
+    meta = file_meta(r, file_id) if re.fullmatch(FILE_ID, file_id) else None
+    return meta if meta is not None and who.sees(meta.get("owner")) else None
 
 
 # --------------------------------------------------------------------------- resolving a reference

@@ -29,7 +29,6 @@ import csv
 import io
 import json
 import math
-import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared import jobstore
-from shared.datasets import FILE_ID, DatasetError, file_content, file_meta
+from shared.datasets import DatasetError, file_content, visible_file
 from shared.events import decode_events
 from shared.graders import Grader
 from shared.keys import events_key, job_key
@@ -251,8 +250,8 @@ class Created:
 
 
 def _file_rows(r, file_id: str, who, param: str) -> list[dict]:
-    meta = file_meta(r, file_id) if re.fullmatch(FILE_ID, file_id) else None
-    if meta is None or not who.sees(meta.get("owner")):
+    meta = visible_file(r, file_id, who)
+    if meta is None:
         raise DatasetError(f"{param}: file {file_id[:64]} not found")
     rows, _ = check_file(file_content(r, file_id) or b"", meta["filename"])
     return rows

@@ -11,7 +11,6 @@ MTQ_MAX_FILE_BYTES the answer is 413, and so it is past the token's
 MTQ_MAX_FILES_BYTES_PER_TOKEN of live files. Files expire after MTQ_JOB_RETENTION_S.
 """
 
-import re
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
@@ -20,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import ADMIN_ERRORS, RedisDep, SettingsDep, WriterDep, require_token
 from shared.adapters import AdapterFileError, upload_files, upload_summary
-from shared.datasets import FILE_ID, DatasetError, QuotaExceeded, delete_file, file_meta, parse_jsonl, store_file
+from shared.datasets import DatasetError, QuotaExceeded, delete_file, parse_jsonl, store_file, visible_file
 from shared.schemas import Deleted, ErrorBody
 
 router = APIRouter(
@@ -84,8 +83,8 @@ async def upload(request: Request, r: RedisDep, settings: SettingsDep, who: Writ
 @router.delete("/{file_id}", response_model=Deleted, summary="Delete an uploaded file (a trainer token: its own)",
                responses={404: {"model": ErrorBody, "description": "No such file (or not one of this trainer token's)."}})
 def delete(file_id: str, r: RedisDep, who: WriterDep) -> Deleted:
-    meta = file_meta(r, file_id) if re.fullmatch(FILE_ID, file_id) else None
-    if meta is None or not who.sees(meta.get("owner")):
+    meta = visible_file(r, file_id, who)
+    if meta is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"file not found: {file_id[:100]}")
     delete_file(r, meta)
     return Deleted()

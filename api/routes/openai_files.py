@@ -13,7 +13,6 @@ the first bad line. A job's results file (`file-<job id>`, purpose `fine-tune-re
 metrics as CSV) is made from the job's history when asked for.
 """
 
-import re
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, File, Form, Query, UploadFile, status
@@ -25,7 +24,8 @@ from api.auth import Principal
 from api.deps import PrincipalDep, RedisDep, SettingsDep, WriterDep, require_token
 from api.openai_errors import ERRORS, OpenAIError, OpenAIRoute
 from shared import openai_jobs
-from shared.datasets import FILE_ID, DatasetError, QuotaExceeded, delete_file, file_content, file_meta, owner_files, store_file
+from shared.datasets import (DatasetError, QuotaExceeded, delete_file, file_content, owner_files, store_file,
+                             visible_file)
 from shared.openai_files import PURPOSES, check_file
 
 router = APIRouter(prefix="/v1/files", tags=["OpenAI: files"], dependencies=[Depends(require_token)],
@@ -70,8 +70,8 @@ def not_found(file_id: str) -> OpenAIError:
 def visible_meta(r, file_id: str, who: Principal) -> dict | None:
     """A dataset file this principal may see (an `adapter` upload is the native route's alone:
     OpenAI has no such purpose)."""
-    meta = file_meta(r, file_id) if re.fullmatch(FILE_ID, file_id) else None
-    return meta if meta is not None and who.sees(meta.get("owner")) and meta.get("purpose", "fine-tune") in PURPOSES else None
+    meta = visible_file(r, file_id, who)
+    return meta if meta is not None and meta.get("purpose", "fine-tune") in PURPOSES else None
 
 
 @router.post("", response_model=FileObject, summary="Upload a fine-tuning file (JSON Lines, checked per format)")
