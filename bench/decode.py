@@ -256,15 +256,20 @@ def main():
     args = ap.parse_args()
 
     model, tokenizer = mlx_lm.load(args.model_dir)
+    versions = {str(path): load_sampling(path) for path in args.sampling}
+    # As a worker loads a model (worker/models.py): the projections that read one input fused, by
+    # the first version that has that; the others run on the same weights (views of the fused ones).
+    fuse = next((S.fuse_shared_inputs for S in versions.values() if hasattr(S, "fuse_shared_inputs")), None)
+    fused = fuse(model) if fuse else 0
+    model.freeze()  # a job's base model is frozen
     if args.lora_layers:
-        model.freeze()
         linear_to_lora_layers(model, args.lora_layers, {"rank": 8, "scale": 16.0, "dropout": 0.0})
         model.eval()
     tokenizer.eos_token_ids = []  # batch_generate stops on these
-    versions = {str(path): load_sampling(path) for path in args.sampling}
     on_cpu = mx.default_device() == mx.cpu
     print(f"device {mx.default_device()}, mlx {mx.__version__}, mlx_lm {mlx_lm.__version__}, "
-          f"{len(model.layers)} layers ({args.lora_layers} with LoRA), {args.tokens} tokens per row", flush=True)
+          f"{len(model.layers)} layers ({args.lora_layers} with LoRA, {fused} groups of projections fused), "
+          f"{args.tokens} tokens per row", flush=True)
     records = []
 
     def record(name, rows, counter, gpu_counter, times, hosts=None):

@@ -42,6 +42,7 @@ from mlx_lm.sample_utils import make_sampler  # noqa: E402
 from shared.schemas import JobCreate  # noqa: E402
 from worker.adapters import attach_adapter  # noqa: E402
 from worker.grpo import GRPOTrainer  # noqa: E402
+from worker.sampling import fuse_shared_inputs  # noqa: E402
 from worker.logprobs import as_item, prompt_token_ids  # noqa: E402
 from worker.rewards.scorer import build_scorer  # noqa: E402
 from worker.train_core import TrainState  # noqa: E402
@@ -141,6 +142,7 @@ def main():
     overrides = {k: parse_value(v) for k, v in (kv.split("=", 1) for kv in args.set)}
 
     model, tokenizer = mlx_lm.load(args.model_dir)
+    fuse_shared_inputs(model)  # as a worker loads it (worker/models.py)
     tokenizer.eos_token_ids = []  # both sides decode every row to full length
     default_memory_limit = mx.get_memory_limit()
     if args.sweep:

@@ -32,7 +32,7 @@ import mlx_lm  # noqa: E402
 import numpy as np  # noqa: E402
 
 from worker.grpo import make_batch  # noqa: E402
-from worker.sampling import sample  # noqa: E402
+from worker.sampling import fuse_shared_inputs, sample  # noqa: E402
 
 
 def parse_config(text: str) -> tuple[dict, str]:
@@ -71,6 +71,7 @@ def main():
     args = ap.parse_args()
     G, B, L = (int(x) for x in args.shape.split(","))
     model, tokenizer = mlx_lm.load(args.model_dir)
+    fuse_shared_inputs(model)  # as a worker loads it (worker/models.py)
     tokenizer.eos_token_ids = []
     device_limit = mx.get_memory_limit()
 

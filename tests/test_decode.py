@@ -25,14 +25,18 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from conftest import ROOT
 
-from worker.sampling import SamplingParams, lora_groups, make_decode_step, sample
+from worker.sampling import SamplingParams, decode_groups, fuse_shared_inputs, make_decode_step, sample
 
 PAD = 7
 
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
-    return mlx_lm.load(str(tiny_model))[0]
+    """The tiny model as a worker loads it: its q/k/v and gate/up weights fused (fuse_shared_inputs)."""
+    model = mlx_lm.load(str(tiny_model))[0]
+    assert fuse_shared_inputs(model) == 2 * len(model.layers)
+    model.freeze()
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +44,7 @@ def lora_model(tiny_model):
     """The tiny model with LoRA on every projection of its top block (as GRPO samples with
     it), B not zero so that the LoRA products count."""
     model = mlx_lm.load(str(tiny_model))[0]
+    fuse_shared_inputs(model)
     model.freeze()
     linear_to_lora_layers(model, 1, {"rank": 4, "scale": 2.0, "dropout": 0.0})
     model.eval()
@@ -120,13 +125,58 @@ def test_batched_decode_equals_row_by_row_decode(model, case, queries):
 
 
 def test_decode_with_lora_equals_row_by_row_decode(lora_model, model):
-    """The decode step's grouped LoRA (worker/sampling.py: grouped_lora) gives what each
-    LoRA layer gives alone; and the LoRA changes the tokens (it is not a no-op)."""
-    assert len(lora_groups(lora_model)) == 2  # q/k/v and gate/up of the top block
+    """The decode step's groups (worker/sampling.py: grouped_projections: fused base weights, one
+    pair of LoRA matmuls per group) give what each LoRA layer gives alone; and the LoRA changes
+    the tokens (it is not a no-op)."""
+    groups = decode_groups(lora_model)
+    # q/k/v and gate/up of both blocks fused, those of the top block with LoRA; its o and down alone.
+    assert [(len(g.modules), g.lora, g.fused is not None) for g in groups] == [
+        (3, False, True), (2, False, True), (3, True, True), (2, True, True), (1, True, False), (1, True, False)]
     tokens, _, _, mask, _ = decode_both(lora_model, "categorical", 2)
     base = reference_decode(model, *CASES["categorical"][1:], SamplingParams(**CASES["categorical"][0]), EOS,
                             mx.random.key(3))
     assert (np.where(mask, tokens, -1) != np.where(base[3], base[0], -1)).any()
+
+
+def test_fusing_changes_neither_outputs_nor_memory(tiny_model):
+    """fuse_shared_inputs: the same logits, and the projections' weights become views of the fused
+    ones (the model's memory grows by no copy of them)."""
+    model = mlx_lm.load(str(tiny_model))[0]
+    x = mx.array([[5, 9, 11, 300, 2]])
+    before = model(x)
+    mx.eval(before)
+    active = mx.get_active_memory()
+    assert fuse_shared_inputs(model) == 2 * len(model.layers)
+    after = model(x)
+    mx.eval(after)
+    np.testing.assert_array_equal(np.array(after), np.array(before))
+    fused = sum(v.nbytes for layer in model.layers for parent in (layer.self_attn, layer.mlp)
+                for v in tree_flatten(parent.fused_inputs.fused.parameters()) for v in [v[1]])
+    assert mx.get_active_memory() - active < fused / 4
+    assert fuse_shared_inputs(model) == 0  # once
+
+
+@pytest.mark.parametrize("dora", [False, True])  # DoRA: the compiled step takes the model's weights as inputs
+def test_a_decode_step_sees_the_adapter_weights_of_each_step(tiny_model, dora):
+    """The decode step is made once per job and its base weights are constants of the compiled
+    step: the adapter's weights, changed by every optimizer step, must not be (LoRA: taken as
+    an argument at every sample(); DoRA: the model's weights are inputs)."""
+    model = mlx_lm.load(str(tiny_model))[0]
+    fuse_shared_inputs(model)
+    model.freeze()
+    linear_to_lora_layers(model, 1, {"rank": 4, "scale": 2.0, "dropout": 0.0}, use_dora=dora)
+    model.eval()
+    params, prompts, group_size = CASES["categorical"]
+    p = SamplingParams(**params)
+    step = make_decode_step(model, p, EOS, PAD)
+    tokens = []
+    for seed in (1, 2):  # as an optimizer step does: new arrays in place of the adapter's
+        model.update(tree_unflatten([(name, v + 0.05 * mx.random.normal(v.shape, key=mx.random.key(seed)))
+                                     for name, v in tree_flatten(model.trainable_parameters())]))
+        got = sample(model, step, prompts, group_size, p, EOS, mx.random.key(3))
+        assert_same(got, reference_decode(model, prompts, group_size, p, EOS, mx.random.key(3)), p)
+        tokens.append(np.array(got.tokens))
+    assert (tokens[0] != tokens[1]).any()
 
 
 def test_bench_decode_runs_and_counts(tiny_model, tmp_path):

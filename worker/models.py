@@ -19,6 +19,7 @@ from mlx_lm.utils import quantize_model
 
 from shared.model_ids import model_id_error, under_roots
 from shared.settings import Settings
+from worker.sampling import fuse_shared_inputs
 
 log = logging.getLogger(__name__)
 MAX_LOADED_MODELS = 2
@@ -100,6 +101,7 @@ def get_model(model_id: str, settings: Settings) -> tuple[nn.Module, object, boo
         model, tokenizer, _ = _loaded[where]
         return model, tokenizer, True
     model, tokenizer = _load(model_id, where)
+    fuse_shared_inputs(model)  # a shared model's base never changes: one matmul for q/k/v, one for gate/up
     _loaded[where] = (model, tokenizer, model_id)
     while len(_loaded) > MAX_LOADED_MODELS:
         _loaded.popitem(last=False)

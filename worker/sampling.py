@@ -16,11 +16,14 @@ The prompt of each group is prefilled once and its cache repeated group_size tim
 """
 
 import contextlib
+import copy
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.tuner.lora import LoRALinear
 
@@ -205,65 +208,166 @@ def attention_queries(queries: int):
         mx.fast.scaled_dot_product_attention = sdpa
 
 
-# Projections of one block that read the same input: with LoRA on all of them, a decode step
-# runs their LoRA as one pair of matmuls (grouped_lora).
+# Projections of one block that read the same input: a decode step runs each such group as one
+# matmul of its base weights (fuse_shared_inputs) and one pair of LoRA matmuls (decode_groups).
 SHARED_INPUT = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+_ARRAYS = ("weight", "scales", "biases", "bias")  # what nn.Linear / nn.QuantizedLinear hold
 
 
-def lora_groups(model: nn.Module) -> list[list[LoRALinear]]:
-    """The model's projections that read one input and all carry LoRA (mlx_lm's LoRALinear)."""
-    groups = []
+@dataclass(eq=False)
+class FusedInputs:
+    """One block's projections that read the same input (q/k/v, gate/up) as one module: their
+    weights side by side along the outputs (fuse_shared_inputs)."""
+    fused: nn.Module
+
+
+def fuse_shared_inputs(model: nn.Module) -> int:
+    """Fuse every SHARED_INPUT group of plain projections of one type and quantization (a
+    model's base, before LoRA is attached): the decode step then runs one matmul per group.
+    Memory stays what it was (the projections' weights become views of the fused ones). Only
+    for a model whose base weights never change: the worker's shared models (worker/models.py;
+    full fine-tuning and QLoRA change theirs, on a private copy). Returns the groups fused."""
+    count = 0
     for layer in model.layers:
-        for parent, names in SHARED_INPUT:
-            mods = [getattr(getattr(layer, parent, None), name, None) for name in names]
-            if all(type(m) is LoRALinear for m in mods):
-                groups.append(mods)
+        for parent_name, names in SHARED_INPUT:
+            parent = getattr(layer, parent_name, None)
+            mods = [getattr(parent, name, None) for name in names]
+            if parent is None or getattr(parent, "fused_inputs", None) is not None or not _fusable(mods):
+                continue
+            keys = [k for k in _ARRAYS if k in mods[0]]
+            fused = copy.copy(mods[0])  # its class and quantization; its arrays replaced below
+            for k in keys:
+                fused[k] = mx.concatenate([m[k] for m in mods], axis=0)
+            mx.eval(fused.parameters())
+            start = 0
+            for m in mods:
+                n = m["weight"].shape[0]
+                for k in keys:
+                    m[k] = fused[k][start:start + n]
+                start += n
+            mx.eval([m.parameters() for m in mods])
+            parent.fused_inputs = FusedInputs(fused)
+            count += 1
+    return count
+
+
+def _fusable(mods: list) -> bool:
+    if any(type(m) not in (nn.Linear, nn.QuantizedLinear) for m in mods) or len({type(m) for m in mods}) > 1:
+        return False
+    first = mods[0]
+    same = lambda f: len({f(m) for m in mods}) == 1  # noqa: E731
+    quantized = type(first) is nn.QuantizedLinear
+    return (same(lambda m: tuple(k for k in _ARRAYS if k in m)) and same(lambda m: m["weight"].shape[1:])
+            and same(lambda m: tuple(m[k].dtype for k in _ARRAYS if k in m))
+            and (not quantized or same(lambda m: (m.group_size, m.bits, m.mode))))
+
+
+@dataclass(eq=False)
+class Group:
+    """Projections a decode step runs together: a SHARED_INPUT group (one input), or one LoRA
+    projection alone. lora: all carry mlx_lm's LoRA, with one scale (their LoRA products are
+    one pair of matmuls); fused: their base weights are one module (fuse_shared_inputs)."""
+    modules: list[nn.Module]
+    lora: bool
+    fused: nn.Module | None
+
+
+def decode_groups(model: nn.Module) -> list[Group]:
+    """The model's Groups, in a fixed order (lora_args follows it)."""
+    groups, grouped = [], set()
+    for layer in model.layers:
+        for parent_name, names in SHARED_INPUT:
+            parent = getattr(layer, parent_name, None)
+            mods = [getattr(parent, name, None) for name in names]
+            if any(m is None for m in mods):
+                continue
+            lora = all(type(m) is LoRALinear for m in mods) and len({m.scale for m in mods}) == 1
+            plain = all(type(m) in (nn.Linear, nn.QuantizedLinear) for m in mods)
+            info = getattr(parent, "fused_inputs", None)
+            fused = info.fused if info is not None and (lora or plain) else None
+            if lora or fused is not None:
+                groups.append(Group(mods, lora, fused))
+                grouped.update(id(m) for m in mods)
+    for _, m in model.named_modules():
+        if type(m) is LoRALinear and id(m) not in grouped:
+            groups.append(Group([m], True, None))
     return groups
 
 
-def stacked_lora(model: nn.Module) -> list[tuple[mx.array, mx.array]]:
-    """Each lora_groups group's LoRA matrices as one pair: its A side by side, its B
-    block-diagonal, so that x @ A @ B holds every projection's LoRA product. Made once per
+def lora_args(model: nn.Module) -> list[tuple[mx.array, mx.array]]:
+    """The LoRA matrices of each decode_groups group with LoRA, as one pair: A side by side,
+    B block-diagonal, so that x @ A @ B holds every projection's LoRA product. Made at each
     sample() (the job's LoRA weights change between steps): small, rank x outputs."""
-    stacked = []
-    for mods in lora_groups(model):
-        ranks, outs = [m.lora_b.shape[0] for m in mods], [m.lora_b.shape[1] for m in mods]
-        b = mx.zeros((sum(ranks), sum(outs)), mods[0].lora_b.dtype)
-        r0 = n0 = 0
-        for m, r, n in zip(mods, ranks, outs):
-            b[r0:r0 + r, n0:n0 + n] = m.lora_b
-            r0, n0 = r0 + r, n0 + n
-        stacked.append((mx.concatenate([m.lora_a for m in mods], axis=1), b))
-    return stacked
+    pairs = []
+    for group in decode_groups(model):
+        mods = group.modules
+        if not group.lora:
+            continue
+        if len(mods) == 1:
+            pairs.append((mods[0].lora_a, mods[0].lora_b))
+        else:
+            ranks, outs = [m.lora_b.shape[0] for m in mods], [m.lora_b.shape[1] for m in mods]
+            b = mx.zeros((sum(ranks), sum(outs)), mods[0].lora_b.dtype)
+            r0 = n0 = 0
+            for m, r, n in zip(mods, ranks, outs):
+                b[r0:r0 + r, n0:n0 + n] = m.lora_b
+                r0, n0 = r0 + r, n0 + n
+            pairs.append((mx.concatenate([m.lora_a for m in mods], axis=1), b))
+    return pairs
+
+
+def _base(m: nn.Module) -> nn.Module:
+    return m.linear if type(m) is LoRALinear else m
 
 
 @contextlib.contextmanager
-def grouped_lora(model: nn.Module, stacked: list[tuple[mx.array, mx.array]]):
-    """While a decode step is traced: each lora_groups projection takes its LoRA product from
-    its group's (x @ A) @ B, made by the group's first call on that input, instead of two
-    matmuls of its own; the rest of mlx_lm's LoRALinear as it is (dropout must be off,
-    as in sampling). A block then runs 2 LoRA matmuls for q, k, v and 2 for gate, up, not 10."""
-    groups = lora_groups(model)
-    where = {id(m): (g, i) for g, mods in enumerate(groups) for i, m in enumerate(mods)}
-    call = LoRALinear.__call__
-    products = {}  # group -> (its input, x @ A @ B)
+def grouped_projections(groups: list[Group], lora: list):
+    """While a decode step is traced: a projection of a Group takes its output from the group's,
+    made at the group's first call on that input: one matmul of the fused base weights (else
+    each projection's own), plus scale * (x @ A) @ B of its LoRA pair (lora_args), on 2-D rows
+    (a 3-D matmul adds two reshapes), then split. What each projection gives is what mlx_lm's
+    LoRALinear gives, without dropout (sampling never drops out)."""
+    where = {id(m): (g, i) for g, group in enumerate(groups) for i, m in enumerate(group.modules)}
+    pair = dict(zip([g for g, group in enumerate(groups) if group.lora], lora))  # group -> its LoRA pair
+    classes = {type(m) for group in groups for m in group.modules} | {type(_base(m)) for group in groups
+                                                                         for m in group.modules}
+    calls = {cls: cls.__call__ for cls in classes}
+    outputs = {}  # group -> (its input, the outputs of its projections)
+
+    def run(group: Group, pair, x: mx.array) -> list[mx.array]:
+        mods = group.modules
+        sizes = [_base(m)["weight"].shape[0] for m in mods]
+        if group.fused is not None:
+            ys = [calls[type(group.fused)](group.fused, x)]
+        else:
+            ys = [calls[type(_base(m))](_base(m), x) for m in mods]
+        if pair is not None:
+            a, b = pair
+            z = ((x.reshape(-1, x.shape[-1]) @ a) @ b).reshape(*x.shape[:-1], b.shape[-1])
+            z = (mods[0].scale * z).astype(x.dtype)  # fused with the add below (no reshape between)
+            zs = [z] if len(ys) == 1 else _split(z, sizes)
+            ys = [y + z for y, z in zip(ys, zs)]
+        return _split(ys[0], sizes) if len(ys) < len(mods) else ys
 
     def grouped(self, x):
-        if id(self) not in where or self.dropout(x) is not x:
-            return call(self, x)
+        if id(self) not in where:
+            return calls[type(self)](self, x)
         g, i = where[id(self)]
-        if g not in products or products[g][0] is not x:
-            a, b = stacked[g]
-            products[g] = (x, (x @ a) @ b)
-        start = sum(m.lora_b.shape[1] for m in groups[g][:i])
-        z = products[g][1][..., start:start + self.lora_b.shape[1]]
-        return self.linear(x) + (self.scale * z).astype(x.dtype)
+        if g not in outputs or outputs[g][0] is not x:
+            outputs[g] = (x, run(groups[g], pair.get(g), x))
+        return outputs[g][1][i]
 
-    LoRALinear.__call__ = grouped
+    for cls in classes:
+        cls.__call__ = grouped
     try:
         yield
     finally:
-        LoRALinear.__call__ = call
+        for cls, call in calls.items():
+            cls.__call__ = call
+
+
+def _split(x: mx.array, sizes: list[int]) -> list[mx.array]:
+    return mx.split(x, list(itertools.accumulate(sizes))[:-1], axis=-1) if len(sizes) > 1 else [x]
 
 
 def make_decode_step(
@@ -272,15 +376,23 @@ def make_decode_step(
     """One compiled decode step for all rows: forward one token, pick the next, track EOS.
 
     queries: how many copies of each row's query the attention gets (attention_queries;
-    by default fused_queries'): the results are those of one query."""
+    by default fused_queries'): the results are those of one query.
+
+    The model's weights are constants of the compiled step, except the LoRA weights, which it
+    takes as its argument `lora` (lora_args): MLX checks every input of a compiled function
+    at every call, and a model has hundreds. A model with other trainable weights (DoRA, full
+    fine-tuning) gives the compiled step all its weights as inputs instead."""
     head = lm_head(model)
+    groups = decode_groups(model)
+    passed = {id(a) for g in groups if g.lora for m in g.modules for a in (m.lora_a, m.lora_b)}
+    constant = all(id(a) in passed for _, a in tree_flatten(model.trainable_parameters()))
 
     def step(tokens, keys, values, write_pos, left_pad, finished, key, lora):
         capacity = keys[0].shape[2]
         slots = Slots(capacity, write_pos, left_pad, 1)
         caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
         # The function runs only while traced: what the two contexts change is in the graph.
-        with attention_queries(queries or fused_queries(keys[0])), grouped_lora(model, lora):
+        with attention_queries(queries or fused_queries(keys[0])), grouped_projections(groups, lora):
             logits = head(model.model(tokens[:, None], cache=caches)[:, 0])
         nxt, logp, ent = draw(logits, key, params)
         nxt = mx.where(finished, pad_id, nxt)
@@ -288,7 +400,7 @@ def make_decode_step(
         finished = finished | is_eos(nxt, eos_ids)
         return nxt, logp, ent, valid, finished, [c.keys for c in caches], [c.values for c in caches]
 
-    return mx.compile(step, inputs=[model.state])
+    return mx.compile(step) if constant else mx.compile(step, inputs=[model.state])
 
 
 def is_eos(tokens: mx.array, eos_ids: list[int]) -> mx.array:
@@ -337,7 +449,7 @@ def sample(
     pad = mx.repeat(pad, group_size, axis=0)
     write_pos = mx.array(width, dtype=mx.int32)
 
-    lora = stacked_lora(model)  # the LoRA weights of this step
+    lora = lora_args(model)  # the LoRA weights of this step
     step_keys = mx.random.split(key, params.max_tokens + 1)
     first, first_logp, first_ent = draw(logits, step_keys[0], params)
 
