@@ -2,7 +2,7 @@
 
     python3 bench/decode.py MODEL_DIR --rows 8 32 64 --tokens 128 [--group-size 8] [--prompt-len 24]
                             [--reps 3] [--sampling FILE ...] [--queries 1 2] [--lora-layers N]
-                            [--count-only] [--json OUT]
+                            [--count-only] [--ours-only] [--json OUT]
 
 For each row count R, one after the other in this process (B = R / group size prompts of
 slightly different lengths, so rows are left-padded; temperature 1; EOS off everywhere, so
@@ -31,7 +31,8 @@ every row decodes --tokens tokens):
 --lora-layers N: every decoder runs the model with LoRA on all projections of its last N
 blocks, rank 8, scale 16 (a GRPO job's defaults: lora_layers 16), as GRPO samples with it.
 
-Ratios: ours / batch and ours / single (ms/pos). --count-only skips the timings (e.g. the
+Ratios: ours / batch and ours / single (ms/pos). --ours-only skips mlx_lm's decoders (e.g. to
+compare MLX settings such as MLX_USE_CUDA_GRAPHS between runs). --count-only skips the timings (e.g. the
 28-layer model on a CPU). On Linux CPU the process re-executes itself with the system
 OpenBLAS (worker/openblas.py, standard library only). Imports nothing else from this
 repository than worker/sampling.py, so it runs on a machine with only mlx, mlx_lm and numpy.
@@ -252,6 +253,7 @@ def main():
                     help="also force make_decode_step's queries per row (versions that have it; default: its own choice)")
     ap.add_argument("--lora-layers", type=int, default=0, help="LoRA (rank 8, scale 16) on the last N blocks")
     ap.add_argument("--count-only", action="store_true", help="primitive counts only, no timings")
+    ap.add_argument("--ours-only", action="store_true", help="not mlx_lm's decoders (e.g. to compare MLX settings)")
     ap.add_argument("--json", type=Path, help="write the records here as a JSON list")
     args = ap.parse_args()
 
@@ -317,6 +319,8 @@ def main():
                     print(f"  {label:40s} rows {R:3d}  failed: {type(e).__name__}: {e}", flush=True)
                     continue
                 ours.append(record(label, R, *counts, *times))
+        if args.ours_only:
+            continue
         counts = both(lambda: batch_counts(model, rows))
         batch = record("mlx_lm batch_generate", R, *counts,
                        None if args.count_only else batch_time(model, tokenizer, rows, args.tokens, args.reps))
