@@ -2,7 +2,7 @@
 
     python3 bench/decode.py MODEL_DIR --rows 8 32 64 --tokens 128 [--group-size 8] [--prompt-len 24]
                             [--reps 3] [--sampling FILE ...] [--queries 1 2] [--lora-layers N]
-                            [--count-only] [--ours-only] [--json OUT]
+                            [--count-only] [--ours-only] [--dense] [--json OUT]
 
 For each row count R, one after the other in this process (B = R / group size prompts of
 slightly different lengths, so rows are left-padded; temperature 1; EOS off everywhere, so
@@ -133,14 +133,14 @@ class _Counted(Exception):
     pass
 
 
-def make_step(S, model, p, queries):
-    return S.make_decode_step(model, p, [], 0, *([queries] if queries else []))
+def make_step(S, model, p, queries, dense=False):
+    return S.make_decode_step(model, p, [], 0, *([queries] if queries else []), **({"dense": True} if dense else {}))
 
 
-def ours_counts(S, model, prompts, group_size, queries) -> collections.Counter:
+def ours_counts(S, model, prompts, group_size, queries, dense=False) -> collections.Counter:
     """The graph of our second decode step (the first one's inputs still hold the prefill)."""
     p = S.SamplingParams(max_tokens=4, temperature=1.0)  # the step's graph does not depend on the length
-    step = make_step(S, model, p, queries)
+    step = make_step(S, model, p, queries, dense)
     calls = []
 
     def counted(*args):
@@ -157,12 +157,12 @@ def ours_counts(S, model, prompts, group_size, queries) -> collections.Counter:
     raise RuntimeError("sample() made fewer than two decode steps")
 
 
-def ours_time(S, model, prompts, group_size, queries, tokens, reps) -> tuple[list[float], list[float]]:
+def ours_time(S, model, prompts, group_size, queries, tokens, reps, dense=False) -> tuple[list[float], list[float]]:
     """Wall times of sample(), and the host's share of each: the seconds spent in the decode
     steps' calls (mx.compile's replay, building the step's graph) and in handing them to the
     device (mx.async_eval, which encodes every kernel). Close to the wall time: host-bound."""
     p = S.SamplingParams(max_tokens=tokens, temperature=1.0)
-    step = make_step(S, model, p, queries)
+    step = make_step(S, model, p, queries, dense)
     host = [0.0]
 
     def timed(*args):
@@ -253,6 +253,8 @@ def main():
                     help="also force make_decode_step's queries per row (versions that have it; default: its own choice)")
     ap.add_argument("--lora-layers", type=int, default=0, help="LoRA (rank 8, scale 16) on the last N blocks")
     ap.add_argument("--count-only", action="store_true", help="primitive counts only, no timings")
+    ap.add_argument("--dense", action="store_true",
+                    help="ours also with dense=True (dequantized weights: what a job's memory budget buys on CUDA)")
     ap.add_argument("--ours-only", action="store_true", help="not mlx_lm's decoders (e.g. to compare MLX settings)")
     ap.add_argument("--json", type=Path, help="write the records here as a JSON list")
     args = ap.parse_args()
@@ -310,11 +312,15 @@ def main():
         ours = []
         for name, S in versions.items():
             has_queries = "queries" in inspect.signature(S.make_decode_step).parameters
-            for q in args.queries if has_queries else [None]:
-                label = f"ours {Path(name).name if len(versions) == 1 else name}" + (f" queries={q}" if q else "")
+            has_dense = "dense" in inspect.signature(S.make_decode_step).parameters
+            for q, dense in [(q, d) for q in (args.queries if has_queries else [None])
+                             for d in ([False, True] if args.dense and has_dense else [False])]:
+                label = (f"ours {Path(name).name if len(versions) == 1 else name}" + (f" queries={q}" if q else "")
+                         + (" dense" if dense else ""))
                 try:  # one decoder failing (e.g. a kernel path on one backend) leaves the others' figures
-                    counts = both(lambda: ours_counts(S, model, prompts, G, q))
-                    times = (None, None) if args.count_only else ours_time(S, model, prompts, G, q, args.tokens, args.reps)
+                    counts = both(lambda: ours_counts(S, model, prompts, G, q, dense))
+                    times = (None, None) if args.count_only else ours_time(S, model, prompts, G, q, args.tokens, args.reps,
+                                                                           dense)
                 except Exception as e:
                     print(f"  {label:40s} rows {R:3d}  failed: {type(e).__name__}: {e}", flush=True)
                     continue

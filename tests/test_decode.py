@@ -195,3 +195,42 @@ def test_bench_decode_runs_and_counts(tiny_model, tmp_path):
         assert r["ms_per_position"] > 0 and 0 < r["primitives_gpu"] < r["primitives"]
         if r["decoder"].startswith("ours"):
             assert 0 < r["host_ms_per_position"] <= r["ms_per_position"]
+
+
+def step_graph(model, step, case) -> str:
+    """The dot graph of a decode step's outputs (its second call: the first one's inputs hold the prefill)."""
+    params, prompts, group_size = CASES[case]
+    calls = []
+
+    def traced(*args):
+        calls.append(args)
+        return step(*args)
+
+    sample(model, traced, prompts, group_size, SamplingParams(**params), EOS, mx.random.key(3))
+    mx.eval(calls[1])
+    path = ROOT / ".pytest-step.dot"
+    try:
+        mx.export_to_dot(str(path), *[a for _, a in tree_flatten(list(step(*calls[1])))])
+        return path.read_text()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_dense_decode_of_a_quantized_model_samples_what_the_quantized_one_does(tmp_path):
+    """make_decode_step(dense=True) (what a job's memory budget buys on CUDA: worker/memory.py)
+    multiplies by dequantized copies of the weights, no quantized matmul left in the step, and
+    samples the same tokens with the same log-probs to float rounding."""
+    from worker.make_model import make_model
+    model = mlx_lm.load(str(make_model(tmp_path / "q", size="tiny", quantize=8)))[0]
+    fuse_shared_inputs(model)
+    model.freeze()
+    linear_to_lora_layers(model, 1, {"rank": 4, "scale": 2.0, "dropout": 0.0})
+    model.eval()
+    params, prompts, group_size = CASES["categorical"]
+    p = SamplingParams(**params)
+    steps = {dense: make_decode_step(model, p, EOS, PAD, dense=dense) for dense in (False, True)}
+    assert "QuantizedMatmul" in step_graph(model, steps[False], "categorical")
+    assert "QuantizedMatmul" not in step_graph(model, steps[True], "categorical")
+    quantized, dense = (sample(model, steps[d], prompts, group_size, p, EOS, mx.random.key(3)) for d in (False, True))
+    np.testing.assert_array_equal(np.array(dense.tokens), np.array(quantized.tokens))
+    np.testing.assert_allclose(np.array(dense.logprobs), np.array(quantized.logprobs), atol=1e-4, rtol=1e-4)

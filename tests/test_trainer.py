@@ -16,6 +16,7 @@ import gc
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -287,6 +288,32 @@ def test_micro_batches_and_checkpointing_give_the_unbatched_loss_and_gradients(l
         assert stats == pytest.approx(stats0, rel=1e-5, abs=1e-7)
         for k, g in grads.items():
             assert np.abs(g - grads0[k]).max() <= 1e-5 * np.abs(grads0[k]).max(), (k, micro_batch_size, checkpointing)
+
+
+def test_a_budget_that_fits_them_buys_dense_decode_weights_on_cuda(lm, monkeypatch):
+    """On CUDA (worker/memory.py cuda(), set here: a CPU never decodes dense) a quantized model's
+    budget that fits dense copies of its weights beside the plan decodes with them (the
+    trainer's decode step: worker/sampling.py dequantized), from DENSE_DECODE_ROWS rows on;
+    memory first, a small budget, few rows or an unquantized model do not."""
+    from mlx_lm.models import qwen3
+
+    from worker import memory
+
+    monkeypatch.setattr(memory, "cuda", lambda: True)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict({**vars(lm[0].args), "num_hidden_layers": 4}))
+    assert memory.plan_memory(model, 32, 160, None, None, 16.0).dense_decode_gb == 0  # not quantized
+    nn.quantize(model, group_size=64, bits=4)
+    dense = memory.dense_decode_bytes(model) / memory.GB
+    s = memory.model_shape(model)
+    assert dense == pytest.approx(s.act_bytes * (s.layers * s.hidden * (2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim
+                                                                 + 3 * s.intermediate) + s.vocab * s.hidden) / memory.GB)
+    spent = memory.plan_memory(model, 32, 160, None, None, 16.0)
+    assert spent.dense_decode_gb == pytest.approx(dense) and "dense copies" in spent.reason
+    assert spent.peak_gb == pytest.approx(spent.weights_gb + dense + max(spent.sampling_gb, spent.loss_gb))
+    assert memory.plan_memory(model, 32, 160, None, None, None).dense_decode_gb == 0  # memory first
+    assert memory.plan_memory(model, 8, 160, None, None, 16.0).dense_decode_gb == 0  # 8 rows
+    tight = memory.plan_memory(model, 32, 160, None, None, spent.peak_gb - dense / 2)
+    assert tight.dense_decode_gb == 0 and "do not fit" in tight.reason
 
 
 def test_a_memory_budget_is_spent_on_speed_with_the_same_loss_and_gradients(lm):

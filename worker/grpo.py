@@ -306,16 +306,16 @@ class GRPOTrainer:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                        *((rows, cfg.batch_size * cfg.group_size) if gang.size > 1 else ()))
-        self.decode_step = make_decode_step(model, self.sampling, self.eos_ids, pad_id)
-        self.optimizer = make_optimizer(cfg, cfg.iters * cfg.num_iterations)
-        self.optimizer.init(model.trainable_parameters())
-
         # Memory: fails here, before anything runs, when even one row cannot fit.
         width = max(len(p) for p in self.prompt_ids) + cfg.max_completion_len
         self.memory = plan_memory(
             model, cfg.batch_size * cfg.group_size, width, cfg.use_gradient_checkpointing,
             cfg.micro_batch_size, cfg.max_memory_gb,
         )
+        self.decode_step = make_decode_step(model, self.sampling, self.eos_ids, pad_id,
+                                            dense=self.memory.dense_decode_gb > 0)
+        self.optimizer = make_optimizer(cfg, cfg.iters * cfg.num_iterations)
+        self.optimizer.init(model.trainable_parameters())
         self.chunk_tokens = logits_chunk_tokens(model_shape(model).vocab)
         # MLX queues GPU work ahead of the host and frees a buffer only once its kernel has
         # run, so without a limit the whole backward pass (recomputed layers included) can

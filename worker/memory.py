@@ -47,6 +47,7 @@ from shared.memory_estimate import GB, ModelShape, logits_chunk_tokens, loss_byt
 from shared.settings import load_settings
 
 MAX_MICRO_BATCH_TOKENS = 8192
+DENSE_DECODE_ROWS = 16  # CUDA's quantized matmul of 8 rows is near its per-kernel floor (worker/sampling.py dequantized)
 MIN_MICRO_BATCH_TOKENS = 1024  # below this a micro-batch is mostly per-call overhead: allowed whenever it fits
 
 
@@ -108,10 +109,11 @@ class MemoryPlan:
     limit_gb: float
     budget: bool = False  # the job's max_memory_gb, spent on speed (above)
     reason: str = ""
+    dense_decode_gb: float = 0.0  # dequantized copies the decode step multiplies by (0: none)
 
     @property
     def peak_gb(self) -> float:
-        return self.weights_gb + max(self.sampling_gb, self.loss_gb)
+        return self.weights_gb + self.dense_decode_gb + max(self.sampling_gb, self.loss_gb)
 
     @property
     def memory_limit_gb(self) -> float:
@@ -123,7 +125,8 @@ class MemoryPlan:
         return {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing,
                 "estimated_peak_gb": round(self.peak_gb, 4), "weights_gb": round(self.weights_gb, 4),
                 "sampling_gb": round(self.sampling_gb, 4), "loss_gb": round(self.loss_gb, 4),
-                "memory_limit_gb": round(self.memory_limit_gb, 4), "budget": self.budget, "reason": self.reason}
+                "memory_limit_gb": round(self.memory_limit_gb, 4), "budget": self.budget,
+                "dense_decode_gb": round(self.dense_decode_gb, 4), "reason": self.reason}
 
 
 def plan_memory(
@@ -132,7 +135,35 @@ def plan_memory(
 ) -> MemoryPlan:
     """rows = B*G, width = longest prompt + max_completion_len. checkpointing None: only
     where it buys a larger micro-batch (recomputing costs a forward pass); with a budget
-    (max_memory_gb) only where without it the micro-batch would be small (module docstring)."""
+    (max_memory_gb) only where without it the micro-batch would be small (module docstring).
+    A budget that also fits dense copies of a quantized model's weights on CUDA decodes with
+    them (worker/sampling.py dequantized), from DENSE_DECODE_ROWS rows on."""
+    plan = _plan_loss(model, rows, width, checkpointing, micro_batch_size, max_memory_gb)
+    dense = dense_decode_bytes(model) / GB
+    if not plan.budget or not dense or not cuda() or rows < DENSE_DECODE_ROWS:
+        return plan
+    if plan.peak_gb + dense > plan.limit_gb:
+        return _because(plan, f"quantized weights kept for decoding: dense copies ({dense:.2f} GB) do not fit the budget")
+    return _because(dataclasses.replace(plan, dense_decode_gb=dense),
+                    f"decoding with dense copies of the quantized weights ({dense:.2f} GB): faster on CUDA from "
+                    f"{DENSE_DECODE_ROWS} rows")
+
+
+def cuda() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def dense_decode_bytes(model: nn.Module) -> int:
+    """Dense copies of the quantized projections a decode step multiplies by (the blocks' and the
+    output projection: a tied embedding's too), in the scales' dtype."""
+    embed = model.model.embed_tokens
+    mods = [m for layer in model.layers for _, m in layer.named_modules()] + [getattr(model, "lm_head", embed)]
+    return sum(m["weight"].shape[0] * m["weight"].shape[1] * 32 // m.bits * m["scales"].dtype.size
+               for m in mods if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding))
+
+
+def _plan_loss(model: nn.Module, rows: int, width: int, checkpointing: bool | None,
+               micro_batch_size: int | None, max_memory_gb: float | None) -> MemoryPlan:
     if checkpointing is not None:
         plan = _plan(model, rows, width, checkpointing, micro_batch_size, max_memory_gb)
         return _because(plan, f"checkpointing {'on' if checkpointing else 'off'} as the job's config says")

@@ -321,37 +321,49 @@ def _base(m: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def grouped_projections(groups: list[Group], lora: list):
+def grouped_projections(groups: list[Group], lora: list, dense: dict | None = None):
     """While a decode step is traced: a projection of a Group takes its output from the group's,
     made at the group's first call on that input: one matmul of the fused base weights (else
     each projection's own), plus scale * (x @ A) @ B of its LoRA pair (lora_args), on 2-D rows
     (a 3-D matmul adds two reshapes), then split. What each projection gives is what mlx_lm's
-    LoRALinear gives, without dropout (sampling never drops out)."""
+    LoRALinear gives, without dropout (sampling never drops out). dense: dequantized weights
+    (dequantized) that quantized projections use instead of their own."""
+    dense = dense or {}
     where = {id(m): (g, i) for g, group in enumerate(groups) for i, m in enumerate(group.modules)}
     pair = dict(zip([g for g, group in enumerate(groups) if group.lora], lora))  # group -> its LoRA pair
     classes = {type(m) for group in groups for m in group.modules} | {type(_base(m)) for group in groups
                                                                          for m in group.modules}
+    classes |= {nn.QuantizedLinear} if dense else set()
     calls = {cls: cls.__call__ for cls in classes}
     outputs = {}  # group -> (its input, the outputs of its projections)
+
+    def project(m: nn.Module, x: mx.array) -> mx.array:
+        if id(m) not in dense:
+            return calls[type(m)](m, x)
+        w, bias = dense[id(m)]
+        y = (x if x.ndim == 2 else x.reshape(-1, x.shape[-1])) @ w
+        y = y if bias is None else y + bias
+        return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     def run(group: Group, pair, x: mx.array) -> list[mx.array]:
         mods = group.modules
         sizes = [_base(m)["weight"].shape[0] for m in mods]
-        if group.fused is not None:
-            ys = [calls[type(group.fused)](group.fused, x)]
-        else:
-            ys = [calls[type(_base(m))](_base(m), x) for m in mods]
+        bases = [group.fused] if group.fused is not None else [_base(m) for m in mods]
+        flat = pair is not None or any(id(b) in dense for b in bases)
+        h = x.reshape(-1, x.shape[-1]) if flat else x
+        ys = [project(b, h) for b in bases]
         if pair is not None:
             a, b = pair
-            z = ((x.reshape(-1, x.shape[-1]) @ a) @ b).reshape(*x.shape[:-1], b.shape[-1])
-            z = (mods[0].scale * z).astype(x.dtype)  # fused with the add below (no reshape between)
+            z = (mods[0].scale * ((h @ a) @ b)).astype(x.dtype)  # fused with the add below
             zs = [z] if len(ys) == 1 else _split(z, sizes)
             ys = [y + z for y, z in zip(ys, zs)]
+        if flat:
+            ys = [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
         return _split(ys[0], sizes) if len(ys) < len(mods) else ys
 
     def grouped(self, x):
         if id(self) not in where:
-            return calls[type(self)](self, x)
+            return project(self, x)
         g, i = where[id(self)]
         if g not in outputs or outputs[g][0] is not x:
             outputs[g] = (x, run(groups[g], pair.get(g), x))
@@ -366,17 +378,44 @@ def grouped_projections(groups: list[Group], lora: list):
             cls.__call__ = call
 
 
+def dequantized(modules: list[nn.Module]) -> dict[int, tuple[mx.array, mx.array | None]]:
+    """Dense copies of quantized projections' weights (the scales' dtype, transposed to inputs x
+    outputs) and their biases, by module id: on CUDA, MLX 0.32's quantized matmul of a decode
+    step's rows takes about as long per row as for one row (a gate projection of the qwen3-0.6b
+    shape: 14 us for 8 rows, 46 us for 32, 87 us for 64), a dense one reads the weights once.
+    Memory: memory.dense_decode_bytes (a job's budget pays for it: worker/memory.py)."""
+    copies = {}
+    for m in modules:
+        if type(m) is nn.QuantizedLinear and id(m) not in copies:
+            w = mx.dequantize(m["weight"], m["scales"], m.get("biases"), m.group_size, m.bits, mode=m.mode)
+            copies[id(m)] = (mx.contiguous(w.T), m.get("bias"))
+            mx.eval(copies[id(m)][0])
+    return copies
+
+
+def decode_projections(model: nn.Module, groups: list[Group]) -> list[nn.Module]:
+    """The base projections a decode step multiplies by: each fused group's module, every other
+    projection of the blocks, and the output projection."""
+    in_fused = {id(_base(m)) for g in groups if g.fused is not None for m in g.modules}
+    mods = [g.fused for g in groups if g.fused is not None]
+    mods += [m for layer in model.layers for _, m in layer.named_modules() if id(m) not in in_fused]
+    return mods + [lm_head(model)]
+
+
 def _split(x: mx.array, sizes: list[int]) -> list[mx.array]:
     return mx.split(x, list(itertools.accumulate(sizes))[:-1], axis=-1) if len(sizes) > 1 else [x]
 
 
 def make_decode_step(
     model: nn.Module, params: SamplingParams, eos_ids: list[int], pad_id: int, queries: int | None = None,
+    dense: bool = False,
 ) -> Callable:
     """One compiled decode step for all rows: forward one token, pick the next, track EOS.
 
     queries: how many copies of each row's query the attention gets (attention_queries;
-    by default fused_queries'): the results are those of one query.
+    by default fused_queries'): the results are those of one query. dense: the quantized
+    projections multiply by dequantized copies of their weights (dequantized; the log-probs
+    then agree with the quantized model's to float rounding, not exactly).
 
     The model's weights are constants of the compiled step, except the LoRA weights, which it
     takes as its argument `lora` (lora_args): MLX checks every input of a compiled function
@@ -384,6 +423,13 @@ def make_decode_step(
     fine-tuning) gives the compiled step all its weights as inputs instead."""
     head = lm_head(model)
     groups = decode_groups(model)
+    copies = dequantized(decode_projections(model, groups)) if dense else {}
+    embed = model.model.embed_tokens
+    if dense and head == getattr(embed, "as_linear", None) and type(embed) is nn.QuantizedEmbedding:  # tied
+        w = mx.contiguous(mx.dequantize(embed["weight"], embed["scales"], embed.get("biases"), embed.group_size,
+                                        embed.bits, mode=embed.mode).T)
+        mx.eval(w)
+        head = lambda h: h @ w  # noqa: E731
     passed = {id(a) for g in groups if g.lora for m in g.modules for a in (m.lora_a, m.lora_b)}
     constant = all(id(a) in passed for _, a in tree_flatten(model.trainable_parameters()))
 
@@ -392,7 +438,7 @@ def make_decode_step(
         slots = Slots(capacity, write_pos, left_pad, 1)
         caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
         # The function runs only while traced: what the two contexts change is in the graph.
-        with attention_queries(queries or fused_queries(keys[0])), grouped_projections(groups, lora):
+        with attention_queries(queries or fused_queries(keys[0])), grouped_projections(groups, lora, copies):
             logits = head(model.model(tokens[:, None], cache=caches)[:, 0])
         nxt, logp, ent = draw(logits, key, params)
         nxt = mx.where(finished, pad_id, nxt)
