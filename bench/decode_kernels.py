@@ -1,0 +1,59 @@
+"""GPU time of one decode step's kernels by row count, each kernel alone: 200 copies of one op
+evaluated together (so the device, not the host, is what is timed once it is the slower).
+
+    python3 bench/decode_kernels.py MODEL_DIR [--rows 1 8 16 32 64]
+
+For each row count: the first block's q, k, gate and down projections (quantized in a 4-bit
+model: MLX's quantized matmul), the decode attention with two queries and a boolean mask (the
+cuDNN path, worker/sampling.py fused_queries) over 152 keys, and the KV cache write (a select).
+Microseconds per op, the input add of each copy included.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+import mlx_lm  # noqa: E402
+
+from worker.sampling import attention_mask  # noqa: E402
+
+
+def timed(make, n: int = 200) -> float:
+    mx.eval([make(i) for i in range(n)])  # compiles
+    outs = [make(i) for i in range(n)]
+    t0 = time.perf_counter()
+    mx.eval(outs)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_dir")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    args = ap.parse_args()
+    model, _ = mlx_lm.load(args.model_dir)
+    attn, mlp, a = model.layers[0].self_attn, model.layers[0].mlp, model.args
+    head_dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+    dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+    for rows in args.rows:
+        x = mx.random.normal((rows, 1, a.hidden_size)).astype(dtype)
+        h = mx.random.normal((rows, 1, a.intermediate_size)).astype(dtype)
+        line = [f"rows {rows:3d}"]
+        for name, proj, inp in (("q", attn.q_proj, x), ("k", attn.k_proj, x), ("gate", mlp.gate_proj, x),
+                                ("down", mlp.down_proj, h)):
+            line.append(f"{name} {timed(lambda i: proj(inp + i)):7.1f} us")
+        q = mx.random.normal((rows, a.num_attention_heads, 2, head_dim)).astype(dtype)
+        k = mx.random.normal((rows, a.num_key_value_heads, 152, head_dim)).astype(dtype)
+        mask = attention_mask(mx.array([100, 101]), mx.arange(152), mx.zeros((rows,), mx.int32))
+        line.append(f"attention {timed(lambda i: mx.fast.scaled_dot_product_attention(q + i, k, k, scale=0.08, mask=mask)):7.1f} us")
+        one = (mx.arange(152) == 100)[None, None, :, None]
+        line.append(f"kv write {timed(lambda i: mx.where(one, k[:, :, :1] + i, k)):7.1f} us")
+        print(" | ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
