@@ -22,6 +22,7 @@ TTL = 3.0
 N_JOBS = 12
 SEED = 20261130
 BOUND_S = 300
+FIRST_STEP_S = 300
 
 
 class RestartingSupervisor:
@@ -71,7 +72,6 @@ def test_chaos_soak(stack):
     rng = random.Random(SEED)
     r = stack.redis
     sup = RestartingSupervisor(stack, 3)
-    t_start = time.monotonic()
     try:
         with stack.client() as c:
             jobs = []
@@ -111,6 +111,11 @@ def test_chaos_soak(stack):
             later = [t for t, e in evs if restarted and t > restarted[0] and e["type"] in ("grpo_step", "done")]
             return requeued[0] - t_fault, later[0] - t_fault
 
+        # A training process's first step on an empty kernel cache compiles MLX's kernels (a
+        # minute or more on a 2-core CPU, three processes at once: CI starts cold). The soak, its
+        # faults and its time bound start once a job is past it.
+        wait_for(running_job, FIRST_STEP_S, "a job's first step")
+        t_start = time.monotonic()
         hit = []  # (job id, fault time) of the faults that struck a job
         for fault in faults:
             time.sleep(rng.uniform(2.0, 4.0))
