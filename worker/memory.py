@@ -45,6 +45,7 @@ from mlx.utils import tree_flatten
 
 from shared.memory_estimate import GB, ModelShape, logits_chunk_tokens, loss_bytes, min_need_bytes, sampling_bytes  # noqa: F401 (re-exported)
 from shared.settings import load_settings
+from worker.sampling import decode_groups, decode_projections
 
 MAX_MICRO_BATCH_TOKENS = 8192
 DENSE_DECODE_ROWS = 16  # CUDA's quantized matmul of 8 rows is near its per-kernel floor (worker/sampling.py dequantized)
@@ -154,12 +155,10 @@ def cuda() -> bool:
 
 
 def dense_decode_bytes(model: nn.Module) -> int:
-    """Dense copies of the quantized projections a decode step multiplies by (the blocks' and the
-    output projection: a tied embedding's too), in the scales' dtype."""
-    embed = model.model.embed_tokens
-    mods = [m for layer in model.layers for _, m in layer.named_modules()] + [getattr(model, "lm_head", embed)]
+    """Dense copies of the quantized weights a decode step multiplies by (sampling.py
+    decode_projections), in the scales' dtype."""
     return sum(m["weight"].shape[0] * m["weight"].shape[1] * 32 // m.bits * m["scales"].dtype.size
-               for m in mods if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding))
+               for m in decode_projections(model, decode_groups(model)))
 
 
 def _plan_loss(model: nn.Module, rows: int, width: int, checkpointing: bool | None,

@@ -379,27 +379,27 @@ def grouped_projections(groups: list[Group], lora: list, dense: dict | None = No
 
 
 def dequantized(modules: list[nn.Module]) -> dict[int, tuple[mx.array, mx.array | None]]:
-    """Dense copies of quantized projections' weights (the scales' dtype, transposed to inputs x
+    """Dense copies of quantized modules' weights (the scales' dtype, transposed to inputs x
     outputs) and their biases, by module id: on CUDA, MLX 0.32's quantized matmul of a decode
     step's rows takes about as long per row as for one row (a gate projection of the qwen3-0.6b
     shape: 14 us for 8 rows, 46 us for 32, 87 us for 64), a dense one reads the weights once.
     Memory: memory.dense_decode_bytes (a job's budget pays for it: worker/memory.py)."""
     copies = {}
     for m in modules:
-        if type(m) is nn.QuantizedLinear and id(m) not in copies:
-            w = mx.dequantize(m["weight"], m["scales"], m.get("biases"), m.group_size, m.bits, mode=m.mode)
-            copies[id(m)] = (mx.contiguous(w.T), m.get("bias"))
-            mx.eval(copies[id(m)][0])
+        w = mx.dequantize(m["weight"], m["scales"], m.get("biases"), m.group_size, m.bits, mode=m.mode)
+        copies[id(m)] = (mx.contiguous(w.T), m.get("bias"))
+        mx.eval(copies[id(m)][0])
     return copies
 
 
 def decode_projections(model: nn.Module, groups: list[Group]) -> list[nn.Module]:
-    """The base projections a decode step multiplies by: each fused group's module, every other
-    projection of the blocks, and the output projection."""
+    """The quantized modules whose weights a decode step multiplies by: each fused group's module,
+    every other projection of the blocks, and the output projection (a tied embedding's)."""
     in_fused = {id(_base(m)) for g in groups if g.fused is not None for m in g.modules}
     mods = [g.fused for g in groups if g.fused is not None]
     mods += [m for layer in model.layers for _, m in layer.named_modules() if id(m) not in in_fused]
-    return mods + [lm_head(model)]
+    mods.append(getattr(model, "lm_head", model.model.embed_tokens))
+    return [m for m in mods if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding)]
 
 
 def _split(x: mx.array, sizes: list[int]) -> list[mx.array]:
@@ -425,10 +425,8 @@ def make_decode_step(
     groups = decode_groups(model)
     copies = dequantized(decode_projections(model, groups)) if dense else {}
     embed = model.model.embed_tokens
-    if dense and head == getattr(embed, "as_linear", None) and type(embed) is nn.QuantizedEmbedding:  # tied
-        w = mx.contiguous(mx.dequantize(embed["weight"], embed["scales"], embed.get("biases"), embed.group_size,
-                                        embed.bits, mode=embed.mode).T)
-        mx.eval(w)
+    if id(embed) in copies:  # a tied output projection: embed_tokens.as_linear, not a QuantizedLinear call
+        w = copies[id(embed)][0]
         head = lambda h: h @ w  # noqa: E731
     passed = {id(a) for g in groups if g.lora for m in g.modules for a in (m.lora_a, m.lora_b)}
     constant = all(id(a) in passed for _, a in tree_flatten(model.trainable_parameters()))
