@@ -2,7 +2,7 @@
 
     python3 bench/decode.py MODEL_DIR --rows 8 32 64 --tokens 128 [--group-size 8] [--prompt-len 24]
                             [--reps 3] [--sampling FILE ...] [--queries 1 2] [--lora-layers N]
-                            [--count-only] [--ours-only] [--dense] [--json OUT]
+                            [--count-only] [--ours-only] [--dense] [--kernel on off] [--json OUT]
 
 For each row count R, one after the other in this process (B = R / group size prompts of
 slightly different lengths, so rows are left-padded; temperature 1; EOS off everywhere, so
@@ -10,7 +10,10 @@ every row decodes --tokens tokens):
 
   ours      sample() of worker/sampling.py (or of each --sampling FILE: an older copy of
             that module, to compare versions in one sitting); with --queries 1 2, once with
-            each number of queries per row make_decode_step can be given (see fused_queries)
+            each number of queries per row make_decode_step can be given (see fused_queries);
+            with --kernel on off, with and without the CUDA attention kernel (attention_kernel.py).
+            Every variant after the first prints the share of its tokens that are the first's
+            and the largest difference of their log-probs (the same random draws)
   batch     mlx_lm's batch_generate of the same R rows (completion and prefill batch = R)
   single    mlx_lm's generate_step of one row (its own single-sequence decode)
 
@@ -43,6 +46,7 @@ import collections
 import contextlib
 import importlib.util
 import inspect
+import itertools
 import json
 import re
 import statistics
@@ -133,14 +137,15 @@ class _Counted(Exception):
     pass
 
 
-def make_step(S, model, p, queries, dense=False):
-    return S.make_decode_step(model, p, [], 0, *([queries] if queries else []), **({"dense": True} if dense else {}))
+def make_step(S, model, p, variant):
+    """variant: make_decode_step's keyword arguments (queries, dense, kernel) that this version has."""
+    return S.make_decode_step(model, p, [], 0, **variant)
 
 
-def ours_counts(S, model, prompts, group_size, queries, dense=False) -> collections.Counter:
+def ours_counts(S, model, prompts, group_size, variant) -> collections.Counter:
     """The graph of our second decode step (the first one's inputs still hold the prefill)."""
     p = S.SamplingParams(max_tokens=4, temperature=1.0)  # the step's graph does not depend on the length
-    step = make_step(S, model, p, queries, dense)
+    step = make_step(S, model, p, variant)
     calls = []
 
     def counted(*args):
@@ -157,12 +162,13 @@ def ours_counts(S, model, prompts, group_size, queries, dense=False) -> collecti
     raise RuntimeError("sample() made fewer than two decode steps")
 
 
-def ours_time(S, model, prompts, group_size, queries, tokens, reps, dense=False) -> tuple[list[float], list[float]]:
+def ours_time(S, model, prompts, group_size, variant, tokens, reps):
     """Wall times of sample(), and the host's share of each: the seconds spent in the decode
     steps' calls (mx.compile's replay, building the step's graph) and in handing them to the
-    device (mx.async_eval, which encodes every kernel). Close to the wall time: host-bound."""
+    device (mx.async_eval, which encodes every kernel). Close to the wall time: host-bound.
+    Also the last run's samples (its key is the same for every variant)."""
     p = S.SamplingParams(max_tokens=tokens, temperature=1.0)
-    step = make_step(S, model, p, queries, dense)
+    step = make_step(S, model, p, variant)
     host = [0.0]
 
     def timed(*args):
@@ -180,7 +186,20 @@ def ours_time(S, model, prompts, group_size, queries, tokens, reps, dense=False)
         times.append(time.perf_counter() - t0)
         hosts.append(host[0])
         assert samples.steps == tokens
-    return times[1:], hosts[1:]
+    return times[1:], hosts[1:], samples
+
+
+def agreement(samples, first) -> dict:
+    """How far two variants' samples of the same draws agree: the rows whose tokens are all the
+    same, the share of tokens before each row's first different one, and the largest log-prob
+    difference there (after a different token the rows' contexts differ)."""
+    a, b = np.array(samples.tokens), np.array(first.tokens)
+    differs = a != b
+    before = np.where(differs.any(axis=1), differs.argmax(axis=1), a.shape[1])
+    keep = np.arange(a.shape[1])[None, :] < before[:, None]
+    dlogp = np.abs(np.array(samples.logprobs) - np.array(first.logprobs))
+    return {"rows_as_first": float((before == a.shape[1]).mean()), "tokens_before_difference": float(keep.mean()),
+            "max_logprob_diff_before": float(np.where(keep, dlogp, 0).max())}
 
 
 def left_padded(rows):
@@ -255,6 +274,9 @@ def main():
     ap.add_argument("--count-only", action="store_true", help="primitive counts only, no timings")
     ap.add_argument("--dense", action="store_true",
                     help="ours also with dense=True (dequantized weights: what a job's memory budget buys on CUDA)")
+    ap.add_argument("--kernel", nargs="+", choices=["on", "off"], default=[None],
+                    help="ours with make_decode_step(kernel=True / False): the CUDA attention kernel or not "
+                         "(default: as a job decides, attention_kernel where it fits)")
     ap.add_argument("--ours-only", action="store_true", help="not mlx_lm's decoders (e.g. to compare MLX settings)")
     ap.add_argument("--json", type=Path, help="write the records here as a JSON list")
     args = ap.parse_args()
@@ -309,22 +331,36 @@ def main():
             with fused_as_on_cuda():
                 return counter, fn()
 
-        ours = []
+        ours, first = [], None
         for name, S in versions.items():
-            has_queries = "queries" in inspect.signature(S.make_decode_step).parameters
-            has_dense = "dense" in inspect.signature(S.make_decode_step).parameters
-            for q, dense in [(q, d) for q in (args.queries if has_queries else [None])
-                             for d in ([False, True] if args.dense and has_dense else [False])]:
-                label = (f"ours {Path(name).name if len(versions) == 1 else name}" + (f" queries={q}" if q else "")
-                         + (" dense" if dense else ""))
+            params = inspect.signature(S.make_decode_step).parameters
+            options = [("queries", args.queries, lambda q: f" queries={q}" if q else ""),
+                       ("dense", [False, True] if args.dense else [False], lambda d: " dense" if d else ""),
+                       ("kernel", args.kernel, lambda k: {"on": " kernel", "off": " no kernel"}.get(k, ""))]
+            options = [(key, values, tag) for key, values, tag in options if key in params]
+            for choice in itertools.product(*[values for _, values, _ in options]):
+                variant = {key: {"on": True, "off": False}.get(c, c) for (key, _, _), c in zip(options, choice)
+                           if c is not None}
+                label = (f"ours {Path(name).name if len(versions) == 1 else name}"
+                         + "".join(tag(c) for (_, _, tag), c in zip(options, choice)))
                 try:  # one decoder failing (e.g. a kernel path on one backend) leaves the others' figures
-                    counts = both(lambda: ours_counts(S, model, prompts, G, q, dense))
-                    times = (None, None) if args.count_only else ours_time(S, model, prompts, G, q, args.tokens, args.reps,
-                                                                           dense)
+                    counts = both(lambda: ours_counts(S, model, prompts, G, variant))
+                    times, hosts, samples = ((None, None, None) if args.count_only
+                                             else ours_time(S, model, prompts, G, variant, args.tokens, args.reps))
                 except Exception as e:
                     print(f"  {label:40s} rows {R:3d}  failed: {type(e).__name__}: {e}", flush=True)
                     continue
-                ours.append(record(label, R, *counts, *times))
+                rec = record(label, R, *counts, times, hosts)
+                ours.append(rec)
+                if samples is not None and first is None:
+                    first = (label, samples)
+                elif samples is not None:
+                    rec.update(agreement(samples, first[1]))
+                    print(f"    vs {first[0]}: rows the same {rec['rows_as_first']:.3f}, tokens before a row's "
+                          f"first difference {rec['tokens_before_difference']:.4f}, their largest log-prob "
+                          f"difference {rec['max_logprob_diff_before']:.2e}", flush=True)
+                    if args.json:
+                        args.json.write_text(json.dumps(records, indent=1))
         if args.ours_only:
             continue
         counts = both(lambda: batch_counts(model, rows))

@@ -25,7 +25,8 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from conftest import ROOT
 
-from worker.sampling import SamplingParams, decode_groups, fuse_shared_inputs, make_decode_step, sample
+from worker import attention_kernel
+from worker.sampling import SamplingParams, decode_groups, fuse_shared_inputs, kernel_fits, make_decode_step, sample
 
 PAD = 7
 
@@ -234,3 +235,52 @@ def test_a_dense_decode_of_a_quantized_model_samples_what_the_quantized_one_does
     quantized, dense = (sample(model, steps[d], prompts, group_size, p, EOS, mx.random.key(3)) for d in (False, True))
     np.testing.assert_array_equal(np.array(dense.tokens), np.array(quantized.tokens))
     np.testing.assert_allclose(np.array(dense.logprobs), np.array(quantized.logprobs), atol=1e-4, rtol=1e-4)
+
+
+cuda_only = pytest.mark.skipif(not attention_kernel.cuda(), reason="the attention kernel runs on MLX's CUDA backend")
+
+
+@cuda_only
+@pytest.mark.parametrize("case", CASES)
+def test_the_cuda_attention_kernel_decodes_what_mlx_attention_does(model, lora_model, case, monkeypatch):
+    """On CUDA, the decode step's attention by attention_kernel (which also writes the new key and
+    value into the KV buffers, in place) samples what MLX's own masked attention does: the same
+    tokens, log-probs to float32 rounding, with and without LoRA, over every case (padding,
+    groups, rows ending at different steps)."""
+    calls = []
+    attend = attention_kernel.attend
+    monkeypatch.setattr(attention_kernel, "attend", lambda *a: calls.append(1) or attend(*a))
+    params, prompts, group_size = CASES[case]
+    p = SamplingParams(**params)
+    for m in (model, lora_model):
+        assert kernel_fits(m)
+        plain = sample(m, make_decode_step(m, p, EOS, PAD, queries=1, kernel=False), prompts, group_size, p, EOS,
+                       mx.random.key(3))
+        want = tuple(np.array(a) for a in (plain.tokens, plain.logprobs, plain.entropy, plain.mask, plain.ended))
+        calls.clear()
+        got = sample(m, make_decode_step(m, p, EOS, PAD, kernel=True), prompts, group_size, p, EOS, mx.random.key(3))
+        assert len(calls) == len(m.layers)  # one per layer, in the one trace of the compiled step
+        assert_same(got, want, p)
+
+
+def test_a_model_that_attends_otherwise_keeps_mlx_attention(tiny_model, monkeypatch):
+    """kernel_fits, on a CPU made to look like CUDA (the trace is never evaluated): mlx_lm's model
+    fits; one that hands the attention anything but its cache's own buffers (here: the keys
+    times one) does not, nor one that never calls mx.fast.scaled_dot_product_attention."""
+    monkeypatch.setattr(attention_kernel, "cuda", lambda: True)
+    monkeypatch.setattr(attention_kernel, "available", lambda q, k: True)
+    monkeypatch.setattr(attention_kernel, "attend", lambda q, *args: q)  # cuda_kernel needs CUDA
+    model = mlx_lm.load(str(tiny_model))[0]
+    assert kernel_fits(model)
+    attention = type(model.layers[0].self_attn)
+    original = attention.__call__
+    for changed in (lambda sdpa, q, k, v, **kw: sdpa(q, k * 1, v, **kw), lambda sdpa, q, k, v, **kw: q):
+        def call(self, x, mask=None, cache=None):
+            saved = mx.fast.scaled_dot_product_attention  # kernel_fits' own, while it traces
+            mx.fast.scaled_dot_product_attention = lambda q, k, v, **kw: changed(saved, q, k, v, **kw)
+            try:
+                return original(self, x, mask, cache)
+            finally:
+                mx.fast.scaled_dot_product_attention = saved
+        monkeypatch.setattr(attention, "__call__", call)
+        assert not kernel_fits(model)

@@ -45,6 +45,7 @@ from mlx.utils import tree_flatten
 
 from shared.memory_estimate import GB, ModelShape, logits_chunk_tokens, loss_bytes, min_need_bytes, sampling_bytes  # noqa: F401 (re-exported)
 from shared.settings import load_settings
+from worker.attention_kernel import cuda
 from worker.sampling import decode_groups, decode_projections
 
 MAX_MICRO_BATCH_TOKENS = 8192
@@ -148,10 +149,6 @@ def plan_memory(
     return _because(dataclasses.replace(plan, dense_decode_gb=dense),
                     f"decoding with dense copies of the quantized weights ({dense:.2f} GB): faster on CUDA from "
                     f"{DENSE_DECODE_ROWS} rows")
-
-
-def cuda() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def dense_decode_bytes(model: nn.Module) -> int:

@@ -9,8 +9,9 @@ chunk of tokens (all finished? cancelled?).
 
 On a GPU a decode step costs about its number of MLX primitives (host work per primitive,
 not arithmetic), so the step keeps that number down: what all layers share (positions,
-mask, write slot) is computed once (`Slots`), and on CUDA the attention sees each row's
-query twice so that MLX fuses it (`fused_queries`). bench/decode.py counts them.
+mask, write slot) is computed once (`Slots`), and on CUDA each layer's attention and KV write
+is one kernel (worker/attention_kernel.py; else the attention sees each row's query twice so
+that MLX fuses it, `fused_queries`). bench/decode.py counts them.
 
 The prompt of each group is prefilled once and its cache repeated group_size times.
 """
@@ -27,6 +28,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.tuner.lora import LoRALinear
 
+from worker import attention_kernel
+
 CHUNK = 16  # decode steps between host checks (early stop when all rows ended, cancel)
 
 
@@ -35,11 +38,18 @@ class Slots:
     for every layer: RoPE offsets, the attention mask, and (for one token) the slot it is
     written to. The graph of a decode step then holds these once, not once per layer."""
 
-    def __init__(self, capacity: int, write_pos: mx.array, left_pad: mx.array, n: int):
-        self.write_pos = write_pos  # () int32: buffer slot of the first new token (same for all rows)
+    def __init__(self, capacity: int, write_pos: mx.array, left_pad: mx.array, n: int, kernel: bool = False):
+        self.write_pos, self.left_pad = write_pos, left_pad  # () int32: buffer slot of the first new token
         self.offset = write_pos - left_pad  # (rows,) RoPE position of the first new token
         self.mask = attention_mask(write_pos + mx.arange(n), mx.arange(capacity), left_pad)
         self.one = (mx.arange(capacity) == write_pos)[None, None, :, None] if n == 1 else None
+        # kernel: one token's key and value are written by the attention (attention_kernel.attend),
+        # which takes them from `pending` (a layer's cache and its new key and value).
+        self.kernel, self.pending, self.attended = kernel and n == 1, None, 0
+
+
+class KernelMisfit(Exception):
+    """The model does not attend as attention_kernel.attend needs (kernel_fits)."""
 
 
 class StaticKVCache:
@@ -62,7 +72,11 @@ class StaticKVCache:
             rows, heads, _, _ = keys.shape
             self.keys = mx.zeros((rows, heads, self.capacity, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((rows, heads, self.capacity, values.shape[3]), values.dtype)
-        if self.slots.one is not None:
+        if self.slots.kernel:
+            if self.slots.pending is not None:  # the last layer's attention did not take its token
+                raise KernelMisfit
+            self.slots.pending = (self, keys.astype(self.keys.dtype), values.astype(self.values.dtype))
+        elif self.slots.one is not None:
             # A select, not slice_update: one kernel, a pure op inside mx.compile (slice_update
             # copies the buffer unless it can donate it, then computes the offset, then writes).
             self.keys = mx.where(self.slots.one, keys.astype(self.keys.dtype), self.keys)
@@ -181,27 +195,35 @@ def fused_queries(keys: mx.array) -> int:
     vector kernel takes no mask) but hands it to cuDNN from two queries on (half precision,
     head dim a multiple of 8 up to 128). Metal's vector kernel takes the mask for one query;
     the CPU has no fused attention."""
-    cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
     d = keys.shape[-1]
-    return 2 if cuda and keys.dtype in (mx.float16, mx.bfloat16) and d % 8 == 0 and d <= 128 else 1
+    return 2 if attention_kernel.cuda() and keys.dtype in (mx.float16, mx.bfloat16) and d % 8 == 0 and d <= 128 else 1
 
 
 @contextlib.contextmanager
-def attention_queries(queries: int):
-    """While a decode step is traced: mx.fast.scaled_dot_product_attention, given one query
-    per row and an array mask, attends with that query repeated `queries` times and keeps
-    the first output. The copies see the same keys under the same mask, so the result is
-    that of one query; they are there only for MLX to fuse the attention (fused_queries).
-    Only the attention sees them: projections, norms and RoPE run on one token per row."""
+def decode_attention(slots: Slots, queries: int):
+    """While a decode step is traced: what mx.fast.scaled_dot_product_attention does with one
+    query per row. With slots.kernel, attention_kernel.attend (which also writes the layer's
+    new key and value). Else, given an array mask, it attends with each query repeated
+    `queries` times and keeps the first output: the copies see the same keys under the same
+    mask, so the result is that of one query; they are there only for MLX to fuse the
+    attention (fused_queries). Only the attention sees them: projections, norms and RoPE run
+    on one token per row."""
     sdpa = mx.fast.scaled_dot_product_attention
 
-    def repeated(q, k, v, *, scale, mask=None, sinks=None):
-        if q.shape[2] == 1 and isinstance(mask, mx.array):
+    def attention(q, k, v, *, scale, mask=None, sinks=None):
+        pending, slots.pending = slots.pending, None
+        if pending is not None:
+            cache, k_new, v_new = pending
+            if k is not cache.keys or v is not cache.values or sinks is not None or not attention_kernel.available(q, k):
+                raise KernelMisfit
+            slots.attended += 1
+            return attention_kernel.attend(q, k_new, v_new, k, v, slots.write_pos, slots.left_pad, scale)
+        if queries > 1 and q.shape[2] == 1 and isinstance(mask, mx.array):
             q = mx.concatenate([q] * queries, axis=2)
             return sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks)[:, :, :1]
         return sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
-    mx.fast.scaled_dot_product_attention = repeated if queries > 1 else sdpa
+    mx.fast.scaled_dot_product_attention = attention
     try:
         yield
     finally:
@@ -408,12 +430,13 @@ def _split(x: mx.array, sizes: list[int]) -> list[mx.array]:
 
 def make_decode_step(
     model: nn.Module, params: SamplingParams, eos_ids: list[int], pad_id: int, queries: int | None = None,
-    dense: bool = False,
+    dense: bool = False, kernel: bool | None = None,
 ) -> Callable:
     """One compiled decode step for all rows: forward one token, pick the next, track EOS.
 
-    queries: how many copies of each row's query the attention gets (attention_queries;
-    by default fused_queries'): the results are those of one query. dense: the quantized
+    kernel: the attention is attention_kernel's (by default where kernel_fits). Else queries:
+    how many copies of each row's query the attention gets (decode_attention; by default
+    fused_queries'): the results are those of one query. dense: the quantized
     projections multiply by dequantized copies of their weights (dequantized; the log-probs
     then agree with the quantized model's to float rounding, not exactly).
 
@@ -430,13 +453,14 @@ def make_decode_step(
         head = lambda h: h @ w  # noqa: E731
     passed = {id(a) for g in groups if g.lora for m in g.modules for a in (m.lora_a, m.lora_b)}
     constant = all(id(a) in passed for _, a in tree_flatten(model.trainable_parameters()))
+    kernel = kernel_fits(model) if kernel is None else kernel
 
     def step(tokens, keys, values, write_pos, left_pad, finished, key, lora):
         capacity = keys[0].shape[2]
-        slots = Slots(capacity, write_pos, left_pad, 1)
+        slots = Slots(capacity, write_pos, left_pad, 1, kernel)
         caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
         # The function runs only while traced: what the two contexts change is in the graph.
-        with attention_queries(queries or fused_queries(keys[0])), grouped_projections(groups, lora, copies):
+        with decode_attention(slots, queries or fused_queries(keys[0])), grouped_projections(groups, lora, copies):
             logits = head(model.model(tokens[:, None], cache=caches)[:, 0])
         nxt, logp, ent = draw(logits, key, params)
         nxt = mx.where(finished, pad_id, nxt)
@@ -445,6 +469,24 @@ def make_decode_step(
         return nxt, logp, ent, valid, finished, [c.keys for c in caches], [c.values for c in caches]
 
     return mx.compile(step) if constant else mx.compile(step, inputs=[model.state])
+
+
+def kernel_fits(model: nn.Module) -> bool:
+    """Whether a decode step of the model can attend with attention_kernel: on MLX's CUDA
+    backend, when every layer hands its cache's own buffers and no attention sinks to
+    mx.fast.scaled_dot_product_attention right after update_and_fetch (mlx_lm's models do),
+    and every layer attends so.
+    Found by tracing one step of one row, never evaluated."""
+    if not attention_kernel.cuda():
+        return False
+    slots = Slots(2, mx.array(1, mx.int32), mx.array([0], mx.int32), 1, kernel=True)
+    caches = [StaticKVCache(2, slots) for _ in model.layers]
+    try:
+        with decode_attention(slots, 1):
+            model.model(mx.zeros((1, 1), mx.int32), cache=caches)
+    except KernelMisfit:
+        return False
+    return slots.pending is None and slots.attended == len(model.layers)
 
 
 def is_eos(tokens: mx.array, eos_ids: list[int]) -> mx.array:
@@ -487,8 +529,9 @@ def sample(
 
     # Repeat to group_size rows per prompt.
     rows = len(prompts) * group_size
-    keys = [mx.repeat(c.keys, group_size, axis=0) for c in caches]
-    values = [mx.repeat(c.values, group_size, axis=0) for c in caches]
+    # Row-contiguous buffers of this decode's own: attention_kernel writes into them in place.
+    keys = [mx.contiguous(mx.repeat(c.keys, group_size, axis=0)) for c in caches]
+    values = [mx.contiguous(mx.repeat(c.values, group_size, axis=0)) for c in caches]
     logits = mx.repeat(logits, group_size, axis=0)
     pad = mx.repeat(pad, group_size, axis=0)
     write_pos = mx.array(width, dtype=mx.int32)
