@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--name", type=_name, help="worker name (default: <host>-<pid>)")
     worker.add_argument("--models", nargs="+", default=[], metavar="MODEL_ID",
                         help="model ids to take jobs for besides those in MTQ_MODELS_DIR, MTQ_MODEL_ROOTS and the "
-                             "Hugging Face cache (e.g. Hugging Face ids this worker downloads)")
+                             "Hugging Face cache (e.g. Hugging Face ids this worker downloads); on an empty "
+                             "kernel cache the worker warms them up (compiles MLX's kernels) before its first job")
     worker.add_argument("--memory-gb", type=_gb, help="memory jobs may use here (default: detected: Metal's "
                         "recommended working set, else 90%% of a GPU's memory, else 75%% of RAM)")
     worker.add_argument("--hub", action="store_true",

@@ -11,7 +11,7 @@ import re
 import signal
 import time
 
-from conftest import wait_for
+from conftest import read_events, wait_for
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 CONFIG = {"iters": 2, "group_size": 2, "batch_size": 1, "max_completion_len": 8, "lora_layers": 2, "lora_rank": 4,
@@ -52,3 +52,46 @@ def test_waiting_for_worker_then_compiling_within_2s_on_a_fresh_kernel_cache(sta
         finally:
             os.killpg(worker.pid, signal.SIGKILL)  # with its compiler children
             worker.wait(10)
+
+
+def test_a_worker_that_offers_a_model_compiles_its_kernels_before_its_first_job(stack, tmp_path):
+    """worker/warm_up.py: a worker started with --models on an empty kernel cache warms the model
+    up while no job is submitted: the kernels go into the cache and the model stays loaded. Its
+    first job (another shape and LoRA than the warm-up's) then finds the model loaded, never
+    shows the compiling phase, and adds few kernels to the cache."""
+    fresh = tmp_path / "cache"
+    fresh.mkdir()
+    kernels = lambda: list(fresh.glob("mlx/*/cpu/*"))  # noqa: E731
+    worker = stack.start_worker("--name", "warm", "--models", stack.tiny_model.name,
+                                env=dict(stack.env, MTQ_KERNEL_CACHE=str(fresh)))
+    try:
+        with stack.client() as c:
+            def warmed():
+                res = c.get("/admin/api/workers/warm")
+                return res.status_code == 200 and stack.tiny_model.name in res.json()["loaded"]
+
+            wait_for(warmed, 300, "the worker to warm its model up", interval=0.5)
+            warm = len(kernels())
+            assert warm > 0
+            job_id = c.post(JOBS, json={"model_id": stack.tiny_model.name, "prompts": ["Say hello."],
+                                        "config": CONFIG}).json()["job_id"]
+            phases = set()
+
+            def ended():
+                job = c.get(f"{JOBS}/{job_id}").json()
+                phases.add(job["phase"])
+                return job["status"] in ("completed", "failed")
+
+            wait_for(ended, 120, f"the job to end; phases {phases}", interval=0.05)
+            job = c.get(f"{JOBS}/{job_id}").json()
+            assert job["status"] == "completed", job
+        assert "compiling" not in phases, phases
+        ready = [e for _, e in read_events(stack.redis, job_id) if e["type"] == "model_ready"]
+        assert ready and ready[0]["cached"] is True
+        warmed_in = re.findall(r"warmed up \S+ in [\d.]+ s", stack.logs("worker"))
+        print(f"\n{warmed_in}: {warm} kernels; the first job then compiled {len(kernels()) - warm} more, "
+              f"and ran {job['finished_at'] - job['started_at']:.1f} s from start to end")
+        assert len(kernels()) - warm <= warm // 10
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(10)

@@ -63,7 +63,7 @@ MAX_BACKOFF_S = 30.0  # between two tries of rq's work loop while Redis is in tr
 GANG_RETRY_S = 1.0  # a leader that found too few free workers for a gang job waits this long before its next dequeue
 
 
-def training_entry(conn, marks: Marks, worker: str, parent_pid: int) -> None:
+def training_entry(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str]) -> None:
     """The training process's entry point (multiprocessing 'spawn': a fresh interpreter, no fork
     of MLX). It imports the training process's module, and with it MLX, only here, in the child."""
     _die_with_parent()
@@ -71,7 +71,7 @@ def training_entry(conn, marks: Marks, worker: str, parent_pid: int) -> None:
     kernel_cache.use(load_settings().kernel_cache_dir)  # before MLX compiles anything
     from worker import training_process  # in the child only: the supervisor never loads MLX
 
-    training_process.main(conn, marks, worker, parent_pid)
+    training_process.main(conn, marks, worker, parent_pid, warm_models)
 
 
 def _die_with_parent() -> None:
@@ -85,10 +85,11 @@ def _die_with_parent() -> None:
 class TrainingProcess:
     """The supervisor's handle on its child."""
 
-    def __init__(self, worker_name: str):
+    def __init__(self, worker_name: str, warm_models: list[str]):
         self.ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: never fork a process with MLX in it
         self.marks = Marks(self.ctx)
         self.worker_name = worker_name
+        self.warm_models = warm_models  # what a child that finds the kernel cache empty warms up (worker/warm_up.py)
         self.proc = None
         self.conn = None
         self.device: dict | None = None  # the MLX device and its memory, as the child reports it
@@ -102,7 +103,7 @@ class TrainingProcess:
         ours, theirs = self.ctx.Pipe()
         self.in_gang = False
         self.proc = self.ctx.Process(target=training_entry, name="mtq-training", daemon=True,
-                                     args=(theirs, self.marks, self.worker_name, os.getpid()))
+                                     args=(theirs, self.marks, self.worker_name, os.getpid(), self.warm_models))
         self.proc.start()
         theirs.close()
         self.conn = ours
@@ -147,7 +148,7 @@ class Supervisor(SimpleWorker):
 
     def __init__(self, *args, lanes: list[str], models: list[str], memory_gb: float | None, hub: bool, **kwargs):
         super().__init__(*args, **kwargs)
-        self.training = TrainingProcess(self.name)
+        self.training = TrainingProcess(self.name, list(models))
         self.lease: Lease | None = None  # of the job being run, for the heartbeat thread
         self._running = None  # (rq job, execution) while a job runs
         self.lanes, self.declared_models, self.declared_memory_gb, self.hub = lanes, models, memory_gb, hub

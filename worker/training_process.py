@@ -39,6 +39,7 @@ from worker.marks import Marks
 from worker.memory import device_description
 from worker.models import loaded_model_ids
 from worker.train_core import Cancelled
+from worker.warm_up import warm_up_all
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +236,9 @@ def _fail(lease: Lease, error: str) -> str:
     return "failed"
 
 
-def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
-    """The child's loop, called by its entry point (worker/supervisor.py training_entry)."""
+def main(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str] = ()) -> None:
+    """The child's loop, called by its entry point (worker/supervisor.py training_entry).
+    warm_models: the models its worker offers, warmed up first when the kernel cache is empty."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s [training {os.getpid()}] %(name)s %(levelname)s %(message)s")
     for module in {kind.worker_module for kind in kinds.KINDS.values()}:
@@ -256,6 +258,11 @@ def main(conn, marks: Marks, worker: str, parent_pid: int) -> None:
 
     publish_changes()  # a fresh process holds none
     conn.send(("ready", device_description()))  # the supervisor advertises the device and routes by its memory
+    if _first_step_compiles and warm_models:
+        marks.mark("compiling")
+        warm_up_all(list(warm_models), settings, job_waiting=lambda: conn.poll(0), mark=marks.mark)
+        _first_step_compiles = kernel_cache_is_fresh()
+        publish_changes()
     queues, read_at = [], -math.inf
     while True:
         # Idle: answer scoring requests for the models this worker offers; a job waiting gets the
