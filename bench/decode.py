@@ -12,8 +12,9 @@ every row decodes --tokens tokens):
             that module, to compare versions in one sitting); with --queries 1 2, once with
             each number of queries per row make_decode_step can be given (see fused_queries);
             with --kernel on off, with and without the CUDA attention kernel (attention_kernel.py).
-            Every variant after the first prints the share of its tokens that are the first's
-            and the largest difference of their log-probs (the same random draws)
+            Every variant after the first draws what the first does and prints how far they
+            agree: the rows whose tokens are all the same, the tokens before each row's first
+            different one, and the largest log-prob difference there (agreement)
   batch     mlx_lm's batch_generate of the same R rows (completion and prefill batch = R)
   single    mlx_lm's generate_step of one row (its own single-sequence decode)
 
@@ -298,6 +299,10 @@ def main():
           f"{args.tokens} tokens per row", flush=True)
     records = []
 
+    def save():  # after each record: a run cut short keeps what it measured
+        if args.json:
+            args.json.write_text(json.dumps(records, indent=1))
+
     def record(name, rows, counter, gpu_counter, times, hosts=None):
         rec = {"decoder": name, "rows": rows, "tokens": args.tokens, "device": str(mx.default_device()),
                "lora_layers": args.lora_layers,
@@ -311,8 +316,7 @@ def main():
         if hosts:
             rec["host_ms_per_position"] = round(1000 * statistics.median(hosts) / args.tokens, 3)
         records.append(rec)
-        if args.json:  # after each record: a run cut short keeps what it measured
-            args.json.write_text(json.dumps(records, indent=1))
+        save()
         gpu = f" gpu {rec['primitives_gpu']:5d}" if gpu_counter is not None else ""
         ms = f" {rec['ms_per_position']:8.2f} ms/pos" if times else ""
         ms += f" (host {rec['host_ms_per_position']:.2f})" if hosts else ""
@@ -359,8 +363,7 @@ def main():
                     print(f"    vs {first[0]}: rows the same {rec['rows_as_first']:.3f}, tokens before a row's "
                           f"first difference {rec['tokens_before_difference']:.4f}, their largest log-prob "
                           f"difference {rec['max_logprob_diff_before']:.2e}", flush=True)
-                    if args.json:
-                        args.json.write_text(json.dumps(records, indent=1))
+                    save()
         if args.ours_only:
             continue
         counts = both(lambda: batch_counts(model, rows))

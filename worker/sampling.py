@@ -39,7 +39,8 @@ class Slots:
     written to. The graph of a decode step then holds these once, not once per layer."""
 
     def __init__(self, capacity: int, write_pos: mx.array, left_pad: mx.array, n: int, kernel: bool = False):
-        self.write_pos, self.left_pad = write_pos, left_pad  # () int32: buffer slot of the first new token
+        self.write_pos = write_pos  # () int32: buffer slot of the first new token (same for all rows)
+        self.left_pad = left_pad  # (rows,) int32
         self.offset = write_pos - left_pad  # (rows,) RoPE position of the first new token
         self.mask = attention_mask(write_pos + mx.arange(n), mx.arange(capacity), left_pad)
         self.one = (mx.arange(capacity) == write_pos)[None, None, :, None] if n == 1 else None

@@ -148,10 +148,10 @@ class Supervisor(SimpleWorker):
 
     def __init__(self, *args, lanes: list[str], models: list[str], memory_gb: float | None, hub: bool, **kwargs):
         super().__init__(*args, **kwargs)
-        self.training = TrainingProcess(self.name, list(models))
+        self.lanes, self.declared_models, self.declared_memory_gb, self.hub = lanes, models, memory_gb, hub
+        self.training = TrainingProcess(self.name, self.declared_models)
         self.lease: Lease | None = None  # of the job being run, for the heartbeat thread
         self._running = None  # (rq job, execution) while a job runs
-        self.lanes, self.declared_models, self.declared_memory_gb, self.hub = lanes, models, memory_gb, hub
         self.current_job: str | None = None
         self.stopping = False  # a warm shutdown was requested
         self.models: dict[str, dict] = {}  # model key -> what it advertises of the models it has on disk

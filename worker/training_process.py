@@ -260,7 +260,7 @@ def main(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str
     conn.send(("ready", device_description()))  # the supervisor advertises the device and routes by its memory
     if _first_step_compiles and warm_models:
         marks.mark("compiling")
-        warm_up_all(list(warm_models), settings, job_waiting=lambda: conn.poll(0), mark=marks.mark)
+        warm_up_all(warm_models, settings, job_waiting=lambda: conn.poll(0), mark=marks.mark)
         _first_step_compiles = kernel_cache_is_fresh()
         publish_changes()
     queues, read_at = [], -math.inf
