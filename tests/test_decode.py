@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 import mlx_lm
 import numpy as np
@@ -25,7 +26,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from conftest import ROOT
 
-from worker import attention_kernel
+from worker import attention_kernel, sampling
 from worker.sampling import SamplingParams, decode_groups, fuse_shared_inputs, kernel_fits, make_decode_step, sample
 
 PAD = 7
@@ -93,6 +94,7 @@ CASES = {
     "filtered": (dict(max_tokens=12, temperature=0.7, top_k=50, top_p=0.9, min_p=0.05), [[3, 4], [8, 9, 10, 11]], 2),
     "greedy": (dict(max_tokens=10, temperature=0.0), [[1, 2, 3], [600, 601]], 2),
     "one row": (dict(max_tokens=18), [[12, 13, 14]], 1),  # categorical of one row draws otherwise
+    "one prompt": (dict(max_tokens=12), [[12, 13, 14, 15]], 4),  # its padding repeated: a broadcast, stride 0
 }
 EOS = list(range(0, 1024, 24))  # about 4% of the vocabulary: rows end at different steps
 
@@ -241,15 +243,19 @@ cuda_only = pytest.mark.skipif(not attention_kernel.cuda(), reason="the attentio
 
 
 @cuda_only
+@pytest.mark.parametrize("whole", [True, False], ids=["whole attention", "after norms and rope"])
 @pytest.mark.parametrize("case", CASES)
-def test_the_cuda_attention_kernel_decodes_what_mlx_attention_does(model, lora_model, case, monkeypatch):
+def test_the_cuda_attention_kernel_decodes_what_mlx_attention_does(model, lora_model, case, whole, monkeypatch):
     """On CUDA, the decode step's attention by attention_kernel (which also writes the new key and
     value into the KV buffers, in place) samples what MLX's own masked attention does: the same
     tokens, log-probs to float32 rounding, with and without LoRA, over every case (padding,
-    groups, rows ending at different steps)."""
+    groups, rows ending at different steps). Both forms: the Qwen3 attention whole, q/k norms
+    and RoPE in the kernel, and the kernel after MLX's norms and RoPE (another model's form)."""
     calls = []
     attend = attention_kernel.attend
-    monkeypatch.setattr(attention_kernel, "attend", lambda *a: calls.append(1) or attend(*a))
+    monkeypatch.setattr(attention_kernel, "attend", lambda *a, **kw: calls.append(kw) or attend(*a, **kw))
+    if not whole:
+        monkeypatch.setattr(sampling, "kernel_norms_and_rope", lambda attention: False)
     params, prompts, group_size = CASES[case]
     p = SamplingParams(**params)
     for m in (model, lora_model):
@@ -260,18 +266,30 @@ def test_the_cuda_attention_kernel_decodes_what_mlx_attention_does(model, lora_m
         calls.clear()
         got = sample(m, make_decode_step(m, p, EOS, PAD, kernel=True), prompts, group_size, p, EOS, mx.random.key(3))
         assert len(calls) == len(m.layers)  # one per layer, in the one trace of the compiled step
+        assert all(("rope" in kw) == whole for kw in calls)
         assert_same(got, want, p)
 
 
 def test_a_model_that_attends_otherwise_keeps_mlx_attention(tiny_model, monkeypatch):
-    """kernel_fits, on a CPU made to look like CUDA (the trace is never evaluated): mlx_lm's model
-    fits; one that hands the attention anything but its cache's own buffers (here: the keys
-    times one) does not, nor one that never calls mx.fast.scaled_dot_product_attention."""
+    """kernel_fits and the kernel's form, on a CPU made to look like CUDA (the trace is never
+    evaluated): mlx_lm's Qwen3 attention runs whole in the kernel, its q/k norms and RoPE too;
+    with another RoPE (here a traditional one) the kernel stands in for
+    mx.fast.scaled_dot_product_attention after MLX's norms and RoPE; a model that hands that
+    anything but its cache's own buffers (here: the keys times one) keeps MLX's attention, as
+    does one that never calls it."""
     monkeypatch.setattr(attention_kernel, "cuda", lambda: True)
     monkeypatch.setattr(attention_kernel, "available", lambda q, k: True)
-    monkeypatch.setattr(attention_kernel, "attend", lambda q, *args: q)  # cuda_kernel needs CUDA
+    calls = []
+    monkeypatch.setattr(attention_kernel, "attend", lambda q, *a, **kw: calls.append(kw) or q)  # cuda_kernel needs CUDA
     model = mlx_lm.load(str(tiny_model))[0]
     assert kernel_fits(model)
+    assert [kw.get("rope") for kw in calls] == [layer.self_attn.rope for layer in model.layers]
+    for layer in model.layers:
+        rope = layer.self_attn.rope
+        layer.self_attn.rope = nn.RoPE(rope.dims, traditional=True, base=rope.base)
+    calls.clear()
+    assert kernel_fits(model)
+    assert calls == [{}] * len(model.layers)
     attention = type(model.layers[0].self_attn)
     original = attention.__call__
     for changed in (lambda sdpa, q, k, v, **kw: sdpa(q, k * 1, v, **kw), lambda sdpa, q, k, v, **kw: q):

@@ -10,8 +10,9 @@ chunk of tokens (all finished? cancelled?).
 On a GPU a decode step costs about its number of MLX primitives (host work per primitive,
 not arithmetic), so the step keeps that number down: what all layers share (positions,
 mask, write slot) is computed once (`Slots`), and on CUDA each layer's attention and KV write
-is one kernel (worker/attention_kernel.py; else the attention sees each row's query twice so
-that MLX fuses it, `fused_queries`). bench/decode.py counts them.
+is one kernel (worker/attention_kernel.py; a Qwen3 layer's q/k norms and RoPE too; else the
+attention sees each row's query twice so that MLX fuses it, `fused_queries`). bench/decode.py
+counts them.
 
 The prompt of each group is prefilled once and its cache repeated group_size times.
 """
@@ -25,6 +26,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models import qwen3
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.tuner.lora import LoRALinear
 
@@ -68,11 +70,14 @@ class StaticKVCache:
     def offset(self) -> mx.array:
         return self.slots.offset
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
+    def allocate(self, rows: int, heads: int, key_dim: int, value_dim: int, dtype: mx.Dtype):
+        """The buffers, if not made yet (zeros: a slot not written yet is masked, never read)."""
         if self.keys is None:
-            rows, heads, _, _ = keys.shape
-            self.keys = mx.zeros((rows, heads, self.capacity, keys.shape[3]), keys.dtype)
-            self.values = mx.zeros((rows, heads, self.capacity, values.shape[3]), values.dtype)
+            self.keys = mx.zeros((rows, heads, self.capacity, key_dim), dtype)
+            self.values = mx.zeros((rows, heads, self.capacity, value_dim), dtype)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.allocate(*keys.shape[:2], keys.shape[3], values.shape[3], keys.dtype)
         if self.slots.kernel:
             if self.slots.pending is not None:  # the last layer's attention did not take its token
                 raise KernelMisfit
@@ -200,16 +205,31 @@ def fused_queries(keys: mx.array) -> int:
     return 2 if attention_kernel.cuda() and keys.dtype in (mx.float16, mx.bfloat16) and d % 8 == 0 and d <= 128 else 1
 
 
+def kernel_norms_and_rope(attention: nn.Module) -> bool:
+    """Whether attention_kernel.attend applies this attention module's q/k RMSNorms and RoPE
+    itself (its rope= and norms=): mlx_lm's Qwen3 attention with a plain RoPE on every dimension
+    of a head. Its decode step then runs the projections, the kernel and the output projection,
+    without four norm and RoPE kernels, the reshapes and transposes around them."""
+    if type(attention) is not qwen3.Attention:
+        return False
+    rope, q_norm, k_norm = attention.rope, attention.q_norm, attention.k_norm
+    d = q_norm.weight.shape[0]
+    return (type(rope) is nn.RoPE and not rope.traditional and rope.dims == d and d % 2 == 0
+            and type(q_norm) is nn.RMSNorm and type(k_norm) is nn.RMSNorm and k_norm.weight.shape == (d,))
+
+
 @contextlib.contextmanager
 def decode_attention(slots: Slots, queries: int):
     """While a decode step is traced: what mx.fast.scaled_dot_product_attention does with one
     query per row. With slots.kernel, attention_kernel.attend (which also writes the layer's
-    new key and value). Else, given an array mask, it attends with each query repeated
+    new key and value), and for a Qwen3 attention the whole attention between its projections
+    (kernel_norms_and_rope). Else, given an array mask, it attends with each query repeated
     `queries` times and keeps the first output: the copies see the same keys under the same
     mask, so the result is that of one query; they are there only for MLX to fuse the
     attention (fused_queries). Only the attention sees them: projections, norms and RoPE run
     on one token per row."""
     sdpa = mx.fast.scaled_dot_product_attention
+    qwen3_attention = qwen3.Attention.__call__
 
     def attention(q, k, v, *, scale, mask=None, sinks=None):
         pending, slots.pending = slots.pending, None
@@ -224,11 +244,27 @@ def decode_attention(slots: Slots, queries: int):
             return sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks)[:, :, :1]
         return sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
+    def whole_attention(self, x, mask=None, cache=None):
+        if not (slots.kernel and isinstance(cache, StaticKVCache) and kernel_norms_and_rope(self)):
+            return qwen3_attention(self, x, mask, cache)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        d = self.q_norm.weight.shape[0]
+        cache.allocate(x.shape[0], k.shape[-1] // d, d, d, k.dtype)
+        same = (k.dtype, v.dtype) == (cache.keys.dtype, cache.values.dtype)
+        if not same or not attention_kernel.available(q, cache.keys):
+            raise KernelMisfit
+        slots.attended += 1
+        out = attention_kernel.attend(q, k, v, cache.keys, cache.values, slots.write_pos, slots.left_pad, self.scale,
+                                      rope=self.rope, norms=(self.q_norm, self.k_norm))
+        return self.o_proj(out)
+
     mx.fast.scaled_dot_product_attention = attention
+    qwen3.Attention.__call__ = whole_attention
     try:
         yield
     finally:
         mx.fast.scaled_dot_product_attention = sdpa
+        qwen3.Attention.__call__ = qwen3_attention
 
 
 # Projections of one block that read the same input: a decode step runs each such group as one
