@@ -2,11 +2,14 @@
 
     python3 bench/decode.py MODEL_DIR --rows 8 32 64 --tokens 128 [--group-size 8] [--prompt-len 24]
                             [--reps 3] [--sampling FILE ...] [--queries 1 2] [--lora-layers N]
-                            [--count-only] [--ours-only] [--dense] [--kernel on off] [--json OUT]
+                            [--count-only] [--ours-only] [--dense] [--kernel on off] [--eos-every N]
+                            [--json OUT]
 
 For each row count R, one after the other in this process (B = R / group size prompts of
 slightly different lengths, so rows are left-padded; temperature 1; EOS off everywhere, so
-every row decodes --tokens tokens):
+every row decodes --tokens tokens, unless --eos-every N: then every N-th token id ends one of
+ours' rows, which end at different steps as a GRPO step's do, and its finished rows are
+dropped once half have finished):
 
   ours      sample() of worker/sampling.py (or of each --sampling FILE: an older copy of
             that module, to compare versions in one sitting); with --queries 1 2, once with
@@ -138,9 +141,9 @@ class _Counted(Exception):
     pass
 
 
-def make_step(S, model, p, variant):
+def make_step(S, model, p, variant, eos=()):
     """variant: make_decode_step's keyword arguments (queries, dense, kernel) that this version has."""
-    return S.make_decode_step(model, p, [], 0, **variant)
+    return S.make_decode_step(model, p, list(eos), 0, **variant)
 
 
 def ours_counts(S, model, prompts, group_size, variant) -> collections.Counter:
@@ -163,13 +166,13 @@ def ours_counts(S, model, prompts, group_size, variant) -> collections.Counter:
     raise RuntimeError("sample() made fewer than two decode steps")
 
 
-def ours_time(S, model, prompts, group_size, variant, tokens, reps):
+def ours_time(S, model, prompts, group_size, variant, tokens, reps, eos=()):
     """Wall times of sample(), and the host's share of each: the seconds spent in the decode
     steps' calls (mx.compile's replay, building the step's graph) and in handing them to the
     device (mx.async_eval, which encodes every kernel). Close to the wall time: host-bound.
     Also the last run's samples (its key is the same for every variant)."""
     p = S.SamplingParams(max_tokens=tokens, temperature=1.0)
-    step = make_step(S, model, p, variant)
+    step = make_step(S, model, p, variant, eos)
     host = [0.0]
 
     def timed(*args):
@@ -183,10 +186,10 @@ def ours_time(S, model, prompts, group_size, variant, tokens, reps):
     for i in range(reps + 1):  # the first run compiles
         host[0] = 0.0
         t0 = time.perf_counter()
-        samples = S.sample(model, timed, prompts, group_size, p, [], mx.random.key(i))
+        samples = S.sample(model, timed, prompts, group_size, p, list(eos), mx.random.key(i))
         times.append(time.perf_counter() - t0)
         hosts.append(host[0])
-        assert samples.steps == tokens
+        assert eos or samples.steps == tokens
     return times[1:], hosts[1:], samples
 
 
@@ -278,6 +281,9 @@ def main():
     ap.add_argument("--kernel", nargs="+", choices=["on", "off"], default=[None],
                     help="ours with make_decode_step(kernel=True / False): the CUDA attention kernel or not "
                          "(default: as a job decides, attention_kernel where it fits)")
+    ap.add_argument("--eos-every", type=int, default=0, metavar="N",
+                    help="ours only: every N-th token id ends a row (EOS off by default), so rows end at "
+                         "different steps, as a GRPO step's do")
     ap.add_argument("--ours-only", action="store_true", help="not mlx_lm's decoders (e.g. to compare MLX settings)")
     ap.add_argument("--json", type=Path, help="write the records here as a JSON list")
     args = ap.parse_args()
@@ -293,6 +299,7 @@ def main():
         linear_to_lora_layers(model, args.lora_layers, {"rank": 8, "scale": 16.0, "dropout": 0.0})
         model.eval()
     tokenizer.eos_token_ids = []  # batch_generate stops on these
+    eos = range(0, model.args.vocab_size, args.eos_every) if args.eos_every else ()
     on_cpu = mx.default_device() == mx.cpu
     print(f"device {mx.default_device()}, mlx {mx.__version__}, mlx_lm {mlx_lm.__version__}, "
           f"{len(model.layers)} layers ({args.lora_layers} with LoRA, {fused} groups of projections fused), "
@@ -350,7 +357,7 @@ def main():
                 try:  # one decoder failing (e.g. a kernel path on one backend) leaves the others' figures
                     counts = both(lambda: ours_counts(S, model, prompts, G, variant))
                     times, hosts, samples = ((None, None, None) if args.count_only
-                                             else ours_time(S, model, prompts, G, variant, args.tokens, args.reps))
+                                             else ours_time(S, model, prompts, G, variant, args.tokens, args.reps, eos))
                 except Exception as e:
                     print(f"  {label:40s} rows {R:3d}  failed: {type(e).__name__}: {e}", flush=True)
                     continue

@@ -27,7 +27,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 from conftest import ROOT
 
 from worker import attention_kernel, sampling
-from worker.sampling import SamplingParams, decode_groups, fuse_shared_inputs, kernel_fits, make_decode_step, sample
+from worker.sampling import SamplingParams, compacted, decode_groups, fuse_shared_inputs, kernel_fits, make_decode_step, sample
 
 PAD = 7
 
@@ -139,6 +139,32 @@ def test_decode_with_lora_equals_row_by_row_decode(lora_model, model):
     base = reference_decode(model, *CASES["categorical"][1:], SamplingParams(**CASES["categorical"][0]), EOS,
                             mx.random.key(3))
     assert (np.where(mask, tokens, -1) != np.where(base[3], base[0], -1)).any()
+
+
+def test_rows_that_finished_are_dropped_and_the_samples_stay_the_same(model, lora_model):
+    """Once half the rows have finished (at a chunk's end), sample() decodes the others only, a
+    power of two of rows with finished ones filling it (compacted), and each row draws what it
+    would draw in the whole batch: the same tokens, log-probs, entropies, mask and EOS flags as
+    the row-by-row reference; and a gang's share (batch_rows) compacts the same way."""
+    assert compacted(np.array([1, 1, 1, 0, 0, 1, 1, 1], bool)).tolist() == [3, 4]
+    assert compacted(np.array([1, 0, 1, 0, 0, 1, 1, 1], bool)).tolist() == [0, 1, 3, 4]
+    assert compacted(np.array([0, 0, 0, 1, 1], bool)) is None and compacted(np.array([0], bool)) is None
+    prompts, group_size = [[5, 9, 11, 300, 2], [17], [40, 41, 42]], 4  # 12 rows
+    eos = list(range(0, 1024, 16))  # 1 in 16 tokens: rows end at every chunk
+    for m, params in ((model, dict(max_tokens=40)), (lora_model, dict(max_tokens=40, temperature=0.7, top_k=50, top_p=0.9))):
+        p = SamplingParams(**params)
+        step = make_decode_step(m, p, eos, PAD)
+        calls = []
+        counted = lambda *args: calls.append(args[0].shape[0]) or step(*args)  # noqa: E731
+        got = sample(m, counted, prompts, group_size, p, eos, mx.random.key(4))
+        want = reference_decode(m, prompts, group_size, p, eos, mx.random.key(4))
+        assert_same(got, want, p)
+        assert calls[0] == 12 and min(calls) < 12 and got.steps > 17, calls  # compacted, and went on decoding
+        share = SamplingParams(**params, batch_rows=tuple(range(4, 12)), batch_height=12)  # the last two prompts' rows
+        calls.clear()
+        part = sample(m, counted, prompts[1:], group_size, share, eos, mx.random.key(4), width=5)
+        assert_same(part, tuple(a[4:] for a in want), share)
+        assert min(calls) < 8
 
 
 def test_fusing_changes_neither_outputs_nor_memory(tiny_model):

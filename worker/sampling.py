@@ -25,6 +25,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -173,8 +174,12 @@ def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> tu
     return pick(log_softmax(logits, temperature), tokens)
 
 
-def draw(logits: mx.array, key: mx.array, p: SamplingParams) -> tuple[mx.array, mx.array, mx.array]:
-    """The next token of every row, its log-prob and the entropy (one log-softmax for all three)."""
+def draw(logits: mx.array, key: mx.array, p: SamplingParams,
+         rows: tuple[int, mx.array] | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """The next token of every row, its log-prob and the entropy (one log-softmax for all three).
+    rows (height, index): the rows are these rows of a batch of `height` (a gang's share, or
+    the rows left once finished ones are dropped), and each draws the Gumbel noise it would
+    draw in the whole batch (mx.random.categorical's own way), so the same token."""
     logp_all = log_softmax(logits, p.temperature)
     if p.temperature == 0:
         tokens = mx.argmax(logits, axis=-1)
@@ -186,11 +191,12 @@ def draw(logits: mx.array, key: mx.array, p: SamplingParams) -> tuple[mx.array, 
             filtered = apply_top_p(filtered, p.top_p)
         if p.min_p > 0.0:
             filtered = apply_min_p(filtered, p.min_p)
-        if p.batch_rows is None:
+        if rows is None:
             tokens = mx.random.categorical(filtered, key=key)
         else:
-            noise = mx.random.gumbel(shape=(p.batch_height, filtered.shape[-1]), key=key)
-            tokens = mx.argmax(filtered + noise[mx.array(p.batch_rows)], axis=-1)
+            height, index = rows
+            noise = mx.random.gumbel(shape=(height, filtered.shape[-1]), key=key)
+            tokens = mx.argmax(filtered + noise[index], axis=-1)
     tokens = tokens.astype(mx.int32)
     return (tokens, *pick(logp_all, tokens))
 
@@ -480,7 +486,8 @@ def make_decode_step(
     The model's weights are constants of the compiled step, except the LoRA weights, which it
     takes as its argument `lora` (lora_args): MLX checks every input of a compiled function
     at every call, and a model has hundreds. A model with other trainable weights (DoRA, full
-    fine-tuning) gives the compiled step all its weights as inputs instead."""
+    fine-tuning) gives the compiled step all its weights as inputs instead. `rows`: draw's
+    (None: the rows are the whole batch)."""
     head = lm_head(model)
     groups = decode_groups(model)
     copies = dequantized(decode_projections(model, groups)) if dense else {}
@@ -492,14 +499,14 @@ def make_decode_step(
     constant = all(id(a) in passed for _, a in tree_flatten(model.trainable_parameters()))
     kernel = kernel_fits(model) if kernel is None else kernel
 
-    def step(tokens, keys, values, write_pos, left_pad, finished, key, lora):
+    def step(tokens, keys, values, write_pos, left_pad, finished, key, lora, rows):
         capacity = keys[0].shape[2]
         slots = Slots(capacity, write_pos, left_pad, 1, kernel)
         caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
         # The function runs only while traced: what the two contexts change is in the graph.
         with decode_attention(slots, queries or fused_queries(keys[0])), grouped_projections(groups, lora, copies):
             logits = head(model.model(tokens[:, None], cache=caches)[:, 0])
-        nxt, logp, ent = draw(logits, key, params)
+        nxt, logp, ent = draw(logits, key, params, rows)
         nxt = mx.where(finished, pad_id, nxt)
         valid = ~finished
         finished = finished | is_eos(nxt, eos_ids)
@@ -539,6 +546,18 @@ def left_pad(prompts: list[list[int]], pad_id: int, width: int | None = None) ->
     return mx.array(rows, dtype=mx.int32), mx.array([width - len(p) for p in prompts], dtype=mx.int32)
 
 
+def compacted(finished: np.ndarray) -> np.ndarray | None:
+    """Which rows a decode keeps once at least half of them have finished (else None): the
+    unfinished ones, plus finished ones up to a power of two, so that a job's decode step is
+    compiled for a few row counts only. Their work is saved where the step's cost grows with
+    its rows (a CPU; a GPU's matmuls of many rows)."""
+    live = np.flatnonzero(~finished)
+    if len(finished) < 2 or len(live) > len(finished) // 2:
+        return None
+    size = 1 << max(len(live) - 1, 0).bit_length()
+    return np.sort(np.concatenate([live, np.flatnonzero(finished)[:size - len(live)]]))
+
+
 def sample(
     model: nn.Module,
     decode_step: Callable,
@@ -551,7 +570,9 @@ def sample(
     width: int | None = None,
 ) -> Samples | None:
     """Sample group_size completions for each prompt (rows ordered prompt-major); width: pad
-    the prompts to at least this (left_pad).
+    the prompts to at least this (left_pad). Between chunks, once half the rows have finished,
+    the decode goes on with the others only (compacted); every row makes the draws it would
+    make in the whole batch (draw's rows), so the samples are the same.
 
     Returns None when should_stop() said so between chunks (the job was cancelled).
     """
@@ -572,12 +593,18 @@ def sample(
     logits = mx.repeat(logits, group_size, axis=0)
     pad = mx.repeat(pad, group_size, axis=0)
     write_pos = mx.array(width, dtype=mx.int32)
+    # Each row's row of the whole batch (a gang's rank has some of its rows) and the batch's height.
+    index = np.array(params.batch_rows if params.batch_rows is not None else range(rows), dtype=np.int32)
+    height = params.batch_height or rows
+    draw_rows = None if params.batch_rows is None else (height, mx.array(index))
 
     lora = lora_args(model)  # the LoRA weights of this step
     step_keys = mx.random.split(key, params.max_tokens + 1)
-    first, first_logp, first_ent = draw(logits, step_keys[0], params)
+    first, first_logp, first_ent = draw(logits, step_keys[0], params, draw_rows)
 
-    out_tokens, out_logp, out_ent, out_valid = [first], [first_logp], [first_ent], [mx.ones((rows,), dtype=mx.bool_)]
+    live = np.arange(rows)  # the rows still decoded (all, until compacted)
+    outputs = [first], [first_logp], [first_ent], [mx.ones((rows,), dtype=mx.bool_)]
+    segments = []  # (live, outputs) of the chunks before each compaction
     finished = is_eos(first, eos_ids)
     tokens = first
     steps = 1
@@ -585,12 +612,10 @@ def sample(
         n = min(CHUNK, params.max_tokens - steps)
         for i in range(n):
             tokens, logp, ent, valid, finished_next, keys, values = decode_step(
-                tokens, keys, values, write_pos, pad, finished, step_keys[steps + i], lora
+                tokens, keys, values, write_pos, pad, finished, step_keys[steps + i], lora, draw_rows
             )
-            out_tokens.append(tokens)
-            out_logp.append(logp)
-            out_ent.append(ent)
-            out_valid.append(valid)
+            for out, a in zip(outputs, (tokens, logp, ent, valid)):
+                out.append(a)
             finished = finished_next
             write_pos = write_pos + 1
             # All of it now: a step's log-prob and entropy left lazy would keep its
@@ -599,17 +624,37 @@ def sample(
         steps += n
         if should_stop():
             return None
-        if steps < params.max_tokens and finished.all().item():
+        if steps == params.max_tokens:
             break
+        done = np.array(finished)
+        if done.all():
+            break
+        keep = compacted(done)
+        if keep is not None:
+            segments.append((live, outputs))
+            outputs, live, sel = ([], [], [], []), live[keep], mx.array(keep)
+            tokens, finished, pad = tokens[sel], finished[sel], pad[sel]
+            keys, values = [k[sel] for k in keys], [v[sel] for v in values]
+            draw_rows = (height, mx.array(index[live]))
 
-    tokens = mx.stack(out_tokens, axis=1)
-    mask = mx.stack(out_valid, axis=1)
+    segments.append((live, outputs))
+    tokens, logp, ent, mask = (
+        mx.concatenate([_rows_of(rows, live, mx.stack(out[j], axis=1), fill) for live, out in segments if out[j]], axis=1)
+        for j, fill in enumerate((0, 0.0, 0.0, False)))
+    ended = mx.ones((rows,), dtype=mx.bool_)  # a row not decoded to the end had finished
+    ended[mx.array(live)] = finished
     pad_cols = params.max_tokens - tokens.shape[1]
     if pad_cols:
-        tokens = mx.pad(tokens, [(0, 0), (0, pad_cols)])
-        mask = mx.pad(mask, [(0, 0), (0, pad_cols)])
-    logp = mx.pad(mx.stack(out_logp, axis=1), [(0, 0), (0, pad_cols)])
-    ent = mx.pad(mx.stack(out_ent, axis=1), [(0, 0), (0, pad_cols)])
-    samples = Samples(tokens=tokens, logprobs=logp * mask, entropy=ent * mask, mask=mask, ended=finished, steps=steps)
+        tokens, logp, ent, mask = (mx.pad(a, [(0, 0), (0, pad_cols)]) for a in (tokens, logp, ent, mask))
+    samples = Samples(tokens=tokens, logprobs=logp * mask, entropy=ent * mask, mask=mask, ended=ended, steps=steps)
     mx.eval(samples.tokens, samples.logprobs, samples.entropy, samples.mask, samples.ended)
     return samples
+
+
+def _rows_of(rows: int, live: np.ndarray, a: mx.array, fill) -> mx.array:
+    """a's rows (those of `live`) in a (rows, ...) array, `fill` in the others."""
+    if len(live) == rows:
+        return a
+    out = mx.full((rows, *a.shape[1:]), fill, dtype=a.dtype)
+    out[mx.array(live)] = a
+    return out
