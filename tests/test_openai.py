@@ -180,7 +180,9 @@ def test_pause_resume_continues_from_checkpoint(stack, worker):
     client, loose = sdk(stack), sdk(stack, strict=False)
     file_id = upload(client, SFT_ROWS).id
     job = client.fine_tuning.jobs.create(model="tiny", training_file=file_id, method={
-        "type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 12, "batch_size": 4}}})
+        "type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 25, "batch_size": 1}}})
+    # A checkpoint per epoch of 4 steps: the pause below comes while most of the 100 steps are to run
+    # (12 one-step epochs once finished between the first checkpoint and the pause).
     wait_for(lambda: client.fine_tuning.jobs.checkpoints.list(job.id).data, 240, "a first checkpoint", interval=0.2)
     paused = loose.fine_tuning.jobs.pause(job.id)
     assert paused.status == "paused"
