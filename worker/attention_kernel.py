@@ -11,9 +11,9 @@ them, so that a layer's attention between its projections is this one kernel.
 The kernel attends one query per row and head over the slots a row may see (its left padding
 hidden, nothing after the new token), with the new key and value taken from its inputs, and
 writes them into slot `pos` of the KV buffers it is given: in place, which MLX has no way to
-say. That is sound here because those buffers are the decode's own (sample() makes them; the
-kernel takes its inputs as they are, never a copy), and nothing reads a cache array of an
-earlier decode step: the step returns the same arrays as its new cache.
+say. That is sound here because those buffers are the decode's own (sample() makes them, each
+row its own memory; the kernel takes its inputs as they are, never a copy), and nothing reads
+a cache array of an earlier decode step: the step returns the same arrays as its new cache.
 """
 
 import math

@@ -518,9 +518,9 @@ def make_decode_step(
 def kernel_fits(model: nn.Module) -> bool:
     """Whether a decode step of the model can attend with attention_kernel: on MLX's CUDA
     backend, when every layer hands its cache's own buffers and no attention sinks to
-    mx.fast.scaled_dot_product_attention right after update_and_fetch (mlx_lm's models do),
-    and every layer attends so.
-    Found by tracing one step of one row, never evaluated."""
+    mx.fast.scaled_dot_product_attention right after update_and_fetch (mlx_lm's models do), or
+    is a Qwen3 attention the kernel runs whole (kernel_norms_and_rope), and every layer attends
+    so. Found by tracing one step of one row, never evaluated."""
     if not attention_kernel.cuda():
         return False
     slots = Slots(2, mx.array(1, mx.int32), mx.array([0], mx.int32), 1, kernel=True)
@@ -587,7 +587,8 @@ def sample(
 
     # Repeat to group_size rows per prompt.
     rows = len(prompts) * group_size
-    # Row-contiguous buffers of this decode's own: attention_kernel writes into them in place.
+    # Buffers of this decode's own, each row its own memory (one prompt's cache repeated is a
+    # broadcast of one row): attention_kernel writes into them in place.
     keys = [mx.contiguous(mx.repeat(c.keys, group_size, axis=0)) for c in caches]
     values = [mx.contiguous(mx.repeat(c.values, group_size, axis=0)) for c in caches]
     logits = mx.repeat(logits, group_size, axis=0)
@@ -641,8 +642,7 @@ def sample(
     tokens, logp, ent, mask = (
         mx.concatenate([_rows_of(rows, live, mx.stack(out[j], axis=1), fill) for live, out in segments if out[j]], axis=1)
         for j, fill in enumerate((0, 0.0, 0.0, False)))
-    ended = mx.ones((rows,), dtype=mx.bool_)  # a row not decoded to the end had finished
-    ended[mx.array(live)] = finished
+    ended = _rows_of(rows, live, finished, True)  # a row not decoded to the end had finished
     pad_cols = params.max_tokens - tokens.shape[1]
     if pad_cols:
         tokens, logp, ent, mask = (mx.pad(a, [(0, 0), (0, pad_cols)]) for a in (tokens, logp, ent, mask))
