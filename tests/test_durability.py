@@ -1,4 +1,7 @@
-"""Durable jobs with real processes: kill -9, SIGSTOP, Redis restarts, cancels, non-finite losses."""
+"""Durable jobs with real processes: kill -9, SIGSTOP, Redis restarts, cancels, non-finite losses.
+
+The tests with workers of their own (two that take over from each other, a short lease, a short
+retention) come first; the last ones share the module's worker (conftest's `worker`)."""
 
 import os
 import signal
@@ -7,6 +10,7 @@ import time
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
 from conftest import wait_for
+from reward_server import serving, slow_rewards
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 TTL = "3"  # seconds; short, so dead workers are noticed within seconds in these tests
@@ -64,17 +68,20 @@ def test_killed_worker_job_is_requeued_and_resumed_elsewhere(stack, workers):
 
 def test_long_job_is_never_declared_abandoned_while_its_worker_lives(stack, workers):
     workers(env=dict(stack.env, MTQ_LEASE_TTL="1"))
-    job_id = stack.submit(body(stack, iters=300))  # a few ms a step on the tiny model: several TTLs long
-    queue = stack.rq_queue(job_id).name
-    queue_registries = (StartedJobRegistry(queue, connection=stack.redis), FailedJobRegistry(queue, connection=stack.redis))
-    deadline = time.monotonic() + 180
-    started = None
-    while (job := stack.get_job(job_id))["status"] in ("queued", "running"):
-        started = started or (job["status"] == "running" and time.monotonic())
-        for registry in queue_registries:
-            registry.get_job_ids()  # listing runs rq's cleanup of expired (abandoned) entries
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    # A reward server that answers each group after 0.05 s: 40 steps of 2 groups take 4 s at least
+    # on any machine, several TTLs long.
+    with serving(slow_rewards(0.05)) as server:
+        job_id = stack.submit(dict(body(stack, iters=40), reward=[{"type": "endpoint", "url": server.url}]))
+        queue = stack.rq_queue(job_id).name
+        queue_registries = (StartedJobRegistry(queue, connection=stack.redis), FailedJobRegistry(queue, connection=stack.redis))
+        deadline = time.monotonic() + 180
+        started = None
+        while (job := stack.get_job(job_id))["status"] in ("queued", "running"):
+            started = started or (job["status"] == "running" and time.monotonic())
+            for registry in queue_registries:
+                registry.get_job_ids()  # listing runs rq's cleanup of expired (abandoned) entries
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
     assert job["status"] == "completed", job["error"]
     assert time.monotonic() - started > 3  # the job outlived the 1 s TTL several times over
     assert job["attempts"] == 1 and job["failed_attempts"] == 0
@@ -105,77 +112,6 @@ def test_paused_worker_writes_nothing_after_losing_its_job(stack, workers):
     assert [e["supervisor_pid"] for e in after if e["type"] == "started"] != [paused]
     assert procs[paused].poll() is None  # it lived on, and went back to waiting for jobs
     assert "no longer current" in stack.logs("worker") or "lease lost" in stack.logs("worker")
-
-
-def test_cancel_running_job_quickly_and_queued_job_never_runs(stack, workers):
-    workers()
-    running = stack.submit(body(stack, iters=10_000, max_completion_len=64))
-    stack.wait_job(running, statuses=("running",), timeout=120)
-    wait_checkpoint(stack, running, 2)
-    queued = stack.submit(body(stack, iters=2))
-    never = stack.submit(body(stack, iters=2))
-    with stack.client() as c:
-        assert c.post(f"{JOBS}/{never}/cancel").json()["status"] == "cancelled"
-        t0 = time.monotonic()
-        assert c.post(f"{JOBS}/{running}/cancel").status_code == 200
-        stack.wait_job(running, statuses=("cancelled",), timeout=10)
-        assert time.monotonic() - t0 < 2.0
-        assert c.post(f"{JOBS}/{running}/cancel").status_code == 404  # the seed's "not cancellable"
-    assert stack.get_job(running)["checkpoint_step"] is not None  # the last checkpoint is kept
-    assert stack.wait_job(queued)["status"] == "completed"
-    never_job = stack.get_job(never)
-    assert never_job["status"] == "cancelled" and never_job["started_at"] == 0.0
-
-
-def test_redis_restart_mid_job_loses_nothing(stack, workers):
-    workers()
-    job_id = stack.submit(body(stack, iters=30))
-    wait_checkpoint(stack, job_id, 2)
-    stack.redis_server.stop()
-    try:
-        with stack.client() as c:
-            resp = c.get(f"{JOBS}/{job_id}")
-        assert resp.status_code == 503
-        assert "Redis is unavailable" in resp.json()["detail"]
-        time.sleep(1.0)
-    finally:
-        stack.redis_server.start()  # same port, same append-only file
-    job = stack.wait_job(job_id, timeout=180)
-    assert job["status"] == "completed", job["error"]
-    assert job["progress"]["iter"] == 30
-
-
-def test_non_finite_loss_fails_with_step_and_resume_continues_from_last_good_checkpoint(stack, workers):
-    workers()
-    # lr 1e30 after a warmup step at lr 0: step 1 is fine, step 2's update overflows.
-    job_id = stack.submit(body(stack, iters=8, learning_rate=1e30, warmup_steps=3, checkpoint_every=1, max_grad_norm=None))
-    job = stack.wait_job(job_id)
-    assert job["status"] == "failed"
-    assert "non-finite loss" in job["error"] and "at step 3" in job["error"]
-    assert job["checkpoint_step"] == 1
-
-    with stack.client() as c:
-        assert c.post(f"{JOBS}/{job_id}/resume", json={"config": {"learning_rate": "x"}}).status_code == 400
-        resp = c.post(f"{JOBS}/{job_id}/resume", json={"config": {"learning_rate": 1e-3, "warmup_steps": 0}})
-        assert resp.status_code == 200, resp.text
-        assert resp.json()["status"] == "queued" and resp.json()["error"] == ""
-    job = stack.wait_job(job_id)
-    assert job["status"] == "completed", job["error"]
-    assert job["resumed_from"] == 1 and job["progress"]["iter"] == 8
-    assert job["config"]["learning_rate"] == 1e-3
-    with stack.client() as c:
-        assert c.post(f"{JOBS}/{job_id}/resume").status_code == 409  # completed jobs do not resume
-
-
-def test_api_restart_changes_nothing_for_queued_and_running_jobs(stack, workers):
-    workers()
-    running = stack.submit(body(stack, iters=12))
-    stack.wait_job(running, statuses=("running",), timeout=120)
-    queued = stack.submit(body(stack, iters=2))
-    stack.stop_proc(stack.api)
-    stack.start_api()
-    assert stack.wait_job(running)["status"] == "completed"
-    assert stack.wait_job(queued)["status"] == "completed"
 
 
 def test_finished_jobs_expire_after_retention_and_leave_the_index(stack, workers):
@@ -213,3 +149,70 @@ def test_sigterm_checkpoints_and_hands_the_job_back_at_once(stack, workers):
     assert job["status"] == "completed", job["error"]
     assert job["resumed_from"] >= 3  # from the checkpoint written on the way out
     assert owner_pid(stack, job_id) != leaving
+
+
+def test_cancel_running_job_quickly_and_queued_job_never_runs(stack, worker):
+    running = stack.submit(body(stack, iters=10_000, max_completion_len=64))
+    stack.wait_job(running, statuses=("running",), timeout=120)
+    wait_checkpoint(stack, running, 2)
+    queued = stack.submit(body(stack, iters=2))
+    never = stack.submit(body(stack, iters=2))
+    with stack.client() as c:
+        assert c.post(f"{JOBS}/{never}/cancel").json()["status"] == "cancelled"
+        t0 = time.monotonic()
+        assert c.post(f"{JOBS}/{running}/cancel").status_code == 200
+        stack.wait_job(running, statuses=("cancelled",), timeout=10)
+        assert time.monotonic() - t0 < 2.0
+        assert c.post(f"{JOBS}/{running}/cancel").status_code == 404  # the seed's "not cancellable"
+    assert stack.get_job(running)["checkpoint_step"] is not None  # the last checkpoint is kept
+    assert stack.wait_job(queued)["status"] == "completed"
+    never_job = stack.get_job(never)
+    assert never_job["status"] == "cancelled" and never_job["started_at"] == 0.0
+
+
+def test_redis_restart_mid_job_loses_nothing(stack, worker):
+    job_id = stack.submit(body(stack, iters=30))
+    wait_checkpoint(stack, job_id, 2)
+    stack.redis_server.stop()
+    try:
+        with stack.client() as c:
+            resp = c.get(f"{JOBS}/{job_id}")
+        assert resp.status_code == 503
+        assert "Redis is unavailable" in resp.json()["detail"]
+        time.sleep(1.0)
+    finally:
+        stack.redis_server.start()  # same port, same append-only file
+    job = stack.wait_job(job_id, timeout=180)
+    assert job["status"] == "completed", job["error"]
+    assert job["progress"]["iter"] == 30
+
+
+def test_non_finite_loss_fails_with_step_and_resume_continues_from_last_good_checkpoint(stack, worker):
+    # lr 1e30 after a warmup step at lr 0: step 1 is fine, step 2's update overflows.
+    job_id = stack.submit(body(stack, iters=8, learning_rate=1e30, warmup_steps=3, checkpoint_every=1, max_grad_norm=None))
+    job = stack.wait_job(job_id)
+    assert job["status"] == "failed"
+    assert "non-finite loss" in job["error"] and "at step 3" in job["error"]
+    assert job["checkpoint_step"] == 1
+
+    with stack.client() as c:
+        assert c.post(f"{JOBS}/{job_id}/resume", json={"config": {"learning_rate": "x"}}).status_code == 400
+        resp = c.post(f"{JOBS}/{job_id}/resume", json={"config": {"learning_rate": 1e-3, "warmup_steps": 0}})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["status"] == "queued" and resp.json()["error"] == ""
+    job = stack.wait_job(job_id)
+    assert job["status"] == "completed", job["error"]
+    assert job["resumed_from"] == 1 and job["progress"]["iter"] == 8
+    assert job["config"]["learning_rate"] == 1e-3
+    with stack.client() as c:
+        assert c.post(f"{JOBS}/{job_id}/resume").status_code == 409  # completed jobs do not resume
+
+
+def test_api_restart_changes_nothing_for_queued_and_running_jobs(stack, worker):
+    running = stack.submit(body(stack, iters=12))
+    stack.wait_job(running, statuses=("running",), timeout=120)
+    queued = stack.submit(body(stack, iters=2))
+    stack.stop_proc(stack.api)
+    stack.start_api()
+    assert stack.wait_job(running)["status"] == "completed"
+    assert stack.wait_job(queued)["status"] == "completed"
