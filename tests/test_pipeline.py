@@ -1,4 +1,7 @@
-"""End to end: REST -> Redis/rq -> a real worker process (main-thread MLX) -> progress -> adapter."""
+"""End to end: REST -> Redis/rq -> a real worker process (main-thread MLX) -> progress -> adapter.
+
+The first test has a worker of its own (MTQ_SAMPLES_EVENTS_KEPT=2); the others share the module's
+worker (conftest's `worker`), one job after another."""
 
 import json
 from pathlib import Path
@@ -15,8 +18,23 @@ def events_of(stack, job_id) -> list[dict]:
     return [e for _, e in read_events(stack.redis, job_id)]
 
 
-def test_seed_job_completes_with_progress_and_adapter(stack, workers):
-    worker = workers()
+def test_the_event_stream_keeps_every_step_and_the_last_samples(stack, workers):
+    """A step's `samples` event holds every completion: the stream keeps the last
+    MTQ_SAMPLES_EVENTS_KEPT of them (2 here) and every step's grpo_step event."""
+    workers(env=dict(stack.env, MTQ_SAMPLES_EVENTS_KEPT="2"))
+    body = dict(SEED_BODY, model_id=stack.tiny_model.name, adapter_name="kept_samples",
+                config=dict(SEED_BODY["config"], iters=5))
+    with stack.client() as c:
+        job_id = c.post(JOBS, json=body).json()["job_id"]
+    assert stack.wait_job(job_id)["status"] == "completed"
+    events = events_of(stack, job_id)
+    assert [e["iter"] for e in events if e["type"] == "grpo_step"] == [0, 1, 2, 3, 4]
+    samples = [e for e in events if e["type"] == "samples"]
+    assert [e["iter"] for e in samples] == [3, 4]
+    assert all(len(g) == 2 and all(isinstance(t, str) for t in g) for e in samples for g in e["completions"])
+
+
+def test_seed_job_completes_with_progress_and_adapter(stack, worker):
     body = dict(SEED_BODY, model_id=stack.tiny_model.name)  # resolved under MTQ_MODELS_DIR
     with stack.client() as c:
         created = c.post(JOBS, json=body)
@@ -52,8 +70,7 @@ def test_seed_job_completes_with_progress_and_adapter(stack, workers):
     assert isinstance(text, str) and len(text) > 0
 
 
-def test_a_job_for_a_model_no_worker_has_waits_naming_it_and_the_worker_takes_the_next_job(stack, workers):
-    workers()
+def test_a_job_for_a_model_no_worker_has_waits_naming_it_and_the_worker_takes_the_next_job(stack, worker):
     with stack.client() as c:
         bad = c.post(JOBS, json=dict(SEED_BODY, model_id="no-such-model-anywhere")).json()
         good = c.post(JOBS, json=dict(SEED_BODY, model_id=str(stack.tiny_model), adapter_name="after_waiting")).json()
@@ -64,8 +81,7 @@ def test_a_job_for_a_model_no_worker_has_waits_naming_it_and_the_worker_takes_th
         assert c.delete(f"{JOBS}/{bad['job_id']}").status_code == 200
 
 
-def test_sse_stream_follows_a_running_job(stack, workers):
-    workers()
+def test_sse_stream_follows_a_running_job(stack, worker):
     body = dict(SEED_BODY, model_id=stack.tiny_model.name, config=dict(SEED_BODY["config"], iters=3))
     with stack.client() as c:
         job_id = c.post(JOBS, json=body).json()["job_id"]
@@ -87,8 +103,7 @@ def test_sse_stream_follows_a_running_job(stack, workers):
     assert events[-1]["adapter_path"]
 
 
-def test_cancel_running_job_stops_it_and_worker_moves_on(stack, workers):
-    workers()
+def test_cancel_running_job_stops_it_and_worker_moves_on(stack, worker):
     long = dict(SEED_BODY, model_id=stack.tiny_model.name,
                 config=dict(SEED_BODY["config"], iters=10_000, max_completion_len=64))
     with stack.client() as c:
@@ -105,19 +120,3 @@ def test_cancel_running_job_stops_it_and_worker_moves_on(stack, workers):
     never_job = stack.wait_job(never)
     assert never_job["status"] == "cancelled" and never_job["started_at"] == 0.0
     assert not [e for e in events_of(stack, never) if e["type"] == "started"]
-
-
-def test_the_event_stream_keeps_every_step_and_the_last_samples(stack, workers):
-    """A step's `samples` event holds every completion: the stream keeps the last
-    MTQ_SAMPLES_EVENTS_KEPT of them (2 here) and every step's grpo_step event."""
-    workers(env=dict(stack.env, MTQ_SAMPLES_EVENTS_KEPT="2"))
-    body = dict(SEED_BODY, model_id=stack.tiny_model.name, adapter_name="kept_samples",
-                config=dict(SEED_BODY["config"], iters=5))
-    with stack.client() as c:
-        job_id = c.post(JOBS, json=body).json()["job_id"]
-    assert stack.wait_job(job_id)["status"] == "completed"
-    events = events_of(stack, job_id)
-    assert [e["iter"] for e in events if e["type"] == "grpo_step"] == [0, 1, 2, 3, 4]
-    samples = [e for e in events if e["type"] == "samples"]
-    assert [e["iter"] for e in samples] == [3, 4]
-    assert all(len(g) == 2 and all(isinstance(t, str) for t in g) for e in samples for g in e["completions"])
