@@ -260,7 +260,13 @@ def running(s: Stack):
 
 
 @pytest.fixture(scope="module")
-def worker(stack):
+def worker_env(stack) -> dict:
+    """The environment of the module's `worker` (a module may override this fixture)."""
+    return stack.env
+
+
+@pytest.fixture(scope="module")
+def worker(stack, worker_env):
     """The module's worker, for its later tests: the tests before them left jobs queued on
     purpose; those are cancelled, so the worker runs only what the tests that use it submit.
     (Modules whose every test wants a worker define their own.)"""
@@ -269,7 +275,7 @@ def worker(stack):
 
     for job_id in stack.redis.zrange(JOBS_INDEX, 0, -1):
         lifecycle.cancel(stack.redis, job_id.decode())
-    proc = stack.start_worker()
+    proc = stack.start_worker(env=worker_env)
     yield proc
     stack.stop_proc(proc)
 

@@ -1,5 +1,8 @@
 """The job lifecycle (shared/lifecycle.py) and the worker's supervisor, with real processes:
-poison jobs, atomic enqueues, the reconciler, stalls, resume rules, fenced artefacts, retention."""
+poison jobs, atomic enqueues, the reconciler, stalls, resume rules, fenced artefacts, retention.
+
+The tests with no worker or workers of their own come first; the last ones share the module's
+worker (conftest's `worker`, with the short lease)."""
 
 import os
 import signal
@@ -34,6 +37,12 @@ def events(stack, job_id) -> list[dict]:
 
 def short_lease(stack, **more) -> dict:
     return dict(stack.env, MTQ_LEASE_TTL=TTL, **more)
+
+
+@pytest.fixture(scope="module")
+def worker_env(stack) -> dict:
+    """The module's worker (conftest's `worker`, for the last tests) has the short lease too."""
+    return short_lease(stack)
 
 
 def test_poison_job_fails_after_max_attempts_and_the_workers_live_on(stack, workers):
@@ -191,78 +200,6 @@ def test_reconciler_moves_hub_jobs_when_a_holder_appears_and_skips_unreadable_re
         assert c.delete(f"{JOBS}/{bad}").status_code == 200
 
 
-def test_python_reward_that_never_returns_fails_the_job_within_its_timeout(stack, workers):
-    workers(env=short_lease(stack))
-    job_id = stack.submit(body(stack, reward="sleep_forever", reward_timeout=2))
-    stack.wait_job(job_id, statuses=("running",), timeout=60)
-    t0 = time.monotonic()
-    job = stack.wait_job(job_id, timeout=60)
-    assert job["status"] == "failed"
-    assert "reward function tests.reward_fns:sleep_forever timed out after 2s" in job["error"]
-    assert time.monotonic() - t0 < 2 + 20  # model load + first decode, then the 2 s limit
-    assert job["failed_attempts"] == 0  # a clean failure, not a lost worker
-
-
-def test_native_hang_is_ended_by_the_watchdog_and_counts_as_an_attempt(stack, workers):
-    worker = workers(env=short_lease(stack))
-    job_id = stack.submit(body(stack, reward="native_hang", stall_timeout_s=3, max_attempts=2, reward_timeout=1))
-    job = stack.wait_job(job_id, timeout=120)
-    assert job["status"] == "failed"
-    assert "gave up after 2 attempts" in job["error"] and "stalled: no progress" in job["error"], job["error"]
-    assert "phase scoring" in job["error"]
-    pids = [e["pid"] for e in events(stack, job_id) if e["type"] == "started"]
-    assert len(pids) == 2
-    for pid in pids:  # the stuck training processes are gone (not left spinning)
-        wait_for(lambda: not _alive(pid), 10, f"training process {pid} to exit")
-    assert worker.poll() is None
-    assert stack.wait_job(stack.submit(body(stack)), timeout=120)["status"] == "completed"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie has exited; it only waits for its parent to read its status
-        return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def test_killed_training_process_is_replaced_and_its_job_resumed(stack, workers):
-    worker = workers(env=short_lease(stack))
-    job_id = stack.submit(body(stack, iters=60, checkpoint_every=2))
-    wait_for(lambda: (stack.get_job(job_id)["checkpoint_step"] or 0) >= 2, 120, "a checkpoint")
-    child = [e for e in events(stack, job_id) if e["type"] == "started"][-1]["pid"]
-    os.kill(child, signal.SIGKILL)
-    job = stack.wait_job(job_id, timeout=120)
-    assert job["status"] == "completed", job["error"]
-    assert job["failed_attempts"] == 1 and job["resumed_from"] >= 2 and job["progress"]["iter"] == 60
-    requeued = [e for e in events(stack, job_id) if e["type"] == "requeued"]
-    assert "killed by SIGKILL" in requeued[0]["reason"]
-    assert worker.poll() is None
-
-
-def test_resume_refuses_lora_shape_changes_and_a_mismatched_checkpoint_fails_loudly(stack, workers):
-    workers()
-    job_id = stack.submit(body(stack, iters=4, checkpoint_every=1, learning_rate=1e30, warmup_steps=2,
-                                max_grad_norm=None))
-    job = stack.wait_job(job_id)
-    assert job["status"] == "failed" and job["checkpoint_step"] >= 1
-    with stack.client() as c:
-        resp = c.post(f"{JOBS}/{job_id}/resume", json={"config": {"lora_rank": 16, "learning_rate": 1e-3}})
-        assert resp.status_code == 400 and "lora_rank" in resp.text
-        resp = c.post(f"{JOBS}/{job_id}/resume", json={"config": {"lora_alpha": 3.0}})
-        assert resp.status_code == 400 and "lora_alpha" in resp.text
-    # A checkpoint that does not fit (e.g. a record edited by hand) fails the job, naming the tensors.
-    raw = stack.redis.hget(job_key(job_id), "spec").decode().replace('"lora_rank":8', '"lora_rank":4')
-    stack.redis.hset(job_key(job_id), "spec", raw)
-    with stack.client() as c:
-        assert c.post(f"{JOBS}/{job_id}/resume", json={"config": {"learning_rate": 1e-3}}).status_code == 200
-    job = stack.wait_job(job_id)
-    assert job["status"] == "failed" and "does not fit this job's LoRA" in job["error"], job["error"]
-
-
 def test_a_worker_that_lost_the_lease_writes_no_adapter_files(stack, tmp_path):
     from worker.lease import Lease
     from worker.marks import Marks
@@ -324,3 +261,71 @@ def test_every_terminal_path_leaves_no_key_after_retention(stack, workers):
     finally:
         stack.stop_proc(stack.api)
         stack.start_api()
+
+
+def test_python_reward_that_never_returns_fails_the_job_within_its_timeout(stack, worker):
+    job_id = stack.submit(body(stack, reward="sleep_forever", reward_timeout=2))
+    stack.wait_job(job_id, statuses=("running",), timeout=60)
+    t0 = time.monotonic()
+    job = stack.wait_job(job_id, timeout=60)
+    assert job["status"] == "failed"
+    assert "reward function tests.reward_fns:sleep_forever timed out after 2s" in job["error"]
+    assert time.monotonic() - t0 < 2 + 20  # model load + first decode, then the 2 s limit
+    assert job["failed_attempts"] == 0  # a clean failure, not a lost worker
+
+
+def test_native_hang_is_ended_by_the_watchdog_and_counts_as_an_attempt(stack, worker):
+    job_id = stack.submit(body(stack, reward="native_hang", stall_timeout_s=3, max_attempts=2, reward_timeout=1))
+    job = stack.wait_job(job_id, timeout=120)
+    assert job["status"] == "failed"
+    assert "gave up after 2 attempts" in job["error"] and "stalled: no progress" in job["error"], job["error"]
+    assert "phase scoring" in job["error"]
+    pids = [e["pid"] for e in events(stack, job_id) if e["type"] == "started"]
+    assert len(pids) == 2
+    for pid in pids:  # the stuck training processes are gone (not left spinning)
+        wait_for(lambda: not _alive(pid), 10, f"training process {pid} to exit")
+    assert worker.poll() is None
+    assert stack.wait_job(stack.submit(body(stack)), timeout=120)["status"] == "completed"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has exited; it only waits for its parent to read its status
+        return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_killed_training_process_is_replaced_and_its_job_resumed(stack, worker):
+    job_id = stack.submit(body(stack, iters=60, checkpoint_every=2))
+    wait_for(lambda: (stack.get_job(job_id)["checkpoint_step"] or 0) >= 2, 120, "a checkpoint")
+    child = [e for e in events(stack, job_id) if e["type"] == "started"][-1]["pid"]
+    os.kill(child, signal.SIGKILL)
+    job = stack.wait_job(job_id, timeout=120)
+    assert job["status"] == "completed", job["error"]
+    assert job["failed_attempts"] == 1 and job["resumed_from"] >= 2 and job["progress"]["iter"] == 60
+    requeued = [e for e in events(stack, job_id) if e["type"] == "requeued"]
+    assert "killed by SIGKILL" in requeued[0]["reason"]
+    assert worker.poll() is None
+
+
+def test_resume_refuses_lora_shape_changes_and_a_mismatched_checkpoint_fails_loudly(stack, worker):
+    job_id = stack.submit(body(stack, iters=4, checkpoint_every=1, learning_rate=1e30, warmup_steps=2,
+                                max_grad_norm=None))
+    job = stack.wait_job(job_id)
+    assert job["status"] == "failed" and job["checkpoint_step"] >= 1
+    with stack.client() as c:
+        resp = c.post(f"{JOBS}/{job_id}/resume", json={"config": {"lora_rank": 16, "learning_rate": 1e-3}})
+        assert resp.status_code == 400 and "lora_rank" in resp.text
+        resp = c.post(f"{JOBS}/{job_id}/resume", json={"config": {"lora_alpha": 3.0}})
+        assert resp.status_code == 400 and "lora_alpha" in resp.text
+    # A checkpoint that does not fit (e.g. a record edited by hand) fails the job, naming the tensors.
+    raw = stack.redis.hget(job_key(job_id), "spec").decode().replace('"lora_rank":8', '"lora_rank":4')
+    stack.redis.hset(job_key(job_id), "spec", raw)
+    with stack.client() as c:
+        assert c.post(f"{JOBS}/{job_id}/resume", json={"config": {"learning_rate": 1e-3}}).status_code == 200
+    job = stack.wait_job(job_id)
+    assert job["status"] == "failed" and "does not fit this job's LoRA" in job["error"], job["error"]
