@@ -175,8 +175,10 @@ class Stack:
 
         return sum(q.count for q in Queue.all(connection=self.redis))
 
-    def logs(self, prefix: str) -> str:
-        return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(self.workdir.glob(f"{prefix}-*.log")))
+    def logs(self, prefix: str, tail: int | None = 4000) -> str:
+        """The logs of the processes named `prefix`, the last `tail` characters of each (None: all)."""
+        return "\n".join(p.read_text(errors="replace")[-tail if tail else 0:]
+                         for p in sorted(self.workdir.glob(f"{prefix}-*.log")))
 
     def client(self, token: str | None = TOKEN) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}

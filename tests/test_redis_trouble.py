@@ -120,6 +120,7 @@ def empty(r: redis.Redis, n: int) -> None:
 
 def test_redis_out_of_memory_is_a_json_503_and_the_worker_waits(stack, jobs):
     r = stack.redis
+    logged = len(stack.logs("worker", tail=None))
     n = fill(r)
     try:
         answers = all_routes(stack, jobs)
@@ -127,7 +128,10 @@ def test_redis_out_of_memory_is_a_json_503_and_the_worker_waits(stack, jobs):
                                               f"POST {JOBS}/{jobs['queued']}/cancel"), words="out of memory")
         health = httpx.get(stack.base_url + "/healthz", timeout=10)
         assert health.status_code == 503 and "out of memory" in health.json()["detail"], health.text
-        time.sleep(8)  # the worker's loop meets the refusals (heartbeats, its advertisement)
+        # The worker meets the refusals (its advertisement; rq's heartbeat ends its loop, and the
+        # loop's next start is refused too) and waits instead of exiting.
+        met = ("heartbeat: could not advertise this worker", "worker loop ended on Redis trouble; again in 2 s")
+        wait_for(lambda: all(m in stack.logs("worker", tail=None)[logged:] for m in met), 30, f"the worker to log {met}")
         assert jobs["worker"].poll() is None, stack.logs("worker")
     finally:
         empty(r, n)
