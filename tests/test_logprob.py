@@ -26,18 +26,15 @@ def api_short_wait(stack):
     stack.start_api()
 
 
-def test_no_worker_answers_202_then_the_id_resolves(stack, api_short_wait):
+def test_no_worker_answers_202_then_the_id_resolves(stack, api_short_wait, request):
     with stack.client() as c:
         resp = c.post(LOGPROB, json={"model_id": stack.tiny_model.name, "prompt": "hi", "completion": " there"})
         assert resp.status_code == 202, resp.text
         request_id = resp.json()["id"]
         assert resp.headers["location"].endswith(request_id)
         assert c.get(f"{LOGPROB}/{request_id}").status_code == 202
-        worker = stack.start_worker()
-        try:
-            answer = wait_for(lambda: (a := c.get(f"{LOGPROB}/{request_id}")).status_code == 200 and a, 60, "the answer")
-        finally:
-            stack.stop_proc(worker)
+        request.getfixturevalue("worker")  # the module's worker starts only now (and serves the later tests)
+        answer = wait_for(lambda: (a := c.get(f"{LOGPROB}/{request_id}")).status_code == 200 and a, 60, "the answer")
     assert answer.json()["token_count"] >= 1 and len(answer.json()["per_token"]) == answer.json()["token_count"]
     with stack.client() as c:
         assert c.get(f"{LOGPROB}/{'0' * 32}").status_code == 404
