@@ -559,16 +559,15 @@ def test_cancel_during_sampling_raises_cancelled(lm, stop_at_call):
 
 
 # ----------------------------------------------------------------------------------------
-# 8. End to end: the model stays loaded between jobs on one worker
+# 8. End to end: the model stays loaded between jobs on one worker (the module's, new here)
 # ----------------------------------------------------------------------------------------
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 
 
-def test_second_job_on_a_worker_reuses_the_loaded_model(stack, workers):
+def test_second_job_on_a_worker_reuses_the_loaded_model(stack, worker):
     from conftest import read_events
 
-    workers()
     body = {"model_id": stack.tiny_model.name, "prompts": ["What is 2+2?", "Say hello."],
             "config": {"iters": 1, "group_size": 2, "batch_size": 1, "max_completion_len": 8,
                        "lora_layers": 2, "lora_rank": 4}}
@@ -594,8 +593,7 @@ def test_second_job_on_a_worker_reuses_the_loaded_model(stack, workers):
     assert ready[1]["load_s"] < ready[0]["load_s"]
 
 
-def test_job_that_cannot_fit_one_row_fails_at_start_with_the_estimate(stack, workers):
-    workers()
+def test_job_that_cannot_fit_one_row_fails_at_start_with_the_estimate(stack, worker):
     body = {"model_id": stack.tiny_model.name, "prompts": ["Say hello."],
             "config": {"iters": 1, "group_size": 2, "batch_size": 1, "max_completion_len": 8, "max_memory_gb": 1e-4}}
     with stack.client() as c:
