@@ -81,7 +81,7 @@ def test_chaos_soak(stack):
             for i in range(N_JOBS):
                 spec = {"model_id": stack.tiny_model.name, "prompts": ["What is 2+2?", "Say hello.", "Count to 3."],
                         "config": {"group_size": 8, "batch_size": 2, "iters": rng.randint(20, 40),
-                                   "max_completion_len": 128, "lora_layers": 2, "learning_rate": 1e-3,
+                                   "max_completion_len": 64, "lora_layers": 2, "learning_rate": 1e-3,
                                    "checkpoint_every": 3, "seed": i}}
                 resp = c.post(JOBS, json=spec)
                 assert resp.status_code == 200, resp.text
