@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from conftest import read_events, wait_for
+from conftest import Stack, read_events, running, wait_for
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 LOGPROB = "/admin/api/fine-tune/logprob"
@@ -16,17 +16,14 @@ COMPLETIONS = ["4", " hello there, queue!", " one two three and more words here"
 
 
 @pytest.fixture(scope="module")
-def api_short_wait(stack):
+def stack(tmp_path_factory, tiny_model):
     """The API waits 3 s for an answer before saying 202 (the default is 20 s)."""
-    stack.stop_proc(stack.api)
-    stack.api = stack.spawn("api", "api", env=dict(stack.env, MTQ_SCORE_WAIT_S="3"))
-    wait_for(stack._api_up, 30, "the API")
-    yield
-    stack.stop_proc(stack.api)
-    stack.start_api()
+    s = Stack(tmp_path_factory.mktemp("stack"), tiny_model)
+    s.env["MTQ_SCORE_WAIT_S"] = "3"
+    yield from running(s)
 
 
-def test_no_worker_answers_202_then_the_id_resolves(stack, api_short_wait, request):
+def test_no_worker_answers_202_then_the_id_resolves(stack, request):
     with stack.client() as c:
         resp = c.post(LOGPROB, json={"model_id": stack.tiny_model.name, "prompt": "hi", "completion": " there"})
         assert resp.status_code == 202, resp.text
@@ -38,13 +35,6 @@ def test_no_worker_answers_202_then_the_id_resolves(stack, api_short_wait, reque
     assert answer.json()["token_count"] >= 1 and len(answer.json()["per_token"]) == answer.json()["token_count"]
     with stack.client() as c:
         assert c.get(f"{LOGPROB}/{'0' * 32}").status_code == 404
-
-
-@pytest.fixture(scope="module")
-def worker(stack, api_short_wait):
-    proc = stack.start_worker()
-    yield proc
-    stack.stop_proc(proc)
 
 
 @pytest.fixture(scope="module")
