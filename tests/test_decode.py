@@ -43,9 +43,12 @@ def model(tiny_model):
 
 def with_lora(model):
     """The model, fused as a worker loads it, with LoRA on every projection of its top block (as
-    GRPO samples with it), B not zero so that the LoRA products count."""
+    GRPO samples with it), B not zero so that the LoRA products count. Seeded: mlx_lm draws A
+    from MLX's global generator, and an A of another run can leave every token of a test's
+    decode as the base model's."""
     fuse_shared_inputs(model)
     model.freeze()
+    mx.random.seed(0)
     linear_to_lora_layers(model, 1, {"rank": 4, "scale": 2.0, "dropout": 0.0})
     model.eval()
     for i, (name, b) in enumerate(tree_flatten(model.trainable_parameters())):
