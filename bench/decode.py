@@ -14,7 +14,8 @@ dropped once half have finished):
   ours      sample() of worker/sampling.py (or of each --sampling FILE: an older copy of
             that module, to compare versions in one sitting); with --queries 1 2, once with
             each number of queries per row make_decode_step can be given (see fused_queries);
-            with --kernel on off, with and without the CUDA attention kernel (attention_kernel.py).
+            with --kernel on off, with and without the decode's CUDA kernels (attention, LoRA,
+            quantized matmul, residual add and norm: worker/*_kernel.py).
             Every variant after the first draws what the first does and prints how far they
             agree: the rows whose tokens are all the same, the tokens before each row's first
             different one, and the largest log-prob difference there (agreement)
@@ -279,8 +280,8 @@ def main():
     ap.add_argument("--dense", action="store_true",
                     help="ours also with dense=True (dequantized weights: what a job's memory budget buys on CUDA)")
     ap.add_argument("--kernel", nargs="+", choices=["on", "off"], default=[None],
-                    help="ours with make_decode_step(kernel=True / False): the CUDA attention kernel or not "
-                         "(default: as a job decides, attention_kernel where it fits)")
+                    help="ours with make_decode_step(kernel=True / False): the decode's CUDA kernels or not "
+                         "(default: as a job decides, each kernel where it fits)")
     ap.add_argument("--eos-every", type=int, default=0, metavar="N",
                     help="ours only: every N-th token id ends a row (EOS off by default), so rows end at "
                          "different steps, as a GRPO step's do")

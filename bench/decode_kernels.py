@@ -4,7 +4,9 @@ evaluated together (so the device, not the host, is what is timed once it is the
     python3 bench/decode_kernels.py MODEL_DIR [--rows 1 8 16 32 64]
 
 For each row count: the first block's q, k, gate and down projections (quantized in a 4-bit
-model: MLX's quantized matmul), the decode attention with two queries and a boolean mask (the
+model: MLX's quantized matmul) of (rows, 1, K) inputs, as mlx_lm's models give them, and the gate
+and down ones of (rows, K) inputs (2-D: MLX 0.32's CUDA backend runs a 3-D input as `rows`
+products of one row; worker/sampling.py decode_blocks), the decode attention with two queries and a boolean mask (the
 cuDNN path, worker/sampling.py fused_queries) over 152 keys, and the KV cache write (a select).
 Microseconds per op, the input add of each copy included.
 """
@@ -44,7 +46,8 @@ def main():
         h = mx.random.normal((rows, 1, a.intermediate_size)).astype(dtype)
         line = [f"rows {rows:3d}"]
         for name, proj, inp in (("q", attn.q_proj, x), ("k", attn.k_proj, x), ("gate", mlp.gate_proj, x),
-                                ("down", mlp.down_proj, h)):
+                                ("gate 2-D", mlp.gate_proj, x[:, 0]), ("down", mlp.down_proj, h),
+                                ("down 2-D", mlp.down_proj, h[:, 0])):
             line.append(f"{name} {timed(lambda i: proj(inp + i)):7.1f} us")
         q = mx.random.normal((rows, a.num_attention_heads, 2, head_dim)).astype(dtype)
         k = mx.random.normal((rows, a.num_key_value_heads, 152, head_dim)).astype(dtype)

@@ -26,7 +26,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from conftest import ROOT
 
-from worker import attention_kernel, sampling
+from worker import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, sampling
 from worker.sampling import SamplingParams, compacted, decode_groups, fuse_shared_inputs, kernel_fits, make_decode_step, sample
 
 PAD = 7
@@ -41,19 +41,25 @@ def model(tiny_model):
     return model
 
 
-@pytest.fixture(scope="module")
-def lora_model(tiny_model):
-    """The tiny model with LoRA on every projection of its top block (as GRPO samples with
-    it), B not zero so that the LoRA products count."""
-    model = mlx_lm.load(str(tiny_model))[0]
+def with_lora(model):
+    """The model, fused as a worker loads it, with LoRA on every projection of its top block (as
+    GRPO samples with it), B not zero so that the LoRA products count. Seeded: mlx_lm draws A
+    from MLX's global generator, and an A of another run can leave every token of a test's
+    decode as the base model's."""
     fuse_shared_inputs(model)
     model.freeze()
+    mx.random.seed(0)
     linear_to_lora_layers(model, 1, {"rank": 4, "scale": 2.0, "dropout": 0.0})
     model.eval()
     for i, (name, b) in enumerate(tree_flatten(model.trainable_parameters())):
         if name.endswith("lora_b"):
             model.update(tree_unflatten([(name, 0.05 * mx.random.normal(b.shape, key=mx.random.key(i)))]))
     return model
+
+
+@pytest.fixture(scope="module")
+def lora_model(tiny_model):
+    return with_lora(mlx_lm.load(str(tiny_model))[0])
 
 
 def reference_decode(model, prompts, group_size, p: SamplingParams, eos_ids, key):
@@ -265,34 +271,62 @@ def test_a_dense_decode_of_a_quantized_model_samples_what_the_quantized_one_does
     np.testing.assert_allclose(np.array(dense.logprobs), np.array(quantized.logprobs), atol=1e-4, rtol=1e-4)
 
 
-cuda_only = pytest.mark.skipif(not attention_kernel.cuda(), reason="the attention kernel runs on MLX's CUDA backend")
+cuda_only = pytest.mark.skipif(not attention_kernel.cuda(), reason="the decode's kernels run on MLX's CUDA backend")
+
+
+@pytest.fixture(scope="module")
+def quantized_lora_model(tiny_model):
+    """The tiny model at 4 bits in groups of 32 (its tied output projection too), with LoRA."""
+    model = mlx_lm.load(str(tiny_model))[0]
+    nn.quantize(model, group_size=32, bits=4)
+    return with_lora(model)
 
 
 @cuda_only
 @pytest.mark.parametrize("whole", [True, False], ids=["whole attention", "after norms and rope"])
 @pytest.mark.parametrize("case", CASES)
-def test_the_cuda_attention_kernel_decodes_what_mlx_attention_does(model, lora_model, case, whole, monkeypatch):
-    """On CUDA, the decode step's attention by attention_kernel (which also writes the new key and
-    value into the KV buffers, in place) samples what MLX's own masked attention does: the same
-    tokens, log-probs to float32 rounding, with and without LoRA, over every case (padding,
-    groups, rows ending at different steps). Both forms: the Qwen3 attention whole, q/k norms
-    and RoPE in the kernel, and the kernel after MLX's norms and RoPE (another model's form)."""
-    calls = []
-    attend = attention_kernel.attend
-    monkeypatch.setattr(attention_kernel, "attend", lambda *a, **kw: calls.append(kw) or attend(*a, **kw))
+def test_the_cuda_kernels_decode_what_mlx_ops_do(model, lora_model, quantized_lora_model, case, whole, monkeypatch):
+    """On CUDA, the decode step's kernels sample what MLX's own ops do: the same tokens, log-probs
+    to float32 rounding, with and without LoRA, over every case (padding, groups, rows ending at
+    different steps). The attention by attention_kernel (which also writes the new key and value
+    into the KV buffers, in place) in both forms: the Qwen3 attention whole, q/k norms and RoPE
+    in the kernel, and the kernel after MLX's norms and RoPE (another model's form); each LoRA
+    group's product by lora_kernel; each residual add and the norm after it by norm_kernel; and
+    in a 4-bit model each quantized matmul by quantized_kernel, the tied output projection's too."""
+    calls = {"attend": [], "down": [], "up": [], "add_norm": [], "matmul": []}
+    for module, name in ((attention_kernel, "attend"), (lora_kernel, "down"), (lora_kernel, "up"),
+                         (norm_kernel, "add_norm"), (quantized_kernel, "matmul")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls[_n].append(kw) or _k(*a, **kw))
     if not whole:
         monkeypatch.setattr(sampling, "kernel_norms_and_rope", lambda attention: False)
     params, prompts, group_size = CASES[case]
     p = SamplingParams(**params)
-    for m in (model, lora_model):
+    for m in (model, lora_model, quantized_lora_model):
         assert kernel_fits(m)
         plain = sample(m, make_decode_step(m, p, EOS, PAD, queries=1, kernel=False), prompts, group_size, p, EOS,
                        mx.random.key(3))
         want = tuple(np.array(a) for a in (plain.tokens, plain.logprobs, plain.entropy, plain.mask, plain.ended))
-        calls.clear()
-        got = sample(m, make_decode_step(m, p, EOS, PAD, kernel=True), prompts, group_size, p, EOS, mx.random.key(3))
-        assert len(calls) == len(m.layers)  # one per layer, in the one trace of the compiled step
-        assert all(("rope" in kw) == whole for kw in calls)
+        step = make_decode_step(m, p, EOS, PAD)  # by default on CUDA: the kernels where they fit (kernel_fits traces)
+        for c in calls.values():
+            c.clear()
+        got = sample(m, step, prompts, group_size, p, EOS, mx.random.key(3))
+        # In each trace of the compiled step (one per row count: finished rows are dropped), one
+        # attention per layer and two norms; the LoRA model's top block has LoRA on four groups
+        # (q/k/v, o, gate/up, down).
+        traces = len(calls["attend"]) // len(m.layers)
+        assert traces >= 1 and len(calls["attend"]) == traces * len(m.layers)
+        assert len(calls["add_norm"]) == 2 * traces * len(m.layers)
+        assert len(calls["down"]) == len(calls["up"]) == (0 if m is model else 4 * traces)
+        # q/k/v, o, gate/up and down of each block, and the output projection, in each trace of
+        # at most quantized_kernel.MAX_ROWS rows (all of them if the batch has no more)
+        per_trace = 4 * len(m.layers) + 1
+        assert len(calls["matmul"]) % per_trace == 0 and len(calls["matmul"]) <= traces * per_trace
+        if m is not quantized_lora_model:
+            assert not calls["matmul"]
+        elif len(prompts) * group_size <= quantized_kernel.MAX_ROWS:
+            assert len(calls["matmul"]) == traces * per_trace
+        assert all(("rope" in kw) == whole for kw in calls["attend"])
         assert_same(got, want, p)
 
 

@@ -28,9 +28,9 @@ WARPS = (4, 8, 16)  # warps per (row, head): more for longer buffers
 # warps' partial sums are combined through shared memory at the end. Float32 throughout.
 # Every input is read through its strides: a view is never copied first (and a group's left
 # padding, repeated from one prompt's, is a broadcast). FUSED: q, k_new and v_new are a block's
-# projections as they come, (rows, 1, heads * D), and the kernel first applies what the
-# attention module would: Qwen3's RMSNorm of q and k per head (NORM), then RoPE, rounding to T
-# where MLX's own kernels round (rms_norm.cu, rope.cu).
+# projections as they come, (rows, 1, heads * D) (FLAT: (rows, heads * D)), and the kernel first
+# applies what the attention module would: Qwen3's RMSNorm of q and k per head (NORM), then
+# RoPE, rounding to T where MLX's own kernels round (rms_norm.cu, rope.cu).
 SOURCE = """
   constexpr int E = (D + 31) / 32;
   const int b = blockIdx.z, h = blockIdx.y;
@@ -40,9 +40,10 @@ SOURCE = """
   const int t_new = pos[0], start = pad[b * pad_strides[0]];
   const float scale = params[0];
 
-  // Element d of head hh of row b: a (rows, heads, 1, D) array, or FUSED a (rows, 1, heads * D) one.
+  // Element d of head hh of row b: a (rows, heads, 1, D) array, or FUSED a (rows, 1, heads * D)
+  // one, or FUSED and FLAT a (rows, heads * D) one.
   auto at = [&](const auto& s, int hh, int d) -> size_t {
-    return FUSED ? b * s[0] + (size_t)(hh * D + d) * s[2] : b * s[0] + hh * s[1] + (size_t)d * s[3];
+    return FUSED ? b * s[0] + (size_t)(hh * D + d) * s[FLAT ? 1 : 2] : b * s[0] + hh * s[1] + (size_t)d * s[3];
   };
   auto slot = [&](const auto& s, int t, int d) -> size_t {
     return b * s[0] + hk * s[1] + (size_t)t * s[2] + (size_t)d * s[3];
@@ -165,9 +166,9 @@ def cuda() -> bool:
 
 def available(queries: mx.array, keys: mx.array) -> bool:
     """Whether the kernel can run a decode step's attention: MLX's CUDA backend, one query per
-    row ((rows, heads, 1, D), or (rows, 1, heads * D) as projected), and a head dimension it
-    holds in registers (up to 256)."""
-    return (cuda() and queries.shape[-2] == 1 and keys.shape[-1] <= 256
+    row ((rows, heads, 1, D), or (rows, 1, heads * D) or (rows, heads * D) as projected), and a
+    head dimension it holds in registers (up to 256)."""
+    return (cuda() and (queries.ndim == 2 or queries.shape[-2] == 1) and keys.shape[-1] <= 256
             and keys.dtype in (mx.float16, mx.bfloat16, mx.float32) and queries.dtype == keys.dtype)
 
 
@@ -179,9 +180,9 @@ def attend(queries, k_new, v_new, keys, values, pos: mx.array, left_pad: mx.arra
     values, in place.
 
     rope: queries, k_new and v_new are the block's projections, (rows, 1, heads * D) and (rows,
-    1, kv_heads * D); the kernel applies this RoPE to the query and the new key (non-traditional,
-    on all D dimensions, at position pos - left_pad), after the q and k RMSNorms `norms` if
-    given, and returns (rows, 1, heads * D)."""
+    1, kv_heads * D), or the same without their second axis; the kernel applies this RoPE to the
+    query and the new key (non-traditional, on all D dimensions, at position pos - left_pad),
+    after the q and k RMSNorms `norms` if given, and returns the queries' shape."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
@@ -197,6 +198,7 @@ def attend(queries, k_new, v_new, keys, values, pos: mx.array, left_pad: mx.arra
     q_norm, k_norm = (n.weight for n in norms) if norms else (params, params)
     return _kernel(
         inputs=[queries, k_new, v_new, keys, values, pos, left_pad, params, q_norm, k_norm],
-        template=[("T", queries.dtype), ("D", d), ("W", warps), ("FUSED", rope is not None), ("NORM", bool(norms))],
+        template=[("T", queries.dtype), ("D", d), ("W", warps), ("FUSED", rope is not None), ("NORM", bool(norms)),
+                  ("FLAT", queries.ndim == 2)],
         grid=(32 * warps, heads, rows), threadgroup=(32 * warps, 1, 1),
-        output_shapes=[queries.shape if rope is None else (rows, 1, heads * d)], output_dtypes=[queries.dtype])[0]
+        output_shapes=[queries.shape], output_dtypes=[queries.dtype])[0]

@@ -11,8 +11,10 @@ On a GPU a decode step costs about its number of MLX primitives (host work per p
 not arithmetic), so the step keeps that number down: what all layers share (positions,
 mask, write slot) is computed once (`Slots`), and on CUDA each layer's attention and KV write
 is one kernel (worker/attention_kernel.py; a Qwen3 layer's q/k norms and RoPE too; else the
-attention sees each row's query twice so that MLX fuses it, `fused_queries`). bench/decode.py
-counts them.
+attention sees each row's query twice so that MLX fuses it, `fused_queries`), each projection
+group's LoRA product two (worker/lora_kernel.py), a quantized matmul of few rows one
+(worker/quantized_kernel.py), and a Qwen3 block's residual adds and the norms after them one
+each (worker/norm_kernel.py), its rows 2-D (`decode_blocks`). bench/decode.py counts them.
 
 The prompt of each group is prefilled once and its cache repeated group_size times.
 """
@@ -31,7 +33,7 @@ from mlx_lm.models import qwen3
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.tuner.lora import LoRALinear
 
-from worker import attention_kernel
+from worker import attention_kernel, lora_kernel, norm_kernel, quantized_kernel
 
 CHUNK = 16  # decode steps between host checks (early stop when all rows ended, cancel)
 
@@ -273,6 +275,46 @@ def decode_attention(slots: Slots, queries: int):
         qwen3.Attention.__call__ = qwen3_attention
 
 
+@contextlib.contextmanager
+def decode_blocks(slots: Slots, kernel: bool):
+    """While a decode step is traced: a Qwen3 model's blocks, each residual add and the RMSNorm
+    after it (the block's second norm, the next block's first, the model's last) as one
+    norm_kernel.add_norm where kernel and it fits, else as mlx_lm's blocks run them. When the
+    attention kernel runs every block's attention whole (kernel_norms_and_rope), the rows go
+    through the blocks 2-D, (rows, hidden): MLX 0.32's CUDA quantized matmul runs a (rows, 1, K)
+    input as `rows` products of one row, each reading all the weights, and a (rows, K) one as
+    one product (mlx/backend/cuda/quantized/quantized.cpp, its batch count)."""
+    qwen3_model = qwen3.Qwen3Model.__call__
+
+    def add_norm(x, r, norm):
+        if kernel and norm_kernel.available(x, r, norm):
+            return norm_kernel.add_norm(x, r, norm)
+        h = x + r
+        return h, norm(h)
+
+    def blocks(self, inputs, cache=None, input_embeddings=None):
+        if cache is None or input_embeddings is not None or any(type(b) is not qwen3.TransformerBlock
+                                                                for b in self.layers):
+            return qwen3_model(self, inputs, cache, input_embeddings)
+        h = self.embed_tokens(inputs)
+        if slots.kernel and inputs.shape[1] == 1 and all(kernel_norms_and_rope(b.self_attn) for b in self.layers):
+            h, mask = h.reshape(h.shape[0], h.shape[2]), None  # whole_attention takes no mask
+        else:
+            mask = qwen3.create_attention_mask(h, cache[0])
+        x = self.layers[0].input_layernorm(h)
+        for i, (block, c) in enumerate(zip(self.layers, cache)):
+            h, x = add_norm(h, block.self_attn(x, mask, c), block.post_attention_layernorm)
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x = add_norm(h, block.mlp(x), after)
+        return x
+
+    qwen3.Qwen3Model.__call__ = blocks
+    try:
+        yield
+    finally:
+        qwen3.Qwen3Model.__call__ = qwen3_model
+
+
 # Projections of one block that read the same input: a decode step runs each such group as one
 # matmul of its base weights (fuse_shared_inputs) and one pair of LoRA matmuls (decode_groups).
 SHARED_INPUT = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
@@ -386,11 +428,13 @@ def _base(m: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def grouped_projections(groups: list[Group], lora: list, dense: dict | None = None):
+def grouped_projections(groups: list[Group], lora: list, dense: dict | None = None, kernel: bool = False):
     """While a decode step is traced: a projection of a Group takes its output from the group's,
     made at the group's first call on that input: one matmul of the fused base weights (else
     each projection's own), plus scale * (x @ A) @ B of its LoRA pair (lora_args), on 2-D rows
-    (a 3-D matmul adds two reshapes), then split. What each projection gives is what mlx_lm's
+    (a 3-D matmul adds two reshapes), then split. With kernel, where they fit, the LoRA product
+    is lora_kernel's down and up, on the rows as they come, and a quantized matmul (a tied
+    output projection's too) quantized_kernel's. What each projection gives is what mlx_lm's
     LoRALinear gives, without dropout (sampling never drops out). dense: dequantized weights
     (dequantized) that quantized projections use instead of their own."""
     dense = dense or {}
@@ -398,23 +442,36 @@ def grouped_projections(groups: list[Group], lora: list, dense: dict | None = No
     pair = dict(zip([g for g, group in enumerate(groups) if group.lora], lora))  # group -> its LoRA pair
     classes = {type(m) for group in groups for m in group.modules} | {type(_base(m)) for group in groups
                                                                          for m in group.modules}
-    classes |= {nn.QuantizedLinear} if dense else set()
+    classes |= {nn.QuantizedLinear} if dense or kernel else set()
     calls = {cls: cls.__call__ for cls in classes}
     outputs = {}  # group -> (its input, the outputs of its projections)
 
     def project(m: nn.Module, x: mx.array) -> mx.array:
+        """m(x): with kernel, a quantized module's by quantized_kernel where it fits; on 2-D rows
+        where that is faster: a dense copy's matmul (a 3-D one adds two reshapes), and on CUDA
+        MLX's quantized one (decode_blocks says why)."""
+        if kernel and id(m) not in dense and quantized_kernel.available(x, m):
+            y = quantized_kernel.matmul(x, m)
+            return y + m["bias"] if "bias" in m else y
+        if x.ndim > 2 and (id(m) in dense or (kernel and type(m) is nn.QuantizedLinear)):
+            return project(m, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         if id(m) not in dense:
             return calls[type(m)](m, x)
         w, bias = dense[id(m)]
-        y = (x if x.ndim == 2 else x.reshape(-1, x.shape[-1])) @ w
-        y = y if bias is None else y + bias
-        return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+        return x @ w if bias is None else x @ w + bias
 
     def run(group: Group, pair, x: mx.array) -> list[mx.array]:
         mods = group.modules
         sizes = [_base(m)["weight"].shape[0] for m in mods]
         bases = [group.fused] if group.fused is not None else [_base(m) for m in mods]
-        flat = pair is not None or any(id(b) in dense for b in bases)
+        if pair is not None and kernel and lora_kernel.available(x, *pair):
+            a, b = pair
+            t = lora_kernel.down(x, a)
+            ys = [project(base, x) for base in bases]
+            bs = [b] if len(ys) == 1 else _split(b, sizes)
+            ys = [lora_kernel.up(y, t, b_i, mods[0].scale) for y, b_i in zip(ys, bs)]
+            return _split(ys[0], sizes) if len(ys) < len(mods) else ys
+        flat = x.ndim > 2 and (pair is not None or any(id(b) in dense for b in bases))
         h = x.reshape(-1, x.shape[-1]) if flat else x
         ys = [project(b, h) for b in bases]
         if pair is not None:
@@ -436,19 +493,24 @@ def grouped_projections(groups: list[Group], lora: list, dense: dict | None = No
 
     for cls in classes:
         cls.__call__ = grouped
+    as_linear = nn.QuantizedEmbedding.as_linear  # a tied output projection
+    if kernel:
+        nn.QuantizedEmbedding.as_linear = lambda self, x: (quantized_kernel.matmul(x, self)
+                                                           if quantized_kernel.available(x, self) else as_linear(self, x))
     try:
         yield
     finally:
         for cls, call in calls.items():
             cls.__call__ = call
+        nn.QuantizedEmbedding.as_linear = as_linear
 
 
 def dequantized(modules: list[nn.Module]) -> dict[int, tuple[mx.array, mx.array | None]]:
     """Dense copies of quantized modules' weights (the scales' dtype, transposed to inputs x
-    outputs) and their biases, by module id: on CUDA, MLX 0.32's quantized matmul of a decode
-    step's rows takes about as long per row as for one row (a gate projection of the qwen3-0.6b
-    shape: 14 us for 8 rows, 46 us for 32, 87 us for 64), a dense one reads the weights once.
-    Memory: memory.dense_decode_bytes (a job's budget pays for it: worker/memory.py)."""
+    outputs) and their biases, by module id: on CUDA a dense matmul of 32 rows is faster than
+    MLX 0.32's quantized one (a whole decode step of the qwen3-0.6b shape at 4 bits without
+    LoRA: 5.07 ms against 5.81 on an H200; docs/performance.md). Memory:
+    memory.dense_decode_bytes (a job's budget pays for it: worker/memory.py)."""
     copies = {}
     for m in modules:
         w = mx.dequantize(m["weight"], m["scales"], m.get("biases"), m.group_size, m.bits, mode=m.mode)
@@ -477,7 +539,10 @@ def make_decode_step(
 ) -> Callable:
     """One compiled decode step for all rows: forward one token, pick the next, track EOS.
 
-    kernel: the attention is attention_kernel's (by default where kernel_fits). Else queries:
+    kernel: the step runs the CUDA kernels where they fit (by default on CUDA): the attention
+    is attention_kernel's (where kernel_fits), LoRA products lora_kernel's, quantized matmuls
+    quantized_kernel's, a Qwen3 block's residual adds and norms norm_kernel's. Else the
+    attention's queries:
     how many copies of each row's query the attention gets (decode_attention; by default
     fused_queries'): the results are those of one query. dense: the quantized
     projections multiply by dequantized copies of their weights (dequantized; the log-probs
@@ -488,24 +553,28 @@ def make_decode_step(
     at every call, and a model has hundreds. A model with other trainable weights (DoRA, full
     fine-tuning) gives the compiled step all its weights as inputs instead. `rows`: draw's
     (None: the rows are the whole batch)."""
-    head = lm_head(model)
     groups = decode_groups(model)
     copies = dequantized(decode_projections(model, groups)) if dense else {}
     embed = model.model.embed_tokens
+    dense_head = None
     if id(embed) in copies:  # a tied output projection: embed_tokens.as_linear, not a QuantizedLinear call
         w = copies[id(embed)][0]
-        head = lambda h: h @ w  # noqa: E731
+        dense_head = lambda h: h @ w  # noqa: E731
     passed = {id(a) for g in groups if g.lora for m in g.modules for a in (m.lora_a, m.lora_b)}
     constant = all(id(a) in passed for _, a in tree_flatten(model.trainable_parameters()))
+    kernels = attention_kernel.cuda() if kernel is None else kernel
     kernel = kernel_fits(model) if kernel is None else kernel
 
     def step(tokens, keys, values, write_pos, left_pad, finished, key, lora, rows):
         capacity = keys[0].shape[2]
         slots = Slots(capacity, write_pos, left_pad, 1, kernel)
         caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
-        # The function runs only while traced: what the two contexts change is in the graph.
-        with decode_attention(slots, queries or fused_queries(keys[0])), grouped_projections(groups, lora, copies):
-            logits = head(model.model(tokens[:, None], cache=caches)[:, 0])
+        # The function runs only while traced: what the contexts change is in the graph.
+        with (decode_attention(slots, queries or fused_queries(keys[0])), decode_blocks(slots, kernels),
+              grouped_projections(groups, lora, copies, kernels)):
+            hidden = model.model(tokens[:, None], cache=caches)
+            head = dense_head or lm_head(model)  # looked up while traced: grouped_projections' as_linear
+            logits = head(hidden if hidden.ndim == 2 else hidden[:, 0])  # decode_blocks' rows may be 2-D
         nxt, logp, ent = draw(logits, key, params, rows)
         nxt = mx.where(finished, pad_id, nxt)
         valid = ~finished

@@ -17,7 +17,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 import traceback

@@ -1,0 +1,100 @@
+"""A decode step's LoRA products as two CUDA kernels per projection group (worker/sampling.py
+grouped_projections, on MLX's CUDA backend).
+
+What they replace: MLX runs y + scale * (x @ A) @ B, the LoRA product added to the base
+projection's output y, as four primitives (x cast to float32, two matmuls, then the multiply,
+cast and add fused) and two reshapes to make x 2-D; a decode step's cost is about its number
+of primitives, and a GRPO job decodes with LoRA on 4 groups of each of its 16 blocks. Here:
+
+  down   t = x @ A in float32 (x cast inside), x as it comes ((rows, 1, K) or (rows, K))
+  up     y + T(scale * t @ B), y the base projection's output, rounded as MLX rounds: the
+         product in float32, cast to the model's dtype T, then added in T
+
+so a projection group's outputs are those of the plain ops up to float32 summation order. A
+and B stay float32 (a job's LoRA weights): bf16 LoRA moved sampled log-probs by up to 0.008.
+"""
+
+import mlx.core as mx
+
+from worker.attention_kernel import cuda
+
+THREADS = 1024  # per row in `down`: R of them per slice of K
+MAX_RANK = THREADS  # columns of A (a group's ranks together) that `down` holds
+
+# One block per row m. Thread i sums x[m, k] * A[k, r] for r = i % R over the k of its slice
+# i / R (slices: a power of two): consecutive threads read consecutive elements of A (K, R),
+# row-major. The slices' sums are added pairwise through shared memory. Unrolled: a thread's
+# loads are issued together (its few dozen k would otherwise each wait on memory in turn).
+DOWN = """
+  const int K = a_shape[0], R = a_shape[1];
+  const int m = blockIdx.y, i = threadIdx.x;
+  int slices = 1;
+  while (slices * 2 * R <= THREADS) slices *= 2;
+  const int r = i % R, slice = i / R;
+  float acc = 0.f;
+  if (slice < slices) {
+    const T* xm = x + (size_t)m * K;
+#pragma unroll 8
+    for (int k = slice; k < K; k += slices) acc += static_cast<float>(xm[k]) * a[(size_t)k * R + r];
+  }
+  __shared__ float part[THREADS];
+  part[i] = acc;
+  __syncthreads();
+  for (int s = slices / 2; s > 0; s /= 2) {
+    if (slice < s) part[i] += part[i + s * R];
+    __syncthreads();
+  }
+  if (i < R) t[(size_t)m * R + i] = part[i];
+"""
+
+# One thread per output element (m, j).
+UP = """
+  const int R = b_shape[0], N = b_shape[1];
+  const size_t m = blockIdx.y;
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= N) return;
+  const float* tm = t + m * R;
+  float acc = 0.f;
+#pragma unroll 8
+  for (int r = 0; r < R; ++r) acc += tm[r] * b[(size_t)r * N + j];
+  const T z = static_cast<T>(scale[0] * acc);
+  out[m * N + j] = static_cast<T>(static_cast<float>(y[m * N + j]) + static_cast<float>(z));
+"""
+
+_kernels = {}
+
+
+def _kernel(name: str):
+    if name not in _kernels:
+        _kernels[name] = (
+            mx.fast.cuda_kernel(name="mtq_lora_down", input_names=["x", "a"], output_names=["t"], source=DOWN)
+            if name == "down" else
+            mx.fast.cuda_kernel(name="mtq_lora_up", input_names=["y", "t", "b", "scale"], output_names=["out"],
+                                source=UP))
+    return _kernels[name]
+
+
+def available(x: mx.array, a: mx.array, b: mx.array) -> bool:
+    """Whether the kernels can run a group's LoRA product: MLX's CUDA backend, float32 A and B
+    (else MLX's matmul rounds otherwise), at most MAX_RANK columns of A, a floating x."""
+    return (cuda() and a.dtype == b.dtype == mx.float32 and a.shape[1] <= MAX_RANK and a.ndim == b.ndim == 2
+            and x.dtype in (mx.float16, mx.bfloat16, mx.float32))
+
+
+def down(x: mx.array, a: mx.array) -> mx.array:
+    """x @ a in float32: (..., K) by (K, R) -> (rows, R), rows the product of x's leading dims."""
+    rows = x.size // x.shape[-1]
+    return _kernel("down")(
+        inputs=[x, a], template=[("T", x.dtype), ("THREADS", THREADS)],
+        grid=(THREADS, rows, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(rows, a.shape[1])], output_dtypes=[mx.float32])[0]
+
+
+def up(y: mx.array, t: mx.array, b: mx.array, scale: float) -> mx.array:
+    """y + (scale * t @ b) cast to y's dtype, rounded as MLX's ops round: y (..., N), t (rows, R)
+    from down, b (R, N)."""
+    n = y.shape[-1]
+    return _kernel("up")(
+        inputs=[y, t, b, mx.array([scale], mx.float32)], template=[("T", y.dtype)],
+        grid=(n, y.size // n, 1), threadgroup=(min(256, n), 1, 1),
+        output_shapes=[y.shape], output_dtypes=[y.dtype])[0]
