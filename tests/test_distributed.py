@@ -115,6 +115,10 @@ def adapter_diff(a: dict, b: dict) -> float:
 
 
 def test_sft_on_a_gang_of_two_equals_one_worker(stack, client, pair):
+    """A gang of two trains as one worker does, and its ranks leave no hostfile behind (in the
+    training process's temporary directory, the kernel cache: worker/kernel_cache.py)."""
+    hostfiles = Path(os.environ["MTQ_KERNEL_CACHE"])
+    before = set(hostfiles.glob("mtq-gang-*"))
     body = {"model_id": "tiny", "dataset": ROWS}
     solo = submit(client, SFT, {**body, "adapter_name": "sft-solo", "config": SFT_CONFIG})
     wait_done(stack, SFT, solo)
@@ -131,6 +135,7 @@ def test_sft_on_a_gang_of_two_equals_one_worker(stack, client, pair):
     assert b[0] != b[-1]  # it learned: the comparison is not of constants
     assert loss_diff < LOSS_TOLERANCE and weight_diff < ADAPTER_TOLERANCE
     assert job["worker"] in ("gang-a", "gang-b")
+    assert set(hostfiles.glob("mtq-gang-*")) == before
 
 
 PROMPTS = ["Tell me", "A long prompt about rivers and seas", "Why", "Count to three please"]

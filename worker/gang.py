@@ -64,11 +64,13 @@ SOLO = Gang()
 
 def join(rank: int, hostfile: list[list[str]]) -> Gang:
     """Join the ring group of `hostfile` (each rank's "host:port" addresses) as `rank`. Waits for
-    every rank (the supervisor bounds it: MTQ_GANG_JOIN_S)."""
-    path = Path(tempfile.mkdtemp(prefix="mtq-gang-")) / "hostfile.json"
-    path.write_text(json.dumps(hostfile))
-    os.environ.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(path))
-    group = mx.distributed.init(strict=True, backend="ring")
+    every rank (the supervisor bounds it: MTQ_GANG_JOIN_S). The hostfile is a temporary file,
+    gone once joined: MLX reads it once, in init (mlx/distributed/ring/ring.cpp)."""
+    with tempfile.TemporaryDirectory(prefix="mtq-gang-") as directory:
+        path = Path(directory) / "hostfile.json"
+        path.write_text(json.dumps(hostfile))
+        os.environ.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(path))
+        group = mx.distributed.init(strict=True, backend="ring")
     if group.size() != len(hostfile) or group.rank() != rank:
         raise RuntimeError(f"joined a group of {group.size()} as rank {group.rank()}, not {len(hostfile)} as {rank}")
     return Gang(rank, len(hostfile), group)
