@@ -43,13 +43,6 @@ def stack(tmp_path_factory, tiny_model):
     yield from running(s)
 
 
-@pytest.fixture(scope="module")
-def worker(stack):
-    proc = stack.start_worker()
-    yield proc
-    stack.stop_proc(proc)
-
-
 def mtq_env(stack) -> dict:
     env = {k: v for k, v in stack.env.items() if k not in ("REDIS_URL", "MTQ_API_PORT")}  # a client knows only the URL
     return dict(env, MTQ_API_URL=stack.base_url, MTQ_API_TOKEN=TOKEN, COLUMNS="120")
@@ -129,8 +122,6 @@ def test_submit_watch_in_a_terminal_then_jobs_show_logs_plot(stack, worker, tmp_
     png = tmp_path / "curves.png"
     plotted = mtq(stack, "plot", job_id, "--out", str(png))
     assert plotted.returncode == 0, plotted.stderr
-    import matplotlib.image
-
     panels = panel_pixels(png, FIRST_COLOUR)
     # Each panel with data draws its curve: lines of that colour in at least 6 of the 8 panels.
     assert sum(n > 50 for n in panels) >= 6, panels

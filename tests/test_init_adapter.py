@@ -4,7 +4,6 @@ starting where the previous one ended; an uploaded mlx_lm adapter as a start; an
 a shape that does not fit and the 404s of an adapter this token may not see."""
 
 import io
-import json
 import tarfile
 
 import pytest

@@ -50,14 +50,6 @@ def server():
 # ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def worker(stack):
-    """One worker for the module: each test's jobs run on it, one after another."""
-    proc = stack.start_worker()
-    yield proc
-    stack.stop_proc(proc)
-
-
 def run_job(stack, worker, prompts=PROMPTS, reward=None, **config) -> tuple[dict, list[dict]]:
     body = {"model_id": stack.tiny_model.name, "prompts": prompts, "config": {**CONFIG, **config}}
     if reward is not None:

@@ -21,10 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import REWARD_PORT, TOKEN, Stack, free_port, read_events, running, wait_for
+from conftest import REWARD_PORT, TOKEN, Stack, free_port, running, wait_for
 from reward_server import serving
 from shared import jobstore
-from shared.keys import job_key
 
 API = "/admin/api/fine-tune"
 JOBS, SFT, REWARD_JOBS = f"{API}/grpo/jobs", f"{API}/jobs", f"{API}/reward/jobs"

@@ -17,13 +17,6 @@ CONFIG = {"iters": 200, "group_size": 2, "batch_size": 1, "max_completion_len": 
           "lora_alpha": 8.0}
 
 
-@pytest.fixture(scope="module")
-def worker(stack):
-    proc = stack.start_worker()
-    yield proc
-    stack.stop_proc(proc)
-
-
 @pytest.fixture
 def browser(tmp_path):
     b = Browser(tmp_path / "chromium")
