@@ -8,6 +8,10 @@ model: MLX's quantized matmul) of (rows, 1, K) inputs, as mlx_lm's models give t
 and down ones of (rows, K) inputs (2-D: MLX 0.32's CUDA backend runs a 3-D input as `rows`
 products of one row; worker/sampling.py decode_blocks), the decode attention with two queries and a boolean mask (the
 cuDNN path, worker/sampling.py fused_queries) over 152 keys, and the KV cache write (a select).
+On CUDA, a second line: the decode's own kernels beside the MLX ops they replace, a q/k/v
+group's LoRA product (rank 8 each, float32 A and B) by MLX's ops and by lora_kernel's down and
+up, the gate projection by quantized_kernel (at most its MAX_ROWS rows), and the residual add
+with the RMSNorm after it by MLX's ops and by norm_kernel.
 Microseconds per op, the input add of each copy included.
 """
 
@@ -21,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 
+from worker import attention_kernel, lora_kernel, norm_kernel, quantized_kernel  # noqa: E402
 from worker.sampling import attention_mask  # noqa: E402
 
 
@@ -56,6 +61,25 @@ def main():
         one = (mx.arange(152) == 100)[None, None, :, None]
         line.append(f"kv write {timed(lambda i: mx.where(one, k[:, :, :1] + i, k)):7.1f} us")
         print(" | ".join(line), flush=True)
+        if attention_kernel.cuda():
+            print("          " + " | ".join(ours(attn, mlp, model.layers[0].post_attention_layernorm, x[:, 0])), flush=True)
+
+
+def ours(attn, mlp, norm, x) -> list[str]:
+    """The decode's CUDA kernels beside the MLX ops they replace, on x (rows, hidden)."""
+    rank, n = 8, attn.q_proj.weight.shape[0] + attn.k_proj.weight.shape[0] + attn.v_proj.weight.shape[0]
+    a = 0.02 * mx.random.normal((x.shape[-1], 3 * rank))
+    b = 0.02 * mx.random.normal((3 * rank, n))
+    y = mx.random.normal((x.shape[0], n)).astype(x.dtype)
+    line = [f"qkv LoRA mlx {timed(lambda i: y + (2.0 * (((x + i) @ a) @ b)).astype(x.dtype)):7.1f} us",
+            f"lora_kernel {timed(lambda i: lora_kernel.up(y, lora_kernel.down(x + i, a), b, 2.0)):7.1f} us"]
+    if quantized_kernel.available(x, mlp.gate_proj):
+        line.append(f"gate quantized_kernel {timed(lambda i: quantized_kernel.matmul(x + i, mlp.gate_proj)):7.1f} us")
+    r = mx.random.normal(x.shape).astype(x.dtype)
+    line.append(f"add+norm mlx {timed(lambda i: norm(x + r + i)):7.1f} us")
+    if norm_kernel.available(x, r, norm):
+        line.append(f"norm_kernel {timed(lambda i: norm_kernel.add_norm(x + i, r, norm)[1]):7.1f} us")
+    return line
 
 
 if __name__ == "__main__":
