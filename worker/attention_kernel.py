@@ -16,6 +16,7 @@ row its own memory; the kernel takes its inputs as they are, never a copy), and 
 a cache array of an earlier decode step: the step returns the same arrays as its new cache.
 """
 
+import functools
 import math
 
 import mlx.core as mx
@@ -156,12 +157,17 @@ SOURCE = """
   }
 """
 
-_kernel = None
-
-
 def cuda() -> bool:
     """Whether MLX runs on its CUDA backend."""
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+@functools.cache
+def kernel(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], source: str, contiguous: bool = True):
+    """MLX's custom CUDA kernel of this source, made at its first call (the decode's kernels
+    are made only where they run: mx.fast.cuda_kernel is CUDA's)."""
+    return mx.fast.cuda_kernel(name=name, input_names=list(inputs), output_names=list(outputs), source=source,
+                               ensure_row_contiguous=contiguous)
 
 
 def available(queries: mx.array, keys: mx.array) -> bool:
@@ -183,12 +189,6 @@ def attend(queries, k_new, v_new, keys, values, pos: mx.array, left_pad: mx.arra
     1, kv_heads * D), or the same without their second axis; the kernel applies this RoPE to the
     query and the new key (non-traditional, on all D dimensions, at position pos - left_pad),
     after the q and k RMSNorms `norms` if given, and returns the queries' shape."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="mtq_decode_attention",
-            input_names=["q", "k_new", "v_new", "keys", "values", "pos", "pad", "params", "q_norm", "k_norm"],
-            output_names=["out"], source=SOURCE, ensure_row_contiguous=False)
     rows, kv_heads, _, d = keys.shape
     heads = queries.shape[1] if rope is None else queries.shape[-1] // d
     warps = next((w for w in WARPS if keys.shape[2] <= 64 * w), WARPS[-1])
@@ -196,7 +196,9 @@ def attend(queries, k_new, v_new, keys, values, pos: mx.array, left_pad: mx.arra
     rope_args = (math.log2(rope.base), rope.scale) if rope is not None else (0.0, 1.0)
     params = mx.array([scale, eps, *rope_args], mx.float32)
     q_norm, k_norm = (n.weight for n in norms) if norms else (params, params)
-    return _kernel(
+    attention = kernel("mtq_decode_attention", ("q", "k_new", "v_new", "keys", "values", "pos", "pad", "params",
+                                                 "q_norm", "k_norm"), ("out",), SOURCE, contiguous=False)
+    return attention(
         inputs=[queries, k_new, v_new, keys, values, pos, left_pad, params, q_norm, k_norm],
         template=[("T", queries.dtype), ("D", d), ("W", warps), ("FUSED", rope is not None), ("NORM", bool(norms)),
                   ("FLAT", queries.ndim == 2)],

@@ -16,7 +16,7 @@ and B stay float32 (a job's LoRA weights): bf16 LoRA moved sampled log-probs by 
 
 import mlx.core as mx
 
-from worker.attention_kernel import cuda
+from worker.attention_kernel import cuda, kernel
 
 THREADS = 1024  # per row in `down`: R of them per slice of K
 MAX_RANK = THREADS  # columns of A (a group's ranks together) that `down` holds
@@ -61,18 +61,6 @@ UP = """
   out[m * N + j] = static_cast<T>(static_cast<float>(y[m * N + j]) + static_cast<float>(z));
 """
 
-_kernels = {}
-
-
-def _kernel(name: str):
-    if name not in _kernels:
-        _kernels[name] = (
-            mx.fast.cuda_kernel(name="mtq_lora_down", input_names=["x", "a"], output_names=["t"], source=DOWN)
-            if name == "down" else
-            mx.fast.cuda_kernel(name="mtq_lora_up", input_names=["y", "t", "b", "scale"], output_names=["out"],
-                                source=UP))
-    return _kernels[name]
-
 
 def available(x: mx.array, a: mx.array, b: mx.array) -> bool:
     """Whether the kernels can run a group's LoRA product: MLX's CUDA backend, float32 A and B
@@ -84,7 +72,7 @@ def available(x: mx.array, a: mx.array, b: mx.array) -> bool:
 def down(x: mx.array, a: mx.array) -> mx.array:
     """x @ a in float32: (..., K) by (K, R) -> (rows, R), rows the product of x's leading dims."""
     rows = x.size // x.shape[-1]
-    return _kernel("down")(
+    return kernel("mtq_lora_down", ("x", "a"), ("t",), DOWN)(
         inputs=[x, a], template=[("T", x.dtype), ("THREADS", THREADS)],
         grid=(THREADS, rows, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(rows, a.shape[1])], output_dtypes=[mx.float32])[0]
@@ -94,7 +82,7 @@ def up(y: mx.array, t: mx.array, b: mx.array, scale: float) -> mx.array:
     """y + (scale * t @ b) cast to y's dtype, rounded as MLX's ops round: y (..., N), t (rows, R)
     from down, b (R, N)."""
     n = y.shape[-1]
-    return _kernel("up")(
+    return kernel("mtq_lora_up", ("y", "t", "b", "scale"), ("out",), UP)(
         inputs=[y, t, b, mx.array([scale], mx.float32)], template=[("T", y.dtype)],
         grid=(n, y.size // n, 1), threadgroup=(min(256, n), 1, 1),
         output_shapes=[y.shape], output_dtypes=[y.dtype])[0]

@@ -11,7 +11,7 @@ its normalizer cast to T, times the weight in T).
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker.attention_kernel import cuda
+from worker.attention_kernel import cuda, kernel
 
 THREADS = 256  # per row
 
@@ -41,9 +41,6 @@ SOURCE = """
   }
 """
 
-_kernel = None
-
-
 def available(x: mx.array, r: mx.array, norm: nn.Module) -> bool:
     """Whether the kernel can add r to x and norm the sum: MLX's CUDA backend, an nn.RMSNorm over
     x's last axis, x, r and the norm's weight of one floating dtype and x and r of one shape."""
@@ -53,12 +50,8 @@ def available(x: mx.array, r: mx.array, norm: nn.Module) -> bool:
 
 def add_norm(x: mx.array, r: mx.array, norm: nn.RMSNorm) -> tuple[mx.array, mx.array]:
     """h = x + r and norm(h), as MLX's ops give them."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="mtq_add_rms_norm", input_names=["x", "r", "w", "eps"],
-                                      output_names=["h", "normed"], source=SOURCE)
     rows = x.size // x.shape[-1]
-    return tuple(_kernel(
+    return tuple(kernel("mtq_add_rms_norm", ("x", "r", "w", "eps"), ("h", "normed"), SOURCE)(
         inputs=[x, r, norm.weight, mx.array([norm.eps], mx.float32)], template=[("T", x.dtype), ("THREADS", THREADS)],
         grid=(THREADS, rows, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype]))

@@ -14,7 +14,7 @@ order. It re-reads the rows' inputs for every column, so from 32 rows MLX's GEMM
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker.attention_kernel import cuda
+from worker.attention_kernel import cuda, kernel
 
 MAX_ROWS = 8  # more: MLX's GEMM (at 32 rows its tensor cores beat this kernel, which reads x once per column)
 WARPS = 8  # output columns per block
@@ -74,9 +74,6 @@ SOURCE = """
   }
 """
 
-_kernel = None
-
-
 def available(x: mx.array, m: nn.Module) -> bool:
     """Whether the kernel can multiply x (..., K) by a quantized module's weights (an
     nn.QuantizedLinear, or a tied nn.QuantizedEmbedding as its output projection): MLX's CUDA
@@ -95,13 +92,9 @@ def available(x: mx.array, m: nn.Module) -> bool:
 def matmul(x: mx.array, m: nn.Module) -> mx.array:
     """x @ dequantized(m's weights).T, (..., K) -> (..., N), as MLX's quantized matmul gives it
     (the module's own bias, if any, not added)."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="mtq_quantized_matmul", input_names=["x", "w", "scales", "biases"],
-                                      output_names=["out"], source=SOURCE)
     w = m["weight"]
     n, rows = w.shape[0], x.size // x.shape[-1]
-    return _kernel(
+    return kernel("mtq_quantized_matmul", ("x", "w", "scales", "biases"), ("out",), SOURCE)(
         inputs=[x, w, m["scales"], m["biases"]],
         template=[("T", x.dtype), ("M", rows), ("BITS", m.bits), ("GS", m.group_size), ("WARPS", WARPS)],
         grid=(32 * WARPS * ((n + WARPS - 1) // WARPS), 1, 1), threadgroup=(32 * WARPS, 1, 1),
