@@ -269,9 +269,9 @@ def worker_env(stack) -> dict:
 
 @pytest.fixture(scope="module")
 def worker(stack, worker_env):
-    """The module's worker, for its later tests: the tests before them left jobs queued on
-    purpose; those are cancelled, so the worker runs only what the tests that use it submit.
-    (Modules whose every test wants a worker define their own.)"""
+    """The module's worker, from the first test that uses it on (in a module whose every test
+    does, from its first): jobs that earlier tests left queued on purpose are cancelled, so the
+    worker runs only what the tests that use it submit. Its environment: worker_env."""
     from shared import lifecycle
     from shared.keys import JOBS_INDEX
 
