@@ -10,8 +10,9 @@ products of one row; worker/sampling.py decode_blocks), the decode attention wit
 cuDNN path, worker/sampling.py fused_queries) over 152 keys, and the KV cache write (a select).
 On CUDA, a second line: the decode's own kernels beside the MLX ops they replace, a q/k/v
 group's LoRA product (rank 8 each, float32 A and B) by MLX's ops and by lora_kernel's down and
-up, the gate projection by quantized_kernel (at most its MAX_ROWS rows), and the residual add
-with the RMSNorm after it by MLX's ops and by norm_kernel.
+up, the gate projection by quantized_kernel (at most its MAX_ROWS rows), the residual add
+with the RMSNorm after it by MLX's ops and by norm_kernel, and the MLP's activation on the
+gate/up output by MLX's split and swiglu and by swiglu_kernel.
 Microseconds per op, the input add of each copy included.
 """
 
@@ -25,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 
-from worker import attention_kernel, lora_kernel, norm_kernel, quantized_kernel  # noqa: E402
+from mlx_lm.models.activations import swiglu  # noqa: E402
+
+from worker import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel  # noqa: E402
 from worker.sampling import attention_mask  # noqa: E402
 
 
@@ -79,6 +82,10 @@ def ours(attn, mlp, norm, x) -> list[str]:
     line.append(f"add+norm mlx {timed(lambda i: norm(x + r + i)):7.1f} us")
     if norm_kernel.available(x, r, norm):
         line.append(f"norm_kernel {timed(lambda i: norm_kernel.add_norm(x + i, r, norm)[1]):7.1f} us")
+    g = mx.random.normal((x.shape[0], 2 * mlp.gate_proj.weight.shape[0])).astype(x.dtype)
+    line.append(f"swiglu mlx {timed(lambda i: swiglu(*mx.split(g + i, 2, axis=-1))):7.1f} us")
+    if swiglu_kernel.available(g):
+        line.append(f"swiglu_kernel {timed(lambda i: swiglu_kernel.swiglu(g + i)):7.1f} us")
     return line
 
 

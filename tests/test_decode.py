@@ -20,13 +20,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 import mlx_lm
 import numpy as np
 import pytest
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from conftest import ROOT
 
-from worker import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, sampling
+from worker import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, sampling, swiglu_kernel
 from worker.sampling import SamplingParams, compacted, decode_groups, fuse_shared_inputs, kernel_fits, make_decode_step, sample
 
 PAD = 7
@@ -291,13 +292,15 @@ def test_the_cuda_kernels_decode_what_mlx_ops_do(model, lora_model, quantized_lo
     different steps). The attention by attention_kernel (which also writes the new key and value
     into the KV buffers, in place) in both forms: the Qwen3 attention whole, q/k norms and RoPE
     in the kernel, and the kernel after MLX's norms and RoPE (another model's form); each LoRA
-    group's product by lora_kernel; each residual add and the norm after it by norm_kernel; and
-    in a 4-bit model each quantized matmul by quantized_kernel, the tied output projection's too."""
-    calls = {"attend": [], "down": [], "up": [], "add_norm": [], "matmul": []}
+    group's product by lora_kernel; each residual add and the norm after it by norm_kernel, and
+    each MLP's activation by swiglu_kernel, which also make a LoRA group's last product where
+    they take its output and the first one of the group reading theirs; and in a 4-bit model
+    each quantized matmul by quantized_kernel, the tied output projection's too."""
+    calls = {"attend": [], "down": [], "up": [], "add_norm": [], "swiglu": [], "matmul": []}
     for module, name in ((attention_kernel, "attend"), (lora_kernel, "down"), (lora_kernel, "up"),
-                         (norm_kernel, "add_norm"), (quantized_kernel, "matmul")):
+                         (norm_kernel, "add_norm"), (swiglu_kernel, "swiglu"), (quantized_kernel, "matmul")):
         kernel = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls[_n].append(kw) or _k(*a, **kw))
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls[_n].append((a, kw)) or _k(*a, **kw))
     if not whole:
         monkeypatch.setattr(sampling, "kernel_norms_and_rope", lambda attention: False)
     params, prompts, group_size = CASES[case]
@@ -312,12 +315,20 @@ def test_the_cuda_kernels_decode_what_mlx_ops_do(model, lora_model, quantized_lo
             c.clear()
         got = sample(m, step, prompts, group_size, p, EOS, mx.random.key(3))
         # In each trace of the compiled step (one per row count: finished rows are dropped), one
-        # attention per layer and two norms; the LoRA model's top block has LoRA on four groups
-        # (q/k/v, o, gate/up, down).
+        # attention per layer, two norms and an activation; the LoRA model's top block has LoRA on
+        # four groups (q/k/v, o, gate/up, down): the norms before q/k/v and gate/up and the
+        # activation before down make their downs, the norms after o and down and the activation
+        # after gate/up their ups (the ups lora_kernel made for them are left out of the graph):
+        # lora_kernel runs o's down and q/k/v's up.
         traces = len(calls["attend"]) // len(m.layers)
         assert traces >= 1 and len(calls["attend"]) == traces * len(m.layers)
         assert len(calls["add_norm"]) == 2 * traces * len(m.layers)
-        assert len(calls["down"]) == len(calls["up"]) == (0 if m is model else 4 * traces)
+        assert len(calls["swiglu"]) == traces * len(m.layers)
+        lora = 0 if m is model else traces
+        assert len(calls["down"]) == lora and len(calls["up"]) == 4 * lora
+        assert sum(len(a) > 3 and a[3] is not None for a, _ in calls["add_norm"]) == 2 * lora  # ups
+        assert sum(len(a) > 4 and a[4] is not None for a, _ in calls["add_norm"]) == 2 * lora  # downs
+        assert sum(a[1] is not None for a, _ in calls["swiglu"]) == sum(a[2] is not None for a, _ in calls["swiglu"]) == lora
         # q/k/v, o, gate/up and down of each block, and the output projection, in each trace of
         # at most quantized_kernel.MAX_ROWS rows (all of them if the batch has no more)
         per_trace = 4 * len(m.layers) + 1
@@ -326,8 +337,37 @@ def test_the_cuda_kernels_decode_what_mlx_ops_do(model, lora_model, quantized_lo
             assert not calls["matmul"]
         elif len(prompts) * group_size <= quantized_kernel.MAX_ROWS:
             assert len(calls["matmul"]) == traces * per_trace
-        assert all(("rope" in kw) == whole for kw in calls["attend"])
+        assert all(("rope" in kw) == whole for _, kw in calls["attend"])
         assert_same(got, want, p)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_a_kernel_that_folds_in_the_lora_kernels_gives_what_they_give(dtype):
+    """norm_kernel's add_norm and swiglu_kernel's activation, given a LoRA group's base output and
+    lora_kernel.up's other inputs, and the A of the group that reads their output, give exactly
+    what lora_kernel.up, MLX's split and swiglu (or the plain add_norm) and lora_kernel.down give
+    in turn, bit for bit: the same formulas, roundings and summation order."""
+    rows, hidden, width, rank = 5, 96, 2 * 160, 12
+    key = iter(mx.random.split(mx.random.key(0), 9))
+    normal = lambda *shape: mx.random.normal(shape, key=next(key))  # noqa: E731
+    norm = nn.RMSNorm(hidden)
+    norm.weight = (1 + 0.1 * normal(hidden)).astype(dtype)
+    x, y = normal(rows, hidden).astype(dtype), normal(rows, hidden).astype(dtype)
+    t, b, a = normal(rows, rank), 0.3 * normal(rank, hidden), 0.3 * normal(hidden, rank + 4)
+    h, normed, down = norm_kernel.add_norm(x, y, norm, (t, b, 1.5), a)
+    want_h, want_normed = norm_kernel.add_norm(x, lora_kernel.up(y, t, b, 1.5), norm)
+    want_down = lora_kernel.down(want_normed, a)
+    assert np.array_equal(np.array(h.astype(mx.float32)), np.array(want_h.astype(mx.float32)))
+    assert np.array_equal(np.array(normed.astype(mx.float32)), np.array(want_normed.astype(mx.float32)))
+    assert np.array_equal(np.array(down), np.array(want_down))
+    g, bg, ad = normal(rows, width).astype(dtype), 0.3 * normal(rank, width), 0.3 * normal(width // 2, rank)
+    out, down = swiglu_kernel.swiglu(g, (t, bg, 0.5), ad)
+    want = mx.compile(lambda z: swiglu(*mx.split(z, 2, axis=-1)))(lora_kernel.up(g, t, bg, 0.5))
+    assert np.array_equal(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)))
+    assert np.array_equal(np.array(down), np.array(lora_kernel.down(want, ad)))
+    plain = swiglu(*mx.split(g, 2, axis=-1))
+    assert np.array_equal(np.array(swiglu_kernel.swiglu(g).astype(mx.float32)), np.array(plain.astype(mx.float32)))
 
 
 def test_a_model_that_attends_otherwise_keeps_mlx_attention(tiny_model, monkeypatch):

@@ -163,11 +163,12 @@ def cuda() -> bool:
 
 
 @functools.cache
-def kernel(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], source: str, contiguous: bool = True):
+def kernel(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], source: str, contiguous: bool = True,
+           header: str = ""):
     """MLX's custom CUDA kernel of this source, made at its first call (the decode's kernels
     are made only where they run: mx.fast.cuda_kernel is CUDA's)."""
     return mx.fast.cuda_kernel(name=name, input_names=list(inputs), output_names=list(outputs), source=source,
-                               ensure_row_contiguous=contiguous)
+                               header=header, ensure_row_contiguous=contiguous)
 
 
 def available(queries: mx.array, keys: mx.array) -> bool:

@@ -21,21 +21,34 @@ from worker.attention_kernel import cuda, kernel
 THREADS = 1024  # per row in `down`: R of them per slice of K
 MAX_RANK = THREADS  # columns of A (a group's ranks together) that `down` holds
 
-# One block per row m. Thread i sums x[m, k] * A[k, r] for r = i % R over the k of its slice
-# i / R (slices: a power of two): consecutive threads read consecutive elements of A (K, R),
+# lora_kernel's two formulas as device functions, for its kernels and for those that fold them
+# in (norm_kernel, swiglu_kernel: mx.fast.cuda_kernel's header), so all sum in one order.
+# lora_up: y + T(scale * t_m @ B[:, j]) for row m's t_m, rounded as MLX rounds.
+# lora_down: row m's x @ A (K, R), x[k] given by x_at(k), into t_m; called by every thread of
+# the block (it syncs). Thread i sums x[k] * A[k, r] for r = i % R over the k of its slice
+# i / R (slices: a power of two): consecutive threads read consecutive elements of A,
 # row-major. The slices' sums are added pairwise through shared memory. Unrolled: a thread's
 # loads are issued together (its few dozen k would otherwise each wait on memory in turn).
-DOWN = """
-  const int K = a_shape[0], R = a_shape[1];
-  const int m = blockIdx.y, i = threadIdx.x;
+HEADER = """
+template <typename T>
+__device__ T lora_up(T y, const float* t_m, const float* b, int R, size_t N, size_t j, float scale) {
+  float acc = 0.f;
+#pragma unroll 8
+  for (int r = 0; r < R; ++r) acc += t_m[r] * b[(size_t)r * N + j];
+  const T z = static_cast<T>(scale * acc);
+  return static_cast<T>(static_cast<float>(y) + static_cast<float>(z));
+}
+
+template <int THREADS, typename X>
+__device__ void lora_down(X x_at, int K, const float* a, int R, float* t_m) {
+  const int i = threadIdx.x;
   int slices = 1;
   while (slices * 2 * R <= THREADS) slices *= 2;
   const int r = i % R, slice = i / R;
   float acc = 0.f;
   if (slice < slices) {
-    const T* xm = x + (size_t)m * K;
 #pragma unroll 8
-    for (int k = slice; k < K; k += slices) acc += static_cast<float>(xm[k]) * a[(size_t)k * R + r];
+    for (int k = slice; k < K; k += slices) acc += x_at(k) * a[(size_t)k * R + r];
   }
   __shared__ float part[THREADS];
   part[i] = acc;
@@ -44,7 +57,16 @@ DOWN = """
     if (slice < s) part[i] += part[i + s * R];
     __syncthreads();
   }
-  if (i < R) t[(size_t)m * R + i] = part[i];
+  if (i < R) t_m[i] = part[i];
+}
+"""
+
+# One block per row m.
+DOWN = """
+  const int K = a_shape[0], R = a_shape[1];
+  const size_t m = blockIdx.y;
+  const T* xm = x + m * K;
+  lora_down<THREADS>([&](int k) { return static_cast<float>(xm[k]); }, K, a, R, t + m * R);
 """
 
 # One thread per output element (m, j).
@@ -53,12 +75,7 @@ UP = """
   const size_t m = blockIdx.y;
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= N) return;
-  const float* tm = t + m * R;
-  float acc = 0.f;
-#pragma unroll 8
-  for (int r = 0; r < R; ++r) acc += tm[r] * b[(size_t)r * N + j];
-  const T z = static_cast<T>(scale[0] * acc);
-  out[m * N + j] = static_cast<T>(static_cast<float>(y[m * N + j]) + static_cast<float>(z));
+  out[m * N + j] = lora_up(y[m * N + j], t + m * R, b, R, N, j, scale[0]);
 """
 
 
@@ -72,7 +89,7 @@ def available(x: mx.array, a: mx.array, b: mx.array) -> bool:
 def down(x: mx.array, a: mx.array) -> mx.array:
     """x @ a in float32: (..., K) by (K, R) -> (rows, R), rows the product of x's leading dims."""
     rows = x.size // x.shape[-1]
-    return kernel("mtq_lora_down", ("x", "a"), ("t",), DOWN)(
+    return kernel("mtq_lora_down", ("x", "a"), ("t",), DOWN, header=HEADER)(
         inputs=[x, a], template=[("T", x.dtype), ("THREADS", THREADS)],
         grid=(THREADS, rows, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(rows, a.shape[1])], output_dtypes=[mx.float32])[0]
@@ -82,7 +99,7 @@ def up(y: mx.array, t: mx.array, b: mx.array, scale: float) -> mx.array:
     """y + (scale * t @ b) cast to y's dtype, rounded as MLX's ops round: y (..., N), t (rows, R)
     from down, b (R, N)."""
     n = y.shape[-1]
-    return kernel("mtq_lora_up", ("y", "t", "b", "scale"), ("out",), UP)(
+    return kernel("mtq_lora_up", ("y", "t", "b", "scale"), ("out",), UP, header=HEADER)(
         inputs=[y, t, b, mx.array([scale], mx.float32)], template=[("T", y.dtype)],
         grid=(n, y.size // n, 1), threadgroup=(min(256, n), 1, 1),
         output_shapes=[y.shape], output_dtypes=[y.dtype])[0]

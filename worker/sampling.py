@@ -14,7 +14,9 @@ is one kernel (worker/attention_kernel.py; a Qwen3 layer's q/k norms and RoPE to
 attention sees each row's query twice so that MLX fuses it, `fused_queries`), each projection
 group's LoRA product two (worker/lora_kernel.py), a quantized matmul of few rows one
 (worker/quantized_kernel.py), and a Qwen3 block's residual adds and the norms after them one
-each (worker/norm_kernel.py), its rows 2-D (`decode_blocks`). bench/decode.py counts them.
+each (worker/norm_kernel.py), its MLP activation one (worker/swiglu_kernel.py), its rows 2-D
+(`decode_blocks`); those two also run the LoRA kernels next to them (`Handoff`).
+bench/decode.py counts them.
 
 The prompt of each group is prefilled once and its cache repeated group_size times.
 """
@@ -30,10 +32,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3
+from mlx_lm.models.activations import swiglu
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.tuner.lora import LoRALinear
 
-from worker import attention_kernel, lora_kernel, norm_kernel, quantized_kernel
+from worker import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel
 
 CHUNK = 16  # decode steps between host checks (early stop when all rows ended, cancel)
 
@@ -52,6 +55,42 @@ class Slots:
         # kernel: one token's key and value are written by the attention (attention_kernel.attend),
         # which takes them from `pending` (a layer's cache and its new key and value).
         self.kernel, self.pending, self.attended = kernel and n == 1, None, 0
+
+
+class Handoff:
+    """What one traced decode step's kernels leave to the next (decode_blocks, grouped_projections).
+    A projection group's output is made by its base matmul, then lora_kernel.up (with LoRA), then
+    split; the kernel that reads it (norm_kernel's residual add, swiglu_kernel's activation)
+    can take the base output and make the rest itself, and make the first LoRA kernel
+    (lora_kernel.down) of the group reading its own output: each saves a kernel or a split."""
+
+    def __init__(self):
+        self.parts = {}  # id(a group's output) -> (it, the group's base output y, up's (t, B, scale) or None, its first column)
+        self.downs = {}  # id(an output x a kernel made) -> (x, A, x @ A)
+        self.lora_a = {}  # id(a projection) -> its group's A, where lora_kernel runs that group
+
+    def part(self, out: mx.array) -> tuple | None:
+        """(y, up, first column) if out is a part of a group's output, made from its base output y."""
+        entry = self.parts.get(id(out))
+        return entry[1:] if entry is not None and entry[0] is out else None
+
+    def whole(self, r: mx.array) -> tuple[mx.array, tuple | None]:
+        """r as a kernel that adds it may take it: (y, up) if r is a LoRA group's whole output."""
+        part = self.part(r)
+        return part[:2] if part is not None and part[1] is not None and part[0].shape == r.shape else (r, None)
+
+    def halves(self, gate: mx.array, up: mx.array) -> tuple | None:
+        """(y, up's (t, B, scale) or None) if gate and up are the two halves of one group's output."""
+        g, u = self.part(gate), self.part(up)
+        if g is None or u is None or g[0] is not u[0] or g[1] is not u[1]:
+            return None
+        f = gate.shape[-1]
+        return g[:2] if (g[2], u[2], up.shape[-1], g[0].shape[-1]) == (0, f, f, 2 * f) else None
+
+    def down(self, x: mx.array, a: mx.array) -> mx.array | None:
+        """x @ a if the kernel that made x made it."""
+        entry = self.downs.get(id(x))
+        return entry[2] if entry is not None and entry[0] is x and entry[1] is a else None
 
 
 class KernelMisfit(Exception):
@@ -276,21 +315,46 @@ def decode_attention(slots: Slots, queries: int):
 
 
 @contextlib.contextmanager
-def decode_blocks(slots: Slots, kernel: bool):
+def decode_blocks(slots: Slots, kernel: bool, handoff: Handoff):
     """While a decode step is traced: a Qwen3 model's blocks, each residual add and the RMSNorm
     after it (the block's second norm, the next block's first, the model's last) as one
-    norm_kernel.add_norm where kernel and it fits, else as mlx_lm's blocks run them. When the
+    norm_kernel.add_norm where kernel and it fits, else as mlx_lm's blocks run them; the add
+    also makes a LoRA output projection's last product and the norm the first one of the group
+    reading it, where grouped_projections hands them over (handoff). When the
     attention kernel runs every block's attention whole (kernel_norms_and_rope), the rows go
     through the blocks 2-D, (rows, hidden): MLX 0.32's CUDA quantized matmul runs a (rows, 1, K)
     input as `rows` products of one row, each reading all the weights, and a (rows, K) one as
     one product (mlx/backend/cuda/quantized/quantized.cpp, its batch count)."""
     qwen3_model = qwen3.Qwen3Model.__call__
 
-    def add_norm(x, r, norm):
-        if kernel and norm_kernel.available(x, r, norm):
-            return norm_kernel.add_norm(x, r, norm)
-        h = x + r
+    def add_norm(h, r, norm, reader=None):
+        """h + r and its norm, the norm's output read by the projection `reader`."""
+        y, up = handoff.whole(r)
+        a = handoff.lora_a.get(id(reader))
+        if kernel and (up is not None or a is not None) and norm_kernel.available(h, y, norm, up, a):
+            h, x, *t = norm_kernel.add_norm(h, y, norm, up, a)
+            if t:
+                handoff.downs[id(x)] = (x, a, t[0])
+            return h, x
+        if kernel and norm_kernel.available(h, r, norm):
+            return norm_kernel.add_norm(h, r, norm)
+        h = h + r
         return h, norm(h)
+
+    def mlp(m, x):
+        """mlx_lm's Qwen3 MLP, down(swiglu(gate(x), up(x))), its activation by swiglu_kernel where
+        kernel and it fits (which also makes what handoff leaves it)."""
+        gate, up = m.gate_proj(x), m.up_proj(x)
+        halves = handoff.halves(gate, up) if kernel else None
+        a = handoff.lora_a.get(id(m.down_proj))
+        if halves is not None and swiglu_kernel.available(*halves, a):
+            out = swiglu_kernel.swiglu(*halves, a)
+            if a is not None:
+                out, t = out
+                handoff.downs[id(out)] = (out, a, t)
+        else:
+            out = swiglu(gate, up)
+        return m.down_proj(out)
 
     def blocks(self, inputs, cache=None, input_embeddings=None):
         if cache is None or input_embeddings is not None or any(type(b) is not qwen3.TransformerBlock
@@ -303,9 +367,12 @@ def decode_blocks(slots: Slots, kernel: bool):
             mask = qwen3.create_attention_mask(h, cache[0])
         x = self.layers[0].input_layernorm(h)
         for i, (block, c) in enumerate(zip(self.layers, cache)):
-            h, x = add_norm(h, block.self_attn(x, mask, c), block.post_attention_layernorm)
-            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h, x = add_norm(h, block.mlp(x), after)
+            h, x = add_norm(h, block.self_attn(x, mask, c), block.post_attention_layernorm, block.mlp.gate_proj)
+            if i + 1 < len(self.layers):
+                after = self.layers[i + 1]
+                h, x = add_norm(h, mlp(block.mlp, x), after.input_layernorm, after.self_attn.q_proj)
+            else:
+                h, x = add_norm(h, mlp(block.mlp, x), self.norm)
         return x
 
     qwen3.Qwen3Model.__call__ = blocks
@@ -428,16 +495,16 @@ def _base(m: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def grouped_projections(groups: list[Group], lora: list, dense: dict | None = None, kernel: bool = False):
+def grouped_projections(groups: list[Group], lora: list, dense: dict, kernel: bool, handoff: Handoff):
     """While a decode step is traced: a projection of a Group takes its output from the group's,
     made at the group's first call on that input: one matmul of the fused base weights (else
     each projection's own), plus scale * (x @ A) @ B of its LoRA pair (lora_args), on 2-D rows
     (a 3-D matmul adds two reshapes), then split. With kernel, where they fit, the LoRA product
-    is lora_kernel's down and up, on the rows as they come, and a quantized matmul (a tied
-    output projection's too) quantized_kernel's. What each projection gives is what mlx_lm's
+    is lora_kernel's down and up, on the rows as they come (handoff: a down a norm kernel made, and
+    a lone projection's up for the residual add to make: decode_blocks), and a quantized matmul
+    (a tied output projection's too) quantized_kernel's. What each projection gives is what mlx_lm's
     LoRALinear gives, without dropout (sampling never drops out). dense: dequantized weights
     (dequantized) that quantized projections use instead of their own."""
-    dense = dense or {}
     where = {id(m): (g, i) for g, group in enumerate(groups) for i, m in enumerate(group.modules)}
     pair = dict(zip([g for g, group in enumerate(groups) if group.lora], lora))  # group -> its LoRA pair
     classes = {type(m) for group in groups for m in group.modules} | {type(_base(m)) for group in groups
@@ -445,6 +512,9 @@ def grouped_projections(groups: list[Group], lora: list, dense: dict | None = No
     classes |= {nn.QuantizedLinear} if dense or kernel else set()
     calls = {cls: cls.__call__ for cls in classes}
     outputs = {}  # group -> (its input, the outputs of its projections)
+    if kernel:
+        handoff.lora_a.update((id(m), pair[g][0]) for g, group in enumerate(groups) if g in pair
+                              for m in group.modules)
 
     def project(m: nn.Module, x: mx.array) -> mx.array:
         """m(x): with kernel, a quantized module's by quantized_kernel where it fits; on 2-D rows
@@ -466,11 +536,12 @@ def grouped_projections(groups: list[Group], lora: list, dense: dict | None = No
         bases = [group.fused] if group.fused is not None else [_base(m) for m in mods]
         if pair is not None and kernel and lora_kernel.available(x, *pair):
             a, b = pair
-            t = lora_kernel.down(x, a)
+            t = handoff.down(x, a)
+            t = lora_kernel.down(x, a) if t is None else t
             ys = [project(base, x) for base in bases]
             bs = [b] if len(ys) == 1 else _split(b, sizes)
-            ys = [lora_kernel.up(y, t, b_i, mods[0].scale) for y, b_i in zip(ys, bs)]
-            return _split(ys[0], sizes) if len(ys) < len(mods) else ys
+            outs = [lora_kernel.up(y, t, b_i, mods[0].scale) for y, b_i in zip(ys, bs)]
+            return handed(outs, ys, (t, b, mods[0].scale), sizes)
         flat = x.ndim > 2 and (pair is not None or any(id(b) in dense for b in bases))
         h = x.reshape(-1, x.shape[-1]) if flat else x
         ys = [project(b, h) for b in bases]
@@ -481,7 +552,17 @@ def grouped_projections(groups: list[Group], lora: list, dense: dict | None = No
             ys = [y + z for y, z in zip(ys, zs)]
         if flat:
             ys = [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
-        return _split(ys[0], sizes) if len(ys) < len(mods) else ys
+        return handed(ys, ys if pair is None else [], None, sizes)  # with LoRA by MLX's ops: nothing to hand over
+
+    def handed(outs: list, ys: list, up: tuple | None, sizes: list[int]) -> list[mx.array]:
+        """The group's outputs, each made from one base output (ys) and lora_kernel.up's inputs
+        up, told to handoff (with kernel): what a kernel reading them makes itself is then left
+        out of the graph."""
+        parts = _split(outs[0], sizes) if len(outs) < len(sizes) else outs
+        if kernel and len(ys) == 1:
+            for part, start in zip(parts, itertools.accumulate([0, *sizes[:-1]])):
+                handoff.parts[id(part)] = (part, ys[0], up, start)
+        return parts
 
     def grouped(self, x):
         if id(self) not in where:
@@ -570,8 +651,9 @@ def make_decode_step(
         slots = Slots(capacity, write_pos, left_pad, 1, kernel)
         caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
         # The function runs only while traced: what the contexts change is in the graph.
-        with (decode_attention(slots, queries or fused_queries(keys[0])), decode_blocks(slots, kernels),
-              grouped_projections(groups, lora, copies, kernels)):
+        handoff = Handoff()
+        with (decode_attention(slots, queries or fused_queries(keys[0])), decode_blocks(slots, kernels, handoff),
+              grouped_projections(groups, lora, copies, kernels, handoff)):
             hidden = model.model(tokens[:, None], cache=caches)
             head = dense_head or lm_head(model)  # looked up while traced: grouped_projections' as_linear
             logits = head(hidden if hidden.ndim == 2 else hidden[:, 0])  # decode_blocks' rows may be 2-D
