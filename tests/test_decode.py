@@ -283,6 +283,21 @@ def quantized_lora_model(tiny_model):
     return with_lora(model)
 
 
+def assert_kernels_took_over(calls: dict, traces: int, layers: int, lora: bool):
+    """calls: each kernel's positional arguments, a tuple per call, over `traces` traces of a
+    decode step. Every block's two residual adds and norms and its activation ran as their
+    kernels. The LoRA model's top block has LoRA on four groups (q/k/v, o, gate/up, down): the
+    norms before q/k/v and gate/up and the activation before down made those groups' x @ A, the
+    adds after o and down and the activation after gate/up their LoRA products (lora_kernel's
+    own for them are left out of the graph), so lora_kernel ran o's down and each group's up."""
+    assert len(calls["add_norm"]) == 2 * traces * layers and len(calls["swiglu"]) == traces * layers
+    n = traces if lora else 0
+    assert len(calls["down"]) == n and len(calls["up"]) == 4 * n
+    assert sum(len(a) > 3 and a[3] is not None for a in calls["add_norm"]) == 2 * n  # the ups
+    assert sum(len(a) > 4 and a[4] is not None for a in calls["add_norm"]) == 2 * n  # the downs
+    assert sum(a[1] is not None for a in calls["swiglu"]) == sum(a[2] is not None for a in calls["swiglu"]) == n
+
+
 @cuda_only
 @pytest.mark.parametrize("whole", [True, False], ids=["whole attention", "after norms and rope"])
 @pytest.mark.parametrize("case", CASES)
@@ -315,20 +330,10 @@ def test_the_cuda_kernels_decode_what_mlx_ops_do(model, lora_model, quantized_lo
             c.clear()
         got = sample(m, step, prompts, group_size, p, EOS, mx.random.key(3))
         # In each trace of the compiled step (one per row count: finished rows are dropped), one
-        # attention per layer, two norms and an activation; the LoRA model's top block has LoRA on
-        # four groups (q/k/v, o, gate/up, down): the norms before q/k/v and gate/up and the
-        # activation before down make their downs, the norms after o and down and the activation
-        # after gate/up their ups (the ups lora_kernel made for them are left out of the graph):
-        # lora_kernel runs o's down and q/k/v's up.
+        # attention per layer.
         traces = len(calls["attend"]) // len(m.layers)
         assert traces >= 1 and len(calls["attend"]) == traces * len(m.layers)
-        assert len(calls["add_norm"]) == 2 * traces * len(m.layers)
-        assert len(calls["swiglu"]) == traces * len(m.layers)
-        lora = 0 if m is model else traces
-        assert len(calls["down"]) == lora and len(calls["up"]) == 4 * lora
-        assert sum(len(a) > 3 and a[3] is not None for a, _ in calls["add_norm"]) == 2 * lora  # ups
-        assert sum(len(a) > 4 and a[4] is not None for a, _ in calls["add_norm"]) == 2 * lora  # downs
-        assert sum(a[1] is not None for a, _ in calls["swiglu"]) == sum(a[2] is not None for a, _ in calls["swiglu"]) == lora
+        assert_kernels_took_over({k: [a for a, _ in c] for k, c in calls.items()}, traces, len(m.layers), m is not model)
         # q/k/v, o, gate/up and down of each block, and the output projection, in each trace of
         # at most quantized_kernel.MAX_ROWS rows (all of them if the batch has no more)
         per_trace = 4 * len(m.layers) + 1
@@ -338,6 +343,52 @@ def test_the_cuda_kernels_decode_what_mlx_ops_do(model, lora_model, quantized_lo
         elif len(prompts) * group_size <= quantized_kernel.MAX_ROWS:
             assert len(calls["matmul"]) == traces * per_trace
         assert all(("rope" in kw) == whole for _, kw in calls["attend"])
+        assert_same(got, want, p)
+
+
+@pytest.mark.parametrize("case", ["categorical", "one prompt"])
+def test_the_kernels_take_over_the_lora_products_next_to_them(model, lora_model, case, monkeypatch):
+    """What the decode step hands its kernels (sampling.Handoff), on a CPU made to look like CUDA:
+    each kernel stood in for by MLX's ops of its formula. Every residual add, norm and MLP
+    activation goes to its kernel; in the LoRA block the adds after o and down take those
+    projections' base outputs and make their LoRA products, the norms before q/k/v and gate/up
+    and the activation before down make those groups' x @ A, the activation takes gate/up's
+    base output and makes its LoRA product; and the samples are those of MLX's ops alone."""
+    def up(y, t, b, scale):
+        return y + (scale * (t @ b)).astype(y.dtype).reshape(y.shape)
+
+    def down(x, a):
+        return x.reshape(-1, x.shape[-1]).astype(mx.float32) @ a
+
+    def add_norm(x, r, norm, lora_up=None, a=None):
+        h = x + (r if lora_up is None else up(r, *lora_up))
+        return (h, norm(h)) if a is None else (h, norm(h), down(norm(h), a))
+
+    def activation(y, lora_up=None, a=None):
+        out = swiglu(*mx.split(y if lora_up is None else up(y, *lora_up), 2, axis=-1))
+        return out if a is None else (out, down(out, a))
+
+    calls = {"down": [], "up": [], "add_norm": [], "swiglu": []}
+    for module, name, kernel in ((lora_kernel, "down", down), (lora_kernel, "up", up),
+                                 (norm_kernel, "add_norm", add_norm), (swiglu_kernel, "swiglu", activation)):
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name: calls[_n].append(a) or _k(*a))
+    params, prompts, group_size = CASES[case]
+    p = SamplingParams(**params)
+    for m in (model, lora_model):
+        want = sample(m, make_decode_step(m, p, EOS, PAD, queries=1, kernel=False), prompts, group_size, p, EOS,
+                      mx.random.key(3))
+        want = tuple(np.array(a) for a in (want.tokens, want.logprobs, want.entropy, want.mask, want.ended))
+        with monkeypatch.context() as cuda:
+            for module in (attention_kernel, lora_kernel, norm_kernel, swiglu_kernel):
+                cuda.setattr(module, "cuda", lambda: True)
+            cuda.setattr(sampling, "kernel_fits", lambda model: False)  # the attention stays MLX's
+            step = make_decode_step(m, p, EOS, PAD, queries=1)
+            for c in calls.values():
+                c.clear()
+            got = sample(m, step, prompts, group_size, p, EOS, mx.random.key(3))
+        traces = len(calls["swiglu"]) // len(m.layers)
+        assert traces >= 1
+        assert_kernels_took_over(calls, traces, len(m.layers), m is not model)
         assert_same(got, want, p)
 
 
