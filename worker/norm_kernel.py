@@ -79,7 +79,7 @@ def add_norm(x: mx.array, r: mx.array, norm: nn.RMSNorm, up: tuple | None = None
     """h = x + r and norm(h), as MLX's ops give them. up (t, B, scale): r is a LoRA projection's
     base output and the sum takes r + T(scale * t @ B) for it, as lora_kernel.up gives it. a:
     also t = norm(h) @ a in float32, as lora_kernel.down gives it; (h, norm(h), t) then."""
-    rows, hidden = x.size // x.shape[-1], x.shape[-1]
+    rows = x.size // x.shape[-1]
     eps = mx.array([norm.eps], mx.float32)
     t, b, scale = up if up is not None else (eps, eps, 0.0)  # placeholders when not UP (never read)
     outs = kernel("mtq_add_rms_norm", ("x", "r", "w", "eps", "up_t", "up_b", "scale", "a"), ("h", "normed", "t"),
