@@ -179,7 +179,7 @@ def training_pid(supervisor_pid: int) -> int | None:
 
 
 def test_a_killed_or_stopped_rank_ends_the_gangs_attempt_and_the_job_resumes_on_a_new_gang(stack, client, pair):
-    iters = 12
+    iters = 30  # far past the second signal's step: a loaded machine once finished 12 before it landed
     config = {**SFT_CONFIG, "workers": 2, "iters": iters, "steps_per_save": 2, "stall_timeout_s": 4, "max_attempts": 3}
     job_id = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "sft-chaos", "config": config})
     by_name = dict(zip(("gang-a", "gang-b"), pair))
