@@ -7,7 +7,7 @@ fused output itself, with MLX's own Sigmoid and Multiply (the ops its compiled s
 each rounding to the model's dtype T), so the result is MLX's exactly. With LoRA, the gate/up
 group's last kernel (lora_kernel.up: y + T(scale * t @ B)) and the down projection's first
 (lora_kernel.down: its input @ A) are done here too (UP, DOWN), with their formulas and
-summation order: a LoRA block's MLP then runs three kernels of LoRA and activation, not four.
+summation order: in a LoRA block those two and the activation are one kernel, not three.
 """
 
 import mlx.core as mx
