@@ -85,7 +85,7 @@ def ours(attn, mlp, norm, x) -> list[str]:
     g = mx.random.normal((x.shape[0], 2 * mlp.gate_proj.weight.shape[0])).astype(x.dtype)
     line.append(f"swiglu mlx {timed(lambda i: swiglu(*mx.split(g + i, 2, axis=-1))):7.1f} us")
     if swiglu_kernel.available(g):
-        line.append(f"swiglu_kernel {timed(lambda i: swiglu_kernel.swiglu(g + i)):7.1f} us")
+        line.append(f"swiglu_kernel {timed(lambda i: swiglu_kernel.swiglu(g + i)[0]):7.1f} us")
     return line
 
 

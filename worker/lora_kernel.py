@@ -86,6 +86,16 @@ def available(x: mx.array, a: mx.array, b: mx.array) -> bool:
             and x.dtype in (mx.float16, mx.bfloat16, mx.float32))
 
 
+def foldable(up: tuple | None, a: mx.array | None, rows: int, n: int, k: int, max_k: int) -> bool:
+    """Whether a kernel that folds these formulas in (norm_kernel, swiglu_kernel) can take up
+    (t, B, scale: up's inputs but y) for an output of rows x n, and a for input rows of k, at
+    most max_k: in this module's forms (float32, 2-D, a's columns at most THREADS)."""
+    return ((up is None or (up[0].dtype == up[1].dtype == mx.float32 and up[0].shape == (rows, up[1].shape[0])
+                            and up[1].shape[1] == n))
+            and (a is None or (a.dtype == mx.float32 and a.ndim == 2 and a.shape[0] == k <= max_k
+                               and a.shape[1] <= THREADS)))
+
+
 def down(x: mx.array, a: mx.array) -> mx.array:
     """x @ a in float32: (..., K) by (K, R) -> (rows, R), rows the product of x's leading dims."""
     rows = x.size // x.shape[-1]

@@ -63,22 +63,19 @@ SOURCE = """
 def available(x: mx.array, r: mx.array, norm: nn.Module, up: tuple | None = None, a: mx.array | None = None) -> bool:
     """Whether the kernel can add r to x and norm the sum: MLX's CUDA backend, an nn.RMSNorm over
     x's last axis, x, r and the norm's weight of one floating dtype and x and r of one shape;
-    up (t, B, scale) and a as add_norm takes them, in lora_kernel's forms (float32, 2-D, a's
-    columns at most THREADS), a normed row of at most MAX_HIDDEN."""
+    up (t, B, scale) and a as add_norm takes them (lora_kernel.foldable), a normed row of at
+    most MAX_HIDDEN."""
     hidden = x.shape[-1]
     return (cuda() and type(norm) is nn.RMSNorm and x.shape == r.shape and norm.weight.shape == (hidden,)
             and x.dtype == r.dtype == norm.weight.dtype and x.dtype in (mx.float16, mx.bfloat16, mx.float32)
-            and (up is None or (up[0].dtype == up[1].dtype == mx.float32 and up[0].shape == (x.size // hidden,
-                                                                                            up[1].shape[0])
-                                and up[1].shape[1] == hidden))
-            and (a is None or (a.dtype == mx.float32 and a.shape[0] == hidden <= MAX_HIDDEN
-                               and a.ndim == 2 and a.shape[1] <= THREADS)))
+            and lora_kernel.foldable(up, a, x.size // hidden, hidden, hidden, MAX_HIDDEN))
 
 
 def add_norm(x: mx.array, r: mx.array, norm: nn.RMSNorm, up: tuple | None = None, a: mx.array | None = None):
     """h = x + r and norm(h), as MLX's ops give them. up (t, B, scale): r is a LoRA projection's
     base output and the sum takes r + T(scale * t @ B) for it, as lora_kernel.up gives it. a:
-    also t = norm(h) @ a in float32, as lora_kernel.down gives it; (h, norm(h), t) then."""
+    also t = norm(h) @ a in float32, as lora_kernel.down gives it. Returns (h, norm(h), t), t
+    None without a."""
     rows = x.size // x.shape[-1]
     eps = mx.array([norm.eps], mx.float32)
     t, b, scale = up if up is not None else (eps, eps, 0.0)  # placeholders when not UP (never read)
@@ -90,4 +87,4 @@ def add_norm(x: mx.array, r: mx.array, norm: nn.RMSNorm, up: tuple | None = None
         grid=(THREADS, rows, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[x.shape, x.shape, (rows, 1 if a is None else a.shape[1])],
         output_dtypes=[x.dtype, x.dtype, mx.float32])
-    return tuple(outs) if a is not None else tuple(outs[:2])
+    return outs[0], outs[1], outs[2] if a is not None else None

@@ -331,13 +331,13 @@ def decode_blocks(slots: Slots, kernel: bool, handoff: Handoff):
         """h + r and its norm, the norm's output read by the projection `reader`."""
         y, up = handoff.whole(r)
         a = handoff.lora_a.get(id(reader))
-        if kernel and (up is not None or a is not None) and norm_kernel.available(h, y, norm, up, a):
-            h, x, *t = norm_kernel.add_norm(h, y, norm, up, a)
-            if t:
-                handoff.downs[id(x)] = (x, a, t[0])
+        if kernel and not norm_kernel.available(h, y, norm, up, a):
+            y, up, a = r, None, None  # what is handed over does not fit: the add and norm alone
+        if kernel and norm_kernel.available(h, y, norm, up, a):
+            h, x, t = norm_kernel.add_norm(h, y, norm, up, a)
+            if t is not None:
+                handoff.downs[id(x)] = (x, a, t)
             return h, x
-        if kernel and norm_kernel.available(h, r, norm):
-            return norm_kernel.add_norm(h, r, norm)
         h = h + r
         return h, norm(h)
 
@@ -348,9 +348,8 @@ def decode_blocks(slots: Slots, kernel: bool, handoff: Handoff):
         halves = handoff.halves(gate, up) if kernel else None
         a = handoff.lora_a.get(id(m.down_proj))
         if halves is not None and swiglu_kernel.available(*halves, a):
-            out = swiglu_kernel.swiglu(*halves, a)
-            if a is not None:
-                out, t = out
+            out, t = swiglu_kernel.swiglu(*halves, a)
+            if t is not None:
                 handoff.downs[id(out)] = (out, a, t)
         else:
             out = swiglu(gate, up)
@@ -500,9 +499,9 @@ def grouped_projections(groups: list[Group], lora: list, dense: dict, kernel: bo
     made at the group's first call on that input: one matmul of the fused base weights (else
     each projection's own), plus scale * (x @ A) @ B of its LoRA pair (lora_args), on 2-D rows
     (a 3-D matmul adds two reshapes), then split. With kernel, where they fit, the LoRA product
-    is lora_kernel's down and up, on the rows as they come (handoff: a down a norm kernel made, and
-    a lone projection's up for the residual add to make: decode_blocks), and a quantized matmul
-    (a tied output projection's too) quantized_kernel's. What each projection gives is what mlx_lm's
+    is lora_kernel's down and up, on the rows as they come, and a quantized matmul (a tied
+    output projection's too) quantized_kernel's; handoff gets each output's base output and
+    up's inputs, and gives a down the kernel making x made (decode_blocks). What each projection gives is what mlx_lm's
     LoRALinear gives, without dropout (sampling never drops out). dense: dequantized weights
     (dequantized) that quantized projections use instead of their own."""
     where = {id(m): (g, i) for g, group in enumerate(groups) for i, m in enumerate(group.modules)}
@@ -622,7 +621,8 @@ def make_decode_step(
 
     kernel: the step runs the CUDA kernels where they fit (by default on CUDA): the attention
     is attention_kernel's (where kernel_fits), LoRA products lora_kernel's, quantized matmuls
-    quantized_kernel's, a Qwen3 block's residual adds and norms norm_kernel's. Else the
+    quantized_kernel's, a Qwen3 block's residual adds and norms norm_kernel's and its MLP
+    activation swiglu_kernel's (those two also make the LoRA kernels beside them). Else the
     attention's queries:
     how many copies of each row's query the attention gets (decode_attention; by default
     fused_queries'): the results are those of one query. dense: the quantized

@@ -55,18 +55,14 @@ def available(y: mx.array, up: tuple | None = None, a: mx.array | None = None) -
     2-D, a's columns at most THREADS), a row of at most MAX_WIDTH."""
     width = y.shape[-1]
     return (cuda() and y.dtype in (mx.float16, mx.bfloat16, mx.float32) and width % 2 == 0
-            and (up is None or (up[0].dtype == up[1].dtype == mx.float32 and up[0].shape == (y.size // width,
-                                                                                            up[1].shape[0])
-                                and up[1].shape[1] == width))
-            and (a is None or (a.dtype == mx.float32 and a.shape[0] == width // 2 <= MAX_WIDTH
-                               and a.ndim == 2 and a.shape[1] <= THREADS)))
+            and lora_kernel.foldable(up, a, y.size // width, width, width // 2, MAX_WIDTH))
 
 
 def swiglu(y: mx.array, up: tuple | None = None, a: mx.array | None = None):
     """silu(gate) * up of y = [gate, up] along its last axis, as mlx_lm's swiglu gives it. up
     (t, B, scale): y is the gate/up group's base output, and gate and up are those of
     y + T(scale * t @ B), as lora_kernel.up gives them. a: also t = the result @ a in float32,
-    as lora_kernel.down gives it; (result, t) then."""
+    as lora_kernel.down gives it. Returns (result, t), t None without a."""
     width = y.shape[-1]
     rows, f = y.size // width, width // 2
     scale = mx.array([up[2] if up is not None else 0.0], mx.float32)
@@ -78,4 +74,4 @@ def swiglu(y: mx.array, up: tuple | None = None, a: mx.array | None = None):
         grid=(THREADS, rows, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(*y.shape[:-1], f), (rows, 1 if a is None else a.shape[1])],
         output_dtypes=[y.dtype, mx.float32])
-    return tuple(outs) if a is not None else outs[0]
+    return outs[0], outs[1] if a is not None else None
