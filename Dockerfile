@@ -6,7 +6,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# The system OpenBLAS: MLX's CPU matmuls run about 30x faster with it (worker/openblas.py).
+# The system OpenBLAS: MLX's CPU matmuls run about 30x faster with it (worker/supervisor/openblas.py).
 RUN apt-get update && apt-get install -y --no-install-recommends libopenblas0-pthread \
     && rm -rf /var/lib/apt/lists/*
 

@@ -1,4 +1,4 @@
-"""Decode speed of the GRPO sampler (worker/sampling.py) beside mlx_lm's own decoders, in one run.
+"""Decode speed of the GRPO sampler (worker/decode/sampling.py) beside mlx_lm's own decoders, in one run.
 
     python3 bench/decode.py MODEL_DIR --rows 8 32 64 --tokens 128 [--group-size 8] [--prompt-len 24]
                             [--reps 3] [--sampling FILE ...] [--queries 1 2] [--lora-layers N]
@@ -11,11 +11,11 @@ every row decodes --tokens tokens, unless --eos-every N: then every N-th token i
 ours' rows, which end at different steps as a GRPO step's do, and its finished rows are
 dropped once half have finished):
 
-  ours      sample() of worker/sampling.py (or of each --sampling FILE: an older copy of
+  ours      sample() of worker/decode/sampling.py (or of each --sampling FILE: an older copy of
             that module, to compare versions in one sitting); with --queries 1 2, once with
             each number of queries per row make_decode_step can be given (see fused_queries);
             with --kernel on off, with and without the decode's CUDA kernels (attention, LoRA,
-            quantized matmul, residual add and norm: worker/*_kernel.py).
+            quantized matmul, residual add and norm: worker/decode/*_kernel.py).
             Every variant after the first draws what the first does and prints how far they
             agree: the rows whose tokens are all the same, the tokens before each row's first
             different one, and the largest log-prob difference there (agreement)
@@ -42,8 +42,8 @@ blocks, rank 8, scale 16 (a GRPO job's defaults: lora_layers 16), as GRPO sample
 Ratios: ours / batch and ours / single (ms/pos). --ours-only skips mlx_lm's decoders (e.g. to
 compare MLX settings such as MLX_USE_CUDA_GRAPHS between runs). --count-only skips the timings (e.g. the
 28-layer model on a CPU). On Linux CPU the process re-executes itself with the system
-OpenBLAS (worker/openblas.py, standard library only). Imports nothing else from this
-repository than worker/sampling.py, so it runs on a machine with only mlx, mlx_lm and numpy.
+OpenBLAS (worker/supervisor/openblas.py, standard library only). Imports nothing else from this
+repository than worker/decode/sampling.py, so it runs on a machine with only mlx, mlx_lm and numpy.
 """
 
 import argparse
@@ -62,7 +62,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from worker.openblas import reexec_with_openblas  # noqa: E402
+from worker.supervisor.openblas import reexec_with_openblas  # noqa: E402
 
 reexec_with_openblas()
 
@@ -271,8 +271,8 @@ def main():
     ap.add_argument("--group-size", type=int, default=8, help="rows per distinct prompt (GRPO's G)")
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--sampling", type=Path, nargs="+", default=[ROOT / "worker" / "sampling.py"],
-                    help="copies of worker/sampling.py to measure (e.g. an older commit's)")
+    ap.add_argument("--sampling", type=Path, nargs="+", default=[ROOT / "worker" / "decode" / "sampling.py"],
+                    help="copies of worker/decode/sampling.py to measure (e.g. an older commit's)")
     ap.add_argument("--queries", type=int, nargs="+", choices=[1, 2], default=[None],
                     help="also force make_decode_step's queries per row (versions that have it; default: its own choice)")
     ap.add_argument("--lora-layers", type=int, default=0, help="LoRA (rank 8, scale 16) on the last N blocks")
@@ -291,7 +291,7 @@ def main():
 
     model, tokenizer = mlx_lm.load(args.model_dir)
     versions = {str(path): load_sampling(path) for path in args.sampling}
-    # As a worker loads a model (worker/models.py): the projections that read one input fused, by
+    # As a worker loads a model (worker/runtime/models.py): the projections that read one input fused, by
     # the first version that has that; the others run on the same weights (views of the fused ones).
     fuse = next((S.fuse_shared_inputs for S in versions.values() if hasattr(S, "fuse_shared_inputs")), None)
     fused = fuse(model) if fuse else 0

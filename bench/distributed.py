@@ -1,15 +1,15 @@
-"""Seconds per SFT step on a gang of N ranks (worker/gang.py) against one worker, and the
+"""Seconds per SFT step on a gang of N ranks (worker/runtime/gang_group.py) against one worker, and the
 all-reduce's share of the gang's step, measured in one run over loopback (ring backend).
 
     python bench/distributed.py MODEL_DIR [--ranks 2] [--batch-size 8] [--length 128] [--steps 6] [--warmup 2]
 
-It runs the SFT trainer (worker/sft_job.py, LoRA) on the same global batch alone, then as
+It runs the SFT trainer (worker/kinds/sft_job.py, LoRA) on the same global batch alone, then as
 --ranks processes joined by mx.distributed's ring backend on 127.0.0.1, each taking every
 N-th row. Prints one JSON line:
   solo_step_s        median seconds of a step on one process
   gang_step_s        median seconds of a step on the gang (rank 0's)
   allreduce_s        median seconds of summing the step's gradient tree across the ranks alone
-                     (worker/gang.py sum_tree, its size: the LoRA gradients), same run
+                     (worker/runtime/gang_group.py sum_tree, its size: the LoRA gradients), same run
   allreduce_share    allreduce_s / gang_step_s
   speedup            solo_step_s / gang_step_s
 On a machine with fewer cores than ranks x MLX's threads (the 2-core CI box), the ranks share
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from worker.openblas import reexec_with_openblas  # noqa: E402
+from worker.supervisor.openblas import reexec_with_openblas  # noqa: E402
 
 reexec_with_openblas()
 
@@ -39,10 +39,10 @@ import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 
 from shared.train_specs import SFTJobCreate  # noqa: E402
-from worker import gang  # noqa: E402
-from worker.adapters import attach_adapter  # noqa: E402
-from worker.sft_job import SFTTrainer  # noqa: E402
-from worker.train_core import TrainState  # noqa: E402
+from worker.kinds.sft_job import SFTTrainer  # noqa: E402
+from worker.runtime import gang_group as gang  # noqa: E402
+from worker.runtime.adapter_layers import attach_adapter  # noqa: E402
+from worker.runtime.train_core import TrainState  # noqa: E402
 
 
 def run_rank(args, part: gang.Gang) -> dict:

@@ -1,5 +1,5 @@
 """The first training step of a fresh training process with a cold and with a warm kernel cache
-(worker/kernel_cache.py): what a second worker on the same $MTQ_HOME saves.
+(worker/supervisor/kernel_cache.py): what a second worker on the same $MTQ_HOME saves.
 
     python bench/first_step.py MODEL_DIR [--kinds sft dpo grpo] [--cache DIR]
 
@@ -28,21 +28,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shared.settings import load_settings  # noqa: E402
-from worker import kernel_cache  # noqa: E402
-from worker.openblas import reexec_with_openblas  # noqa: E402
+from worker.supervisor import kernel_cache  # noqa: E402
+from worker.supervisor.openblas import reexec_with_openblas  # noqa: E402
 
 
 def child(kind: str, model_dir: str) -> None:
     """A training process's first two steps of a job of `kind`, as one JSON line."""
-    kernel_cache.use(load_settings().kernel_cache_dir)  # as worker/supervisor.py training_entry, before MLX
+    kernel_cache.use(load_settings().kernel_cache_dir)  # as worker/supervisor/supervisor.py training_entry, before MLX
     import mlx.core as mx
     import mlx_lm
 
     from shared.kinds import KINDS
-    from worker.adapters import attach_adapter
-    from worker.dpo_job import DPOTrainer
-    from worker.sft_job import SFTTrainer
-    from worker.train_core import TrainState
+    from worker.kinds.dpo_job import DPOTrainer
+    from worker.kinds.sft_job import SFTTrainer
+    from worker.runtime.adapter_layers import attach_adapter
+    from worker.runtime.train_core import TrainState
 
     model, tokenizer = mlx_lm.load(model_dir)
     words = " ".join(["word"] * 32)

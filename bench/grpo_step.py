@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from worker.openblas import reexec_with_openblas  # noqa: E402
+from worker.supervisor.openblas import reexec_with_openblas  # noqa: E402
 
 reexec_with_openblas()
 
@@ -40,12 +40,12 @@ import mlx_lm  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 from shared.schemas import JobCreate  # noqa: E402
-from worker.adapters import attach_adapter  # noqa: E402
-from worker.grpo import GRPOTrainer  # noqa: E402
-from worker.sampling import fuse_shared_inputs  # noqa: E402
-from worker.logprobs import as_item, prompt_token_ids  # noqa: E402
+from worker.decode.sampling import fuse_shared_inputs  # noqa: E402
+from worker.kinds.grpo import GRPOTrainer  # noqa: E402
 from worker.rewards.scorer import build_scorer  # noqa: E402
-from worker.train_core import TrainState  # noqa: E402
+from worker.runtime.adapter_layers import attach_adapter  # noqa: E402
+from worker.runtime.logprobs import as_item, prompt_token_ids  # noqa: E402
+from worker.runtime.train_core import TrainState  # noqa: E402
 
 PROMPTS = ["What is 2+2?", "Say hello.", "Name a prime number.", "Write a haiku about rain.",
            "Count to five.", "What colour is the sky?", "Spell 'queue'.", "Translate 'cat' to French."]
@@ -142,7 +142,7 @@ def main():
     overrides = {k: parse_value(v) for k, v in (kv.split("=", 1) for kv in args.set)}
 
     model, tokenizer = mlx_lm.load(args.model_dir)
-    fuse_shared_inputs(model)  # as a worker loads it (worker/models.py)
+    fuse_shared_inputs(model)  # as a worker loads it (worker/runtime/models.py)
     tokenizer.eos_token_ids = []  # both sides decode every row to full length
     default_memory_limit = mx.get_memory_limit()
     if args.sweep:

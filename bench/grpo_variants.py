@@ -18,12 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo_step  # noqa: E402  (re-executes with OpenBLAS on Linux CPU)
-
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 
-import worker.grpo as grpo  # noqa: E402
-from worker.sampling import StaticKVCache, fuse_shared_inputs  # noqa: E402
+import worker.kinds.grpo as grpo  # noqa: E402
+from worker.decode.sampling import StaticKVCache, fuse_shared_inputs  # noqa: E402
 
 PLAN_UPDATE = StaticKVCache.update_and_fetch
 PLAN_SAMPLE = grpo.sample
@@ -72,7 +71,7 @@ def main():
     args = ap.parse_args()
     overrides = {k: grpo_step.parse_value(v) for k, v in (kv.split("=", 1) for kv in args.set)}
     model, tokenizer = mlx_lm.load(args.model_dir)
-    fuse_shared_inputs(model)  # as a worker loads it (worker/models.py)
+    fuse_shared_inputs(model)  # as a worker loads it (worker/runtime/models.py)
     tokenizer.eos_token_ids = []  # every row decodes to full length
     for name in args.variants:
         print(f"variant: {name}", flush=True)

@@ -78,7 +78,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args()
     model_dir = Path(args.model_dir).resolve()
-    from worker.openblas import reexec_with_openblas
+    from worker.supervisor.openblas import reexec_with_openblas
 
     reexec_with_openblas()  # the reference runs in this process: give it the worker's BLAS
     results = []

@@ -13,12 +13,12 @@ DPO: a tiny random model (`mtq make-model --size tiny`, float32: transformers lo
 one initial LoRA (r 8, scale 2 = PEFT's lora_alpha 16, every linear layer of every block, B = 0)
 drawn here and given to both: to this project as an uploaded `init_adapter`, to PEFT as its
 weights (A and B transposed). The same pairs in the same order: TRL gets the rows of this
-project's batches (worker/train_core.py batch_rows) one after another, sampled sequentially.
+project's batches (worker/runtime/train_core.py batch_rows) one after another, sampled sequentially.
 The same hyperparameters: beta 0.1, sigmoid loss, lr 5e-3 constant, AdamW (bias-corrected,
 betas 0.9/0.999, eps 1e-8, no weight decay), gradients clipped to norm 1, batch 4. The
 reference is the base model in both (LoRA off here; PEFT's adapters disabled in TRL), and both
 sum the completion tokens' log-probs (EOS included). The tokens must agree: it checks that
-TRL's tokenised prompt / chosen / rejected rows are this project's (worker/logprobs.py).
+TRL's tokenised prompt / chosen / rejected rows are this project's (worker/runtime/logprobs.py).
 Printed: each step's loss and rewards/margins on both sides, the largest relative loss
 deviation, and the last step's margin on both sides.
 
@@ -79,7 +79,7 @@ def initial_adapter(model_dir: Path, out: Path, seed: int = 0) -> Path:
 
     from shared.adapters import tar_gz
     from shared.train_specs import TrainConfig
-    from worker.adapters import adapter_config, attach_adapter, save_adapter
+    from worker.runtime.adapter_layers import adapter_config, attach_adapter, save_adapter
 
     model, _ = mlx_lm.load(str(model_dir))
     cfg = TrainConfig(**LORA)
@@ -137,7 +137,7 @@ def ours_dpo(client, model_id: str, rows: list[dict], init_file: str, steps: int
 
 def batch_order(n_rows: int, batch_size: int, steps: int) -> list[int]:
     """The rows of this project's DPO steps, one step after another (its seeded shuffle)."""
-    from worker.train_core import batch_rows
+    from worker.runtime.train_core import batch_rows
 
     return [i for step in range(steps) for i in batch_rows(n_rows, batch_size, step, 1, 0)[0]]
 
@@ -145,7 +145,7 @@ def batch_order(n_rows: int, batch_size: int, steps: int) -> list[int]:
 def our_tokens(model_dir: Path, rows: list[dict]) -> list[dict]:
     import mlx_lm
 
-    from worker.logprobs import pair_tokens
+    from worker.runtime.logprobs import pair_tokens
 
     _, tokenizer = mlx_lm.load(str(model_dir))
     out = []
@@ -271,8 +271,8 @@ def main() -> int:
 
     sys.path.insert(0, str(ROOT))
     from bench.private_stack import private_stack
-    from worker.make_model import make_model
-    from worker.openblas import reexec_with_openblas
+    from worker.runtime.make_model import make_model
+    from worker.supervisor.openblas import reexec_with_openblas
 
     reexec_with_openblas()
     work = Path(tempfile.mkdtemp(prefix="mtq-parity-"))

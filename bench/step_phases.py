@@ -26,13 +26,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo_step  # noqa: E402  (re-executes with OpenBLAS on Linux CPU)
-
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 import numpy as np  # noqa: E402
 
-from worker.grpo import make_batch  # noqa: E402
-from worker.sampling import fuse_shared_inputs, sample  # noqa: E402
+from worker.decode.sampling import fuse_shared_inputs, sample  # noqa: E402
+from worker.kinds.grpo import make_batch  # noqa: E402
 
 
 def parse_config(text: str) -> tuple[dict, str]:
@@ -71,7 +70,7 @@ def main():
     args = ap.parse_args()
     G, B, L = (int(x) for x in args.shape.split(","))
     model, tokenizer = mlx_lm.load(args.model_dir)
-    fuse_shared_inputs(model)  # as a worker loads it (worker/models.py)
+    fuse_shared_inputs(model)  # as a worker loads it (worker/runtime/models.py)
     tokenizer.eos_token_ids = []
     device_limit = mx.get_memory_limit()
 

@@ -5,7 +5,7 @@ run, and the SFT kind against `mlx_lm lora` on the same model, rows and batch.
                                [--length 128] [--steps 8] [--warmup 2] [--quant-bits 4] [--uncompiled]
                                [--mlx-lm] [--rounds 1] [--json OUT.json]
 
-Each kind's trainer (worker/sft_job.py, worker/dpo_job.py, worker/reward_model_job.py) runs
+Each kind's trainer (worker/kinds/sft_job.py, worker/kinds/dpo_job.py, worker/kinds/reward_model_job.py) runs
 on rows of --length tokens (SFT: batch_size rows; the preference kinds: batch_size pairs =
 2 x batch_size rows, chosen and rejected in one padded batch), 2 x batch_size examples, so
 that the warm-up steps have seen every one (DPO's reference log-probs are computed at an
@@ -13,10 +13,10 @@ example's first step and kept, so the timed steps have none to compute: `referen
 a step of the first epoch adds, the reference forward of its batch).
 `sft` is LoRA on the model as loaded; `sft-full` trains every transformer block's weights and
 `sft-qlora` LoRA on a copy quantized to --quant-bits, each on a fresh copy made as a job makes
-it (worker/models.py prepare_private). Prints one JSON line per kind (and writes them all to
+it (worker/runtime/models.py prepare_private). Prints one JSON line per kind (and writes them all to
 --json):
   step_s          median seconds of a whole trainer step (batch, loss, gradient, update, metrics),
-                  compiled as the job runs it (worker/supervised.py make_step)
+                  compiled as the job runs it (worker/kinds/supervised_trainer.py make_step)
   uncompiled_step_s  (--uncompiled) the same trainer with its step not compiled
   lower_bound_s   median seconds of mlx_lm's default_loss forward+backward of the same padded
                   batch (the same token rows, the same trainable weights, no update, not compiled)
@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from worker.openblas import reexec_with_openblas  # noqa: E402
+from worker.supervisor.openblas import reexec_with_openblas  # noqa: E402
 
 reexec_with_openblas()
 
@@ -56,12 +56,12 @@ import mlx_lm  # noqa: E402
 from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 
 from shared.kinds import KINDS  # noqa: E402
-from worker.adapters import attach_adapter, remove_adapter_layers  # noqa: E402
-from worker.dpo_job import DPOTrainer  # noqa: E402
-from worker.models import prepare_private  # noqa: E402
-from worker.reward_model_job import RewardTrainer  # noqa: E402
-from worker.sft_job import SFTTrainer  # noqa: E402
-from worker.train_core import TrainState  # noqa: E402
+from worker.kinds.dpo_job import DPOTrainer  # noqa: E402
+from worker.kinds.reward_model_job import RewardTrainer  # noqa: E402
+from worker.kinds.sft_job import SFTTrainer  # noqa: E402
+from worker.runtime.adapter_layers import attach_adapter, remove_adapter_layers  # noqa: E402
+from worker.runtime.models import prepare_private  # noqa: E402
+from worker.runtime.train_core import TrainState  # noqa: E402
 
 # name -> (job kind, its trainer, SFT fine_tune_type)
 VARIANTS = {"sft": ("sft", SFTTrainer, "lora"), "sft-full": ("sft", SFTTrainer, "full"),

@@ -38,17 +38,18 @@ def main():
 
     import mlx.core as mx
     import mlx_lm
+
     from shared.schemas import JobCreate
-    from worker.grpo import GRPOTrainer
+    from worker.kinds.grpo import GRPOTrainer
 
     try:  # this tree's modules
-        from worker.adapters import attach_adapter as attach_lora
         from worker.rewards.scorer import build_scorer
-        from worker.train_core import TrainState
-    except ImportError:  # an older commit's (before worker/train_core.py)
-        from worker.grpo import TrainState
-        from worker.models import attach_lora
+        from worker.runtime.adapter_layers import attach_adapter as attach_lora
+        from worker.runtime.train_core import TrainState
+    except ImportError:  # an older commit's (before worker/runtime/train_core.py)
+        from worker.kinds.grpo import TrainState
         from worker.rewards import build_scorer
+        from worker.runtime.models import attach_lora
 
     model, tokenizer = mlx_lm.load(args.model_dir)
     tokenizer.eos_token_ids = []

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 from httpx_sse import connect_sse
 
-from shared import openai_jobs
 from shared.kinds import KINDS, Kind
+from shared.model_ids import job_id_of
 
 JOBS = "/admin/api/jobs"  # jobs of every kind, read-only
 FILES = "/admin/api/fine-tune/files"
@@ -173,7 +173,7 @@ class ApiClient:
         """The finished job's adapter, or a full fine-tune's model directory (GET .../adapter:
         a zip or tar archive of its files), unpacked into out_dir as mlx_lm loads it. job_id
         may also be an OpenAI job's id (ftjob-...) or its fine-tuned model's name (ft:...)."""
-        job_id = openai_jobs.job_id_of(job_id) or job_id
+        job_id = job_id_of(job_id) or job_id
         archive = self.request("GET", f"{self.job_path(job_id)}/adapter", timeout=300).content
         files = _unpack(archive)
         out_dir.mkdir(parents=True, exist_ok=True)

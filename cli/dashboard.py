@@ -2,7 +2,7 @@
 
 It shows the queues, the workers and every attempt of every job; each running attempt's
 `meta` holds the training job's progress (step/total, reward, loss, ETA, model), which the
-worker's supervisor copies there from the job record (worker/supervisor.py).
+worker's supervisor copies there from the job record (worker/supervisor/supervisor.py).
 
 Bound to 127.0.0.1 by default. On every address, loopback included, it asks for HTTP basic
 auth with the user `mtq` and the admin token (MTQ_API_TOKEN) as the password, and refuses to

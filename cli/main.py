@@ -26,7 +26,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from cli.service import print_service
 
         return print_service(args.print_service, worker_args(args))
-    from worker.supervisor import run_worker
+    from worker.supervisor.supervisor import run_worker
 
     run_worker(args.lanes, args.name, models=args.models, memory_gb=args.memory_gb, hub=args.hub)
     return 0
@@ -61,7 +61,7 @@ def _gb(text: str) -> float:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from worker.make_model import make_model
+    from worker.runtime.make_model import make_model
 
     path = make_model(args.dir, size=args.size, quantize=args.quantize, seed=args.seed)
     print(path or args.dir)

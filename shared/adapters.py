@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # the trainers import adapter_dir and need no Redis client
 
 WEIGHTS_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
-HEAD_FILE = "value_head.safetensors"  # a reward model's value head (worker/reward_head.py)
+HEAD_FILE = "value_head.safetensors"  # a reward model's value head (worker/kinds/reward_head.py)
 MODEL_WEIGHTS_FILE = "model.safetensors"  # a full fine-tune's artefact is a whole model directory
 ADAPTER_FILES = (WEIGHTS_FILE, CONFIG_FILE, HEAD_FILE)
 ADAPTER_LEAVES = ("lora_a", "lora_b", "m")  # mlx_lm's LoRA and DoRA weights (m: DoRA's magnitudes)

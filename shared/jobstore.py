@@ -41,7 +41,7 @@ def create_job(r: redis.Redis, spec, owner: str | None = None, tenant: str | Non
     news). owner: the name of the token that created it (api/auth.py); tenant: set for a
     trainer's job, which may use only that tenant's adapters and files (the worker checks).
     AdapterNameTaken if another owner's job uses its adapter name. fields: more record fields
-    (the OpenAI API's, shared/openai_jobs.py)."""
+    (the OpenAI API's, api/openai_compat/jobs.py)."""
     kind = kinds.KINDS[spec.kind]
     job_id = uuid.uuid4().hex
     spec = spec.model_copy(update={"adapter_name": spec.adapter_name or f"{kind.name}-{job_id[:8]}"})

@@ -2,12 +2,12 @@
 the lifecycle, routing and the worker read it; everything else is the same for every kind.
 
     kind    routes                               spec            worker module            family
-    grpo    /admin/api/fine-tune/grpo/jobs       JobCreate       worker.grpo_job          grpo
-    sft     /admin/api/fine-tune/jobs            SFTJobCreate    worker.sft_job           supervised
-    dpo     /admin/api/fine-tune/dpo/jobs        DPOJobCreate    worker.dpo_job           supervised
-    orpo    /admin/api/fine-tune/orpo/jobs       ORPOJobCreate   worker.dpo_job           supervised
-    kto     /admin/api/fine-tune/kto/jobs        KTOJobCreate    worker.kto_job           supervised
-    reward  /admin/api/fine-tune/reward/jobs     RewardJobCreate worker.reward_model_job  supervised
+    grpo    /admin/api/fine-tune/grpo/jobs       JobCreate       worker.kinds.grpo_job          grpo
+    sft     /admin/api/fine-tune/jobs            SFTJobCreate    worker.kinds.sft_job           supervised
+    dpo     /admin/api/fine-tune/dpo/jobs        DPOJobCreate    worker.kinds.dpo_job           supervised
+    orpo    /admin/api/fine-tune/orpo/jobs       ORPOJobCreate   worker.kinds.dpo_job           supervised
+    kto     /admin/api/fine-tune/kto/jobs        KTOJobCreate    worker.kinds.kto_job           supervised
+    reward  /admin/api/fine-tune/reward/jobs     RewardJobCreate worker.kinds.reward_model_job  supervised
 
 A job record without a `kind` (written before there were kinds) is GRPO's (`of_record`).
 
@@ -20,7 +20,7 @@ A kind's step events are `<kind>_step`; their `iter` counts from `first_step`: t
 server's GRPO, DPO, ORPO and reward jobs number a step's event by its 0-based index, mlx_lm
 reports completed steps. What the seed's clients read besides this project's fields is here
 too: a kind's `seed_aliases` (its metrics under the seed's names, in progress and step
-events), an SFT job's mlx_lm reports (`mlx_reports`: worker/reports.py), its progress at
+events), an SFT job's mlx_lm reports (`mlx_reports`: worker/runtime/reports.py), its progress at
 creation and its times before they happen (`unset_time`); and the kinds whose jobs its routes
 read (`route_kinds`: the seed serves ORPO jobs under /dpo/jobs too).
 Its `charts` are the curves `mtq plot` and the web page draw from them (and from the `eval`
@@ -35,7 +35,15 @@ from pydantic import BaseModel
 
 from shared.schemas import Job, JobCreate
 from shared.train_specs import (
-    DPOJobCreate, KTOJobCreate, ORPOJobCreate, PreferenceJob, RewardJobCreate, SFTJob, SFTJobCreate, SFTProgress, TrainJob,
+    DPOJobCreate,
+    KTOJobCreate,
+    ORPOJobCreate,
+    PreferenceJob,
+    RewardJobCreate,
+    SFTJob,
+    SFTJobCreate,
+    SFTProgress,
+    TrainJob,
 )
 
 LORA_SHAPE = ("lora_rank", "lora_layers", "lora_alpha")
@@ -81,7 +89,7 @@ class Kind:
     spec_model: type[BaseModel]  # the create body, and the spec stored in the record
     job_model: type[BaseModel]  # the job object the API answers with
     shape_fields: tuple[str, ...]  # config fields that fix the adapter's shape: a resume cannot change them
-    worker_module: str  # where its `load` is (worker/job_loop.py)
+    worker_module: str  # where its `load` is (worker/runtime/job_loop.py)
     family: str  # "grpo" or "supervised" (above)
     charts: tuple[Chart, ...]  # its curves (above)
     rows_per_example: int = 1  # supervised: token rows a training example takes in a step (a pair: 2)
@@ -122,17 +130,17 @@ PREFERENCE_SEED = dict(first_step=0, seed_aliases=PAIR_METRICS)
 # Each spec model names its kind (its `kind` ClassVar); this is the list of them.
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind(JobCreate.kind, "/admin/api/fine-tune/grpo/jobs", "GRPO jobs", "a GRPO job", JobCreate, Job, LORA_SHAPE,
-         "worker.grpo_job", "grpo", GRPO_CHARTS, first_step=0),
-    _supervised(SFTJobCreate, "/admin/api/fine-tune/jobs", "SFT jobs", "an SFT job", "worker.sft_job", SFT_CHARTS, 1,
+         "worker.kinds.grpo_job", "grpo", GRPO_CHARTS, first_step=0),
+    _supervised(SFTJobCreate, "/admin/api/fine-tune/jobs", "SFT jobs", "an SFT job", "worker.kinds.sft_job", SFT_CHARTS, 1,
                 (*LORA_SHAPE, "fine_tune_type", "quantize_base", "quant_bits"), SFTJob, mlx_reports=True, unset_time=None),
     _supervised(DPOJobCreate, "/admin/api/fine-tune/dpo/jobs", "DPO jobs", "a DPO job",
-                "worker.dpo_job", DPO_CHARTS, 2, (*LORA_SHAPE, "method"), also_reads=("orpo",), **PREFERENCE_SEED),
-    _supervised(ORPOJobCreate, "/admin/api/fine-tune/orpo/jobs", "ORPO jobs", "an ORPO job", "worker.dpo_job",
+                "worker.kinds.dpo_job", DPO_CHARTS, 2, (*LORA_SHAPE, "method"), also_reads=("orpo",), **PREFERENCE_SEED),
+    _supervised(ORPOJobCreate, "/admin/api/fine-tune/orpo/jobs", "ORPO jobs", "an ORPO job", "worker.kinds.dpo_job",
                 ORPO_CHARTS, 2, (*LORA_SHAPE, "method"), **PREFERENCE_SEED),
-    _supervised(KTOJobCreate, "/admin/api/fine-tune/kto/jobs", "KTO jobs", "a KTO job", "worker.kto_job", KTO_CHARTS, 1,
+    _supervised(KTOJobCreate, "/admin/api/fine-tune/kto/jobs", "KTO jobs", "a KTO job", "worker.kinds.kto_job", KTO_CHARTS, 1,
                 job_model=TrainJob),
     _supervised(RewardJobCreate, "/admin/api/fine-tune/reward/jobs", "Reward-model jobs", "a reward-model job",
-                "worker.reward_model_job", REWARD_MODEL_CHARTS, 2, first_step=0,
+                "worker.kinds.reward_model_job", REWARD_MODEL_CHARTS, 2, first_step=0,
                 seed_aliases=(("reward_margin", "margin"), ("acc_chosen", "accuracy"), ("n_pairs", "examples"))),
 )}
 DEFAULT = KINDS[JobCreate.kind]  # of a record written before there were kinds

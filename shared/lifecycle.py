@@ -13,7 +13,7 @@
                                                    belongs on the hub queue or off it: routed again, its old rq job
                                                    removed; or (reconciler) only its waiting_for_worker brought up to date;
                                                    or a gang job's leader found fewer free workers than it needs
-                                                   (shared/gangs.py): back on its queue, an event when that changed
+                                                   (worker/supervisor/gang_claims.py): back on its queue, an event when that changed
     running            complete        completed   fenced; checkpoint dropped; adapter indexed; retention
     running            fail            failed      fenced; retention
     running            hand_back       queued      fenced; lease_epoch + 1; rq job pushed; attempt not counted
@@ -34,7 +34,7 @@ its rq enqueue (rq's `enqueue_call(..., pipeline=...)`), so there is no moment w
 is `queued` without an rq job, whoever dies when. Each enqueue routes the job again
 (shared/routing.py: its model, memory need and lane, against the live workers) and records
 its rq queue (`queue`) and, when no live worker can run it, `waiting_for_worker`. The
-reconciler (shared/reconciler.py) repairs what a lost worker leaves through these transitions.
+reconciler (worker/supervisor/reconciler.py) repairs what a lost worker leaves through these transitions.
 Nothing else in the project writes a job's status.
 """
 
@@ -114,7 +114,7 @@ def create(r: redis.Redis, job_id: str, kind: str, spec, *, max_attempts: int, *
 
 
 def start(r: redis.Redis, job_id: str, worker: str, lease_ttl_s: float, gang: list[str] | None = None) -> int | None:
-    """A worker takes a queued job (gang: its leader, for these workers by rank, shared/gangs.py).
+    """A worker takes a queued job (gang: its leader, for these workers by rank, worker/supervisor/gang_claims.py).
     Returns the new lease epoch; None if it is not queued."""
     def decide(rec):
         epoch = int(rec.get("lease_epoch", 0)) + 1
@@ -192,7 +192,7 @@ def resume(r: redis.Redis, job_id: str, spec, overrides: dict, *, max_attempts: 
     from the last checkpoint. False if it is not (or no longer) resumable."""
     def decide(rec):
         progress = {**json.loads(rec.get("progress") or "{}"), "total_iters": spec.config.iters}
-        if "total_steps" in progress:  # the seed's SFT progress (worker/reports.py)
+        if "total_steps" in progress:  # the seed's SFT progress (worker/runtime/reports.py)
             progress["total_steps"] = spec.config.iters
         fields = {**spec_fields(spec), "error": None, "finished_at": None, "cancel_requested": None, "need_gb": None,
                   "paused": None,
@@ -233,7 +233,7 @@ def reroute(r: redis.Redis, job_id: str, rq_job_id: str, reason: str, need_gb: f
 
 
 def wait_for_gang(r: redis.Redis, job_id: str, rq_job_id: str) -> bool:
-    """A gang job's leader (shared/gangs.py) found fewer free workers than the job needs: back on
+    """A gang job's leader (worker/supervisor/gang_claims.py) found fewer free workers than the job needs: back on
     its queue, not started (no attempt); an event only when what it waits for changed."""
     def decide(rec):
         if rec.get("rq_job") != rq_job_id:

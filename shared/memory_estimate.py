@@ -1,6 +1,6 @@
 """The memory formulas of a training step, on plain numbers: no MLX, so the API can route a
 job by its estimated need (shared/routing.py) and the worker can plan its micro-batch
-(worker/memory.py, which explains each term and how they were calibrated).
+(worker/runtime/memory_plan.py, which explains each term and how they were calibrated).
 
 A model's shape comes from its config.json (`shape_from_config`), its weights' size from its
 safetensors files, both advertised by the workers that hold it (shared/workers.py).

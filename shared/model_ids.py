@@ -32,3 +32,14 @@ def model_id_error(model_id: str, settings: Settings) -> str | None:
     if model_id.startswith("/") and not under_roots(Path(os.path.normpath(model_id)), settings.model_roots):
         return f"model_id {model_id[:200]!r}: absolute paths are allowed only under MTQ_MODEL_ROOTS"
     return None
+
+
+OPENAI_JOB_PREFIX = "ftjob-"  # a job's id in the OpenAI-compatible API (/v1): ftjob-<job id>
+
+
+def job_id_of(openai_id: str) -> str | None:
+    """The project's job id of `ftjob-<id>`, or of a fine-tuned model's name `ft:...:<id>`
+    (the API's /v1 and the client's commands both take either)."""
+    if openai_id.startswith("ft:"):
+        openai_id = OPENAI_JOB_PREFIX + openai_id.rsplit(":", 1)[-1]
+    return openai_id.removeprefix(OPENAI_JOB_PREFIX) if openai_id.startswith(OPENAI_JOB_PREFIX) else None

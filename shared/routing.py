@@ -160,7 +160,7 @@ def route(kind: str, spec, live: list[dict[str, Any]], floor_gb: float | None = 
     floor_gb: a need measured by a worker that could not fit the job. warm: prefer the own
     queue of a capable worker that holds the model loaded and is free (finished(job_id) says
     whether the job a worker advertises as its current one has ended meanwhile). A gang job
-    (config.workers > 1, shared/gangs.py) waits until that many capable workers are free at once."""
+    (config.workers > 1, worker/supervisor/gang_claims.py) waits until that many capable workers are free at once."""
     lane = getattr(spec.config, "queue", DEFAULT_LANE)
     key = model_key(spec.model_id)
     holders = [w for w in live if key in served_models(w)]
@@ -188,7 +188,7 @@ def route(kind: str, spec, live: list[dict[str, Any]], floor_gb: float | None = 
         waiting = (f"needs about {need:.2f} GB (memory class {cls} GB); the largest live worker that can run it "
                    f"has {largest:g} GB")
     gang = getattr(spec.config, "workers", 1)
-    if gang > 1:  # shared/gangs.py: the leader that takes it needs gang - 1 more, free, at once
+    if gang > 1:  # worker/supervisor/gang_claims.py: the leader that takes it needs gang - 1 more, free, at once
         free = tuple(w for w in able if w.get("gang_address") and (not w.get("current_job") or finished(w["current_job"])))
         if waiting is None and len(free) < gang:
             names = ", ".join(w["name"] for w in free) or "none"

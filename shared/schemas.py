@@ -104,7 +104,7 @@ def check_gang(cfg):
 
 class OptimizerConfig(BaseModel):
     """The optimizer of every kind: AdamW as PyTorch's and TRL's (bias-corrected), TRL's names
-    and defaults (worker/train_core.py make_optimizer)."""
+    and defaults (worker/runtime/train_core.py make_optimizer)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -157,7 +157,7 @@ class GRPOConfig(OptimizerConfig):
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16, description="Stop strings (besides EOS).")
     use_chat_template: bool = Field(False, description="Render string prompts with the tokenizer's chat template (default: raw text, `tokenizer.encode`, as the seed server). Chat-message prompts always use the template.")
 
-    # Memory of the loss step (worker/memory.py).
+    # Memory of the loss step (worker/runtime/memory_plan.py).
     micro_batch_size: int | None = Field(
         None, ge=1, le=262_144,
         description="Rows per forward/backward of the loss step (gradients accumulate over the step's B*G rows). "
@@ -204,7 +204,7 @@ class GRPOConfig(OptimizerConfig):
 
     @property
     def use_gradient_checkpointing(self) -> bool | None:
-        """None: decided by the memory plan (worker/memory.py)."""
+        """None: decided by the memory plan (worker/runtime/memory_plan.py)."""
         if self.gradient_checkpointing is None and self.lora_dropout > 0:
             return False
         return self.gradient_checkpointing
@@ -294,7 +294,7 @@ class JobRecord(BaseModel):
                               "updating, checkpointing, saving.")
     phase_note: str | None = Field(None, description="A sentence about the phase, e.g. why compiling takes long.")
     phase_s: float | None = Field(None, description="Seconds the job has been in its phase so far (running jobs).")
-    memory_plan: dict[str, Any] | None = Field(None, description="GRPO: the memory plan its worker chose (worker/memory.py): "
+    memory_plan: dict[str, Any] | None = Field(None, description="GRPO: the memory plan its worker chose (worker/runtime/memory_plan.py): "
                                                "micro_batch_size, gradient_checkpointing, estimated_peak_gb, memory_limit_gb, "
                                                "budget (max_memory_gb spent on speed) and the reason; null until it starts.")
     waiting_for_worker: str | None = Field(None, description=WAITING_DOC)

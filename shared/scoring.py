@@ -2,7 +2,7 @@
 training processes answer.
 
 Why not rq jobs: a request takes milliseconds, and a worker busy with a training job must
-answer it between two optimizer steps, on the model it already holds (worker/scoring.py).
+answer it between two optimizer steps, on the model it already holds (worker/runtime/score_requests.py).
 rq runs one job per worker at a time, so scoring has queues of its own, one per model, and
 within a queue one list per owner, served in turn (round robin): one token's requests, however
 many or large, never make another's wait behind all of them.
@@ -22,7 +22,7 @@ many or large, never make another's wait behind all of them.
 live worker has while one with --hub is live; otherwise `route` says None and the API answers
 404 at once, so requests for models nobody has never wait in anyone's way. A worker serves a
 request for at most a slice of time per turn; what is left goes back to the head of its
-owner's list (worker/scoring.py). Everything expires after SCORE_TTL_S.
+owner's list (worker/runtime/score_requests.py). Everything expires after SCORE_TTL_S.
 """
 
 import json

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+
 @dataclass(frozen=True)
 class Settings:
     redis_url: str
@@ -17,7 +18,7 @@ class Settings:
     api_host: str
     api_port: int
     reward_hosts: tuple[str, ...]
-    # The job lifecycle (shared/lifecycle.py, worker/supervisor.py).
+    # The job lifecycle (shared/lifecycle.py, worker/supervisor/supervisor.py).
     lease_ttl_s: float = 20.0  # a running job's lease; a dead worker's job is re-queued about this long after
     redis_retry_s: float = 600.0  # how long workers retry Redis calls before giving up
     job_retention_s: int = 30 * 86400  # finished jobs' keys expire after this long
@@ -27,7 +28,7 @@ class Settings:
     # Extra room before a job's first step: MLX compiles kernels on first use (about a minute on
     # a fresh Linux CPU machine, about six on a fresh CUDA machine).
     compile_grace_s: float = 600.0
-    # Where the training process keeps the kernels MLX compiles (worker/kernel_cache.py): shared by
+    # Where the training process keeps the kernels MLX compiles (worker/supervisor/kernel_cache.py): shared by
     # the workers of one $MTQ_HOME, so only the first of them compiles (MTQ_KERNEL_CACHE).
     kernel_cache_dir: Path | None = None  # load_settings: $MTQ_HOME/kernel-cache
     memory_gb: float | None = None  # a worker's memory for jobs (MTQ_MEMORY_GB, mtq worker --memory-gb); default: detected

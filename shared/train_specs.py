@@ -16,11 +16,26 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.datasets import (
-    PREFERENCE_ROWS, SFT_ROWS, DatasetRef, PreferencePair, RowFormat, fields_error, rows_errors, sft_format,
+    PREFERENCE_ROWS,
+    SFT_ROWS,
+    DatasetRef,
+    PreferencePair,
+    RowFormat,
+    fields_error,
+    rows_errors,
+    sft_format,
 )
 from shared.model_ids import MODEL_ID_RE
 from shared.schemas import (
-    DEFAULT_LANE, GANG_DESCRIPTION, LANE_PATTERN, MAX_GANG, SEED_MAX, InitAdapter, JobRecord, OptimizerConfig, check_gang,
+    DEFAULT_LANE,
+    GANG_DESCRIPTION,
+    LANE_PATTERN,
+    MAX_GANG,
+    SEED_MAX,
+    InitAdapter,
+    JobRecord,
+    OptimizerConfig,
+    check_gang,
     check_json_values,
 )
 
@@ -288,7 +303,7 @@ class PreferenceJob(TrainJob):
 
 
 class SFTProgress(BaseModel):
-    """The seed server's SFT progress (mlx_lm's reports: worker/reports.py), always every key."""
+    """The seed server's SFT progress (mlx_lm's reports: worker/runtime/reports.py), always every key."""
 
     step: int = 0
     total_steps: int = 0

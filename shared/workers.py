@@ -7,7 +7,7 @@ Two keys per worker, both expiring (a dead worker disappears within `ttl_s`):
                              queues, lanes, hub, declared (model ids it offers besides),
                              device, device_name, memory_total_gb, memory_gb, memory_declared,
                              current_job, gang_address ("host:port" its gang ranks listen on,
-                             shared/gangs.py)}; written by the worker's supervisor from its heartbeat
+                             worker/supervisor/gang_claims.py)}; written by the worker's supervisor from its heartbeat
                              and when a job starts or ends (`advertise`), which also renews the
                              key below.
   mtq:worker:<name>:loaded   JSON [model_id, ...]: the models its training process holds

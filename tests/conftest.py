@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR") or ROOT / "test-artifacts")  # screenshots
-# Every test's workers share one kernel cache (worker/kernel_cache.py), the temp directory's, as
+# Every test's workers share one kernel cache (worker/supervisor/kernel_cache.py), the temp directory's, as
 # MLX's default: each stack's own $MTQ_HOME/kernel-cache would compile the kernels again.
 os.environ.setdefault("MTQ_KERNEL_CACHE", tempfile.gettempdir())
 
@@ -246,7 +246,7 @@ def wait_done(stack: Stack, path: str, job_id: str, timeout: float = 300, status
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A random-weight tiny model directory, made once per test session."""
-    from worker.make_model import make_model
+    from worker.runtime.make_model import make_model
 
     out = tmp_path_factory.mktemp("models") / "tiny"
     make_model(out, size="tiny", seed=0)

@@ -1,4 +1,4 @@
-"""worker/sampling.py's batched decoder gives what a straightforward decoder gives.
+"""worker/decode/sampling.py's batched decoder gives what a straightforward decoder gives.
 
 The reference below decodes every row on its own, uncompiled, with mlx_lm's own KV cache
 (no padding, no mask, no fixed-size buffer), and makes the same random draws: token t of
@@ -16,19 +16,26 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
 import mlx_lm
 import numpy as np
 import pytest
+from conftest import ROOT
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from conftest import ROOT
-
-from worker import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, sampling, swiglu_kernel
-from worker.sampling import SamplingParams, compacted, decode_groups, fuse_shared_inputs, kernel_fits, make_decode_step, sample
+from worker.decode import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, sampling, swiglu_kernel
+from worker.decode.sampling import (
+    SamplingParams,
+    compacted,
+    decode_groups,
+    fuse_shared_inputs,
+    kernel_fits,
+    make_decode_step,
+    sample,
+)
 
 PAD = 7
 
@@ -135,7 +142,7 @@ def test_batched_decode_equals_row_by_row_decode(model, case, queries):
 
 
 def test_decode_with_lora_equals_row_by_row_decode(lora_model, model):
-    """The decode step's groups (worker/sampling.py: grouped_projections: fused base weights, one
+    """The decode step's groups (worker/decode/sampling.py: grouped_projections: fused base weights, one
     pair of LoRA matmuls per group) give what each LoRA layer gives alone; and the LoRA changes
     the tokens (it is not a no-op)."""
     groups = decode_groups(lora_model)
@@ -253,10 +260,10 @@ def step_graph(model, step, case) -> str:
 
 
 def test_a_dense_decode_of_a_quantized_model_samples_what_the_quantized_one_does(tmp_path):
-    """make_decode_step(dense=True) (what a job's memory budget buys on CUDA: worker/memory.py)
+    """make_decode_step(dense=True) (what a job's memory budget buys on CUDA: worker/runtime/memory_plan.py)
     multiplies by dequantized copies of the weights, no quantized matmul left in the step, and
     samples the same tokens with the same log-probs to float rounding."""
-    from worker.make_model import make_model
+    from worker.runtime.make_model import make_model
     model = mlx_lm.load(str(make_model(tmp_path / "q", size="tiny", quantize=8)))[0]
     fuse_shared_inputs(model)
     model.freeze()

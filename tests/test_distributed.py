@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
-
 from conftest import Stack, running, wait_done, wait_for
 
 SFT = "/admin/api/fine-tune/jobs"
@@ -38,8 +37,9 @@ def advertisement(name: str, **more) -> dict:
 
 
 def test_a_gang_job_counts_the_free_workers_that_can_run_it_and_its_leader_picks_them():
-    from shared import gangs, routing
+    from shared import routing
     from shared.train_specs import SFTJobCreate
+    from worker.supervisor import gang_claims as gangs
 
     spec = SFTJobCreate(model_id="tiny", dataset=ROWS, config={**SFT_CONFIG, "workers": 2})
     live = [advertisement("a"), advertisement("b", current_job="j1"), advertisement("c", gang_address=None),
@@ -116,7 +116,7 @@ def adapter_diff(a: dict, b: dict) -> float:
 
 def test_sft_on_a_gang_of_two_equals_one_worker(stack, client, pair):
     """A gang of two trains as one worker does, and its ranks leave no hostfile behind (in the
-    training process's temporary directory, the kernel cache: worker/kernel_cache.py)."""
+    training process's temporary directory, the kernel cache: worker/supervisor/kernel_cache.py)."""
     hostfiles = Path(os.environ["MTQ_KERNEL_CACHE"])
     before = set(hostfiles.glob("mtq-gang-*"))
     body = {"model_id": "tiny", "dataset": ROWS}

@@ -8,7 +8,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-# A file of the repository named in backticks, e.g. `worker/grpo.py` or
+# A file of the repository named in backticks, e.g. `worker/kinds/grpo.py` or
 # `tests/test_client.py::test_name` (the test must exist too).
 FILE_REF = re.compile(r"`((?:api|worker|shared|cli|tests|bench|scripts|examples|docs|\.ci)/[\w./-]*\w)(?:::(\w+))?")
 

@@ -1,4 +1,4 @@
-"""worker/grpo.py's math against an independent NumPy (float64) implementation of
+"""worker/kinds/grpo.py's math against an independent NumPy (float64) implementation of
 Hugging Face TRL's GRPO objective, written from TRL's definitions:
 
   advantages   A = (r - mean_group(r)) / (std + 1e-4), torch's unbiased std (ddof=1) of the
@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker.grpo import advantages_from_rewards, grpo_loss
+from worker.kinds.grpo import advantages_from_rewards, grpo_loss
 
 EPS_LOW = 0.2
 EPS_HIGHS = (0.2, 0.28)  # equal to eps_low, and larger (DAPO's clip-higher)
@@ -439,7 +439,7 @@ def test_first_updates_equal_pytorch_adamw():
     import mlx.nn as nn
 
     from shared.schemas import GRPOConfig
-    from worker.train_core import make_optimizer
+    from worker.runtime.train_core import make_optimizer
 
     cfg = GRPOConfig(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6)
     rng = np.random.default_rng(0)

@@ -111,7 +111,7 @@ def test_the_client_commands_import_neither_mlx_nor_the_worker():
     assert "cli.client" in reachable(edges, client)
     assert forbidden(edges, external, client) == []
     # ...while `mtq worker` and `mtq make-model` do reach the worker, from cli/main.py's functions.
-    assert {"worker.supervisor", "worker.make_model"} <= edges["cli.main"] - module_level["cli.main"]
+    assert {"worker.supervisor.supervisor", "worker.runtime.make_model"} <= edges["cli.main"] - module_level["cli.main"]
 
 
 def test_a_planted_circle_is_found_through_an_import_in_a_function(tmp_path):

@@ -11,11 +11,11 @@ import time
 
 import pytest
 import redis
-
 from conftest import wait_for
+
 from shared import lifecycle
 from shared.keys import job_key, lease_key
-from shared.reconciler import Reconciler
+from worker.supervisor.reconciler import Reconciler
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 TTL = "2"  # seconds: the lease, so lost workers and jobs are noticed within seconds
@@ -201,10 +201,11 @@ def test_reconciler_moves_hub_jobs_when_a_holder_appears_and_skips_unreadable_re
 
 
 def test_a_worker_that_lost_the_lease_writes_no_adapter_files(stack, tmp_path):
-    from worker.lease import Lease
-    from worker.marks import Marks
-    from worker.training_process import JobRun
     import multiprocessing
+
+    from worker.runtime.training_process import JobRun
+    from worker.supervisor.lease import Lease
+    from worker.supervisor.marks import Marks
 
     r = stack.redis
     job_id = stack.submit(body(stack))

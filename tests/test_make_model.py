@@ -1,4 +1,4 @@
-"""worker.make_model writes a random Qwen3 model directory that mlx_lm loads and runs."""
+"""worker.runtime.make_model writes a random Qwen3 model directory that mlx_lm loads and runs."""
 
 import hashlib
 import json
@@ -10,7 +10,7 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from worker.make_model import SIZES, make_model
+from worker.runtime.make_model import SIZES, make_model
 
 CHAT = [{"role": "user", "content": "hi"}]
 

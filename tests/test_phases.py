@@ -55,7 +55,7 @@ def test_waiting_for_worker_then_compiling_within_2s_on_a_fresh_kernel_cache(sta
 
 
 def test_a_worker_that_offers_a_model_compiles_its_kernels_before_its_first_job(stack, tmp_path):
-    """worker/warm_up.py: a worker started with --models on an empty kernel cache warms the model
+    """worker/runtime/warm_up.py: a worker started with --models on an empty kernel cache warms the model
     up while no job is submitted: the kernels go into the cache and the model stays loaded. Its
     first job (another shape and LoRA than the warm-up's) then finds the model loaded, never
     shows the compiling phase, and adds few kernels to the cache."""

@@ -1,4 +1,4 @@
-"""The supervised kinds' losses (worker/sft_job.py, worker/dpo_job.py, worker/reward_model_job.py)
+"""The supervised kinds' losses (worker/kinds/sft_job.py, worker/kinds/dpo_job.py, worker/kinds/reward_model_job.py)
 against independent NumPy implementations written from the papers' formulas, on fixed
 inputs with padding: the loss, TRL's metrics, and the gradients (NumPy: central finite
 differences in float64 of the NumPy loss).
@@ -20,12 +20,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker.dpo_job import dpo_loss, orpo_loss
-from worker.kto_job import kl_estimate, kto_loss, mismatched
-from worker.reward_model_job import bradley_terry_loss
-from worker.sft_job import sft_loss
-from worker.logprobs import sequence_logps, token_logps
-from worker.train_core import Rows, pad_rows
+from worker.kinds.dpo_job import dpo_loss, orpo_loss
+from worker.kinds.kto_job import kl_estimate, kto_loss, mismatched
+from worker.kinds.reward_model_job import bradley_terry_loss
+from worker.kinds.sft_job import sft_loss
+from worker.runtime.logprobs import sequence_logps, token_logps
+from worker.runtime.train_core import Rows, pad_rows
 
 RTOL, ATOL = 1e-4, 1e-5
 rng = np.random.default_rng(0)

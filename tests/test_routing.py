@@ -7,8 +7,8 @@ import shutil
 import time
 
 import pytest
-
 from conftest import Stack, running, wait_for
+
 from shared import routing
 from shared.schemas import JobCreate
 
@@ -29,7 +29,7 @@ def stack(tmp_path_factory, tiny_model):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Three tiny models of different seeds, each under its own name."""
-    from worker.make_model import make_model
+    from worker.runtime.make_model import make_model
 
     root = tmp_path_factory.mktemp("routing-models")
     return {name: make_model(root / name, size="tiny", seed=seed) for seed, name in enumerate(("m-a", "m-b", "m-c"), 1)}

@@ -16,9 +16,9 @@ import time
 
 import httpx
 import pytest
-
 from conftest import REWARD_PORT, ROOT, TOKEN, Stack, running, wait_for
 from reward_server import serving
+
 from shared import jobstore
 from shared.keys import JOBS_INDEX, job_key
 from shared.settings import load_settings
@@ -583,7 +583,7 @@ def test_prompt_fields_reach_only_the_parameters_a_function_declares():
 def test_model_errors_name_the_model_not_the_file_system(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from worker.models import ModelNotFound, resolve_model
+    from worker.runtime.models import ModelNotFound, resolve_model
 
     settings = dataclasses.replace(load_settings(), models_dir=tmp_path / "models", model_roots=(tmp_path / "roots",))
     (tmp_path / "roots").mkdir()
@@ -635,7 +635,8 @@ def test_generated_requests_never_get_a_5xx_or_an_undocumented_code(stack, clien
     import copy
     from urllib.parse import quote
 
-    from hypothesis import HealthCheck, given, settings, strategies as st
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
 
     from shared.schemas import GRPOConfig
 

@@ -1,4 +1,4 @@
-"""The supervised kinds' trainer (worker/supervised.py) on the tiny model in this process:
+"""The supervised kinds' trainer (worker/kinds/supervised_trainer.py) on the tiny model in this process:
 what the job tests do not see from outside (gradient accumulation, gradient checkpointing,
 DoRA, the reference policy, the shared model left clean for the next job)."""
 
@@ -12,12 +12,12 @@ from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 
 from shared.train_specs import DPOJobCreate, SFTJobCreate
-from worker.adapters import attach_adapter, lora_disabled, remove_adapter_layers
-from worker.dpo_job import DPOTrainer
-from worker.logprobs import sequence_logps, token_logps
-from worker.models import gradient_checkpointing
-from worker.sft_job import SFTTrainer
-from worker.train_core import TrainState
+from worker.kinds.dpo_job import DPOTrainer
+from worker.kinds.sft_job import SFTTrainer
+from worker.runtime.adapter_layers import attach_adapter, lora_disabled, remove_adapter_layers
+from worker.runtime.logprobs import sequence_logps, token_logps
+from worker.runtime.models import gradient_checkpointing
+from worker.runtime.train_core import TrainState
 
 ROWS = [{"prompt": "Q0?", "completion": "red apple"}, {"prompt": "Q1?", "completion": "blue stone"}]
 BASE = dict(lora_layers=-1, lora_rank=4, lora_alpha=4, learning_rate=1e-2, batch_size=2, iters=3, mask_prompt=True)
@@ -118,7 +118,7 @@ def test_dpo_computes_each_reference_once_and_a_resume_keeps_them(lm):
     """Each pair's reference log-probs are computed at its first step only; a job resumed from a
     checkpoint has them from the checkpoint (computes none of them again) and takes the same
     steps as one that never stopped."""
-    from worker import checkpoints
+    from worker.runtime import checkpoints
 
     straight = dpo(lm, PAIRS, iters=4)
     state = TrainState()
@@ -143,11 +143,11 @@ def test_dpo_computes_each_reference_once_and_a_resume_keeps_them(lm):
 
 @pytest.mark.parametrize("kind", ["sft", "dpo", "reward"])
 def test_the_compiled_step_equals_the_uncompiled_one(lm, kind):
-    """The step compiled with its optimizer and random state (worker/supervised.py make_step)
+    """The step compiled with its optimizer and random state (worker/kinds/supervised_trainer.py make_step)
     trains as the plain one: the same losses, gradient norms and weights, with LoRA dropout and
     gradient accumulation (SFT), a learning-rate schedule and clipped gradients."""
     from shared.train_specs import RewardJobCreate
-    from worker.reward_model_job import RewardTrainer
+    from worker.kinds.reward_model_job import RewardTrainer
 
     model, tokenizer = lm
     config = {**{k: v for k, v in BASE.items() if k != "mask_prompt"}, "lora_dropout": 0.1, "iters": 3,
@@ -180,7 +180,7 @@ def test_kto_kl_estimate_scores_each_prompt_with_the_previous_row_s_completion(l
     """After some training, a batch's z0 is the mean of policy minus reference (LoRA off)
     log-probs of the rotated pairs, each scored here one row at a time from its own tokens."""
     from shared.train_specs import KTOJobCreate
-    from worker.kto_job import KTOTrainer
+    from worker.kinds.kto_job import KTOTrainer
 
     model, tokenizer = lm
     rows = [{"prompt": "Q0?", "completion": "red apple", "label": True}, {"prompt": "Q1?", "completion": "no", "label": False},
@@ -216,8 +216,8 @@ def test_full_fine_tuning_is_bounded_and_quantized_bases_are_refused(tiny_model,
     """private_base (a full / qlora job's own copy of the model) refuses, before reading any weight,
     a model above MTQ_FULL_FINETUNE_MAX_GB for full, and a base quantized already."""
     from shared.settings import load_settings
-    from worker.make_model import make_model
-    from worker.models import UnsupportedBase, private_base
+    from worker.runtime.make_model import make_model
+    from worker.runtime.models import UnsupportedBase, private_base
 
     quantized = make_model(tmp_path / "tiny-q8", size="tiny", quantize=8)
     monkeypatch.setenv("MTQ_MODELS_DIR", str(tiny_model.parent))
@@ -297,7 +297,7 @@ def test_learning_rate_schedules_are_transformers_ones(scheduler):
     import math
 
     from shared.train_specs import TrainConfig
-    from worker.train_core import learning_rate_schedule
+    from worker.runtime.train_core import learning_rate_schedule
 
     lr, warm, total = 0.1, 3, 10
     schedule = learning_rate_schedule(TrainConfig(learning_rate=lr, lr_scheduler=scheduler, warmup_steps=warm), total)

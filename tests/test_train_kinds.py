@@ -17,7 +17,6 @@ import tarfile
 import time
 
 import pytest
-
 from conftest import Stack, read_events, running, wait_done, wait_for
 
 SFT, DPO, ORPO, REWARD = ("/admin/api/fine-tune/jobs", "/admin/api/fine-tune/dpo/jobs", "/admin/api/fine-tune/orpo/jobs",
@@ -61,7 +60,7 @@ def stack(tmp_path_factory, tiny_model):
     s = Stack(tmp_path_factory.mktemp("stack"), tiny_model)
     s.data_root = tmp_path_factory.mktemp("data")
     s.env.update(MTQ_DATA_ROOTS=str(s.data_root), MTQ_MAX_FILE_BYTES="4000", MTQ_LEASE_TTL="3")
-    from worker.make_model import make_model
+    from worker.runtime.make_model import make_model
 
     s.quantized_model = make_model(tmp_path_factory.mktemp("qmodels") / "tiny-q8", size="tiny", quantize=8)
     s.env["MTQ_MODEL_ROOTS"] += os.pathsep + str(s.quantized_model.parent)

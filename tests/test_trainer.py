@@ -1,4 +1,4 @@
-"""The GRPO trainer (worker/grpo.py) on a real model: the tiny random-weight Qwen3 of
+"""The GRPO trainer (worker/kinds/grpo.py) on a real model: the tiny random-weight Qwen3 of
 conftest's `tiny_model`, loaded with mlx_lm in this process, with a fresh LoRA attached
 the way worker/jobs.py does it (mx.random.seed(cfg.seed), attach_lora, build_scorer,
 GRPOTrainer). Nothing is mocked. The last test runs real jobs in a real worker process.
@@ -19,16 +19,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from shared.schemas import JobCreate, PromptItem
-from mlx.utils import tree_map
-
-from worker.adapters import attach_adapter as attach_lora
-from worker.grpo import Batch, GRPOTrainer, completion_text
-from worker.logprobs import prompt_token_ids
+from worker.kinds.grpo import Batch, GRPOTrainer, completion_text
 from worker.rewards.scorer import build_scorer
-from worker.train_core import Cancelled, TrainState
+from worker.runtime.adapter_layers import attach_adapter as attach_lora
+from worker.runtime.logprobs import prompt_token_ids
+from worker.runtime.train_core import Cancelled, TrainState
 
 PROMPTS = ["What is 2+2?", "Say hello.", "Count to five.", "Name a color.", "Write a word.", "Tell me a story."]
 SHARE_OF_E = [{"type": "python", "function": "reward_fns:share_of_e"}]
@@ -189,7 +187,7 @@ def test_first_update_is_on_policy_under_lora_dropout(lm):
 def test_resume_from_a_checkpoint_continues_exactly(lm):
     # The optimizer state now holds AdamW's step count for its bias correction: a job
     # resumed from the checkpoint of step 2 must take the same step 3 as one that never stopped.
-    from worker import checkpoints
+    from worker.runtime import checkpoints
 
     config = dict(iters=3, lora_dropout=0.1, weight_decay=0.1, lr_scheduler="cosine", warmup_steps=1)
     straight = [m for m, _ in run_steps(make_trainer(lm, **config), 3)]
@@ -221,7 +219,7 @@ def test_reward_text_has_no_special_tokens(lm):
 def test_samples_event_texts_are_cut_to_fit_its_size_bound(lm, monkeypatch):
     """The per-step samples event lives in Redis: each completion is cut to SAMPLE_TEXT_CHARS, and
     to fewer when rows x SAMPLE_TEXT_CHARS would pass SAMPLES_EVENT_CHARS; rewards saw the whole text."""
-    import worker.grpo as grpo
+    import worker.kinds.grpo as grpo
 
     seen = []
     trainer = make_trainer(lm, group_size=4, batch_size=2, max_completion_len=24, temperature=1.0)
@@ -245,7 +243,7 @@ def test_gradient_checkpointing_is_planned_and_refuses_dropout(lm):
     # the 2-layer tiny model (its recomputation would save nothing).
     from mlx_lm.models import qwen3
 
-    from worker.memory import plan_memory
+    from worker.runtime.memory_plan import plan_memory
 
     assert make_trainer(lm, group_size=16, batch_size=4, max_completion_len=256).memory.gradient_checkpointing is False
     deep = qwen3.Model(qwen3.ModelArgs.from_dict({**vars(lm[0].args), "num_hidden_layers": 16}))
@@ -291,13 +289,13 @@ def test_micro_batches_and_checkpointing_give_the_unbatched_loss_and_gradients(l
 
 
 def test_a_budget_that_fits_them_buys_dense_decode_weights_on_cuda(lm, monkeypatch):
-    """On CUDA (worker/memory.py cuda(), set here: a CPU never decodes dense) a quantized model's
+    """On CUDA (worker/runtime/memory_plan.py cuda(), set here: a CPU never decodes dense) a quantized model's
     budget that fits dense copies of its weights beside the plan decodes with them (the
-    trainer's decode step: worker/sampling.py dequantized), from DENSE_DECODE_ROWS rows on;
+    trainer's decode step: worker/decode/sampling.py dequantized), from DENSE_DECODE_ROWS rows on;
     memory first, a small budget, few rows or an unquantized model do not."""
     from mlx_lm.models import qwen3
 
-    from worker import memory
+    from worker.runtime import memory_plan as memory
 
     monkeypatch.setattr(memory, "cuda", lambda: True)
     model = qwen3.Model(qwen3.ModelArgs.from_dict({**vars(lm[0].args), "num_hidden_layers": 4}))
@@ -323,7 +321,7 @@ def test_a_memory_budget_is_spent_on_speed_with_the_same_loss_and_gradients(lm):
     loss and gradients stay those of the memory-first plan."""
     from mlx_lm.models import qwen3
 
-    from worker.memory import GB, plan_memory
+    from worker.runtime.memory_plan import GB, plan_memory
 
     deep = qwen3.Model(qwen3.ModelArgs.from_dict({**vars(lm[0].args), "num_hidden_layers": 16}))
     first, spent = plan_memory(deep, 64, 276, None, None, None), plan_memory(deep, 64, 276, None, None, 16.0)

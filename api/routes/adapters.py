@@ -14,7 +14,8 @@ from pydantic import BaseModel, Field
 from api.auth import Principal
 from api.deps import ADMIN_ERRORS, PrincipalDep, RedisDep, WriterDep, require_token
 from api.json_body import JSONBodyRoute
-from shared import adapters, openai_jobs
+from api.openai_compat import jobs as openai_jobs
+from shared import adapters
 from shared.keys import job_key
 from shared.schemas import Deleted, ErrorBody
 

@@ -19,16 +19,16 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import Principal
 from api.deps import ADMIN_ERRORS, AsyncRedisDep, PrincipalDep, RedisDep, SettingsDep, WriterDep, require_token
 from api.json_body import JSONBodyRoute
-from shared import openai_jobs, scoring
+from api.openai_compat import jobs as openai_jobs
+from shared import scoring
 from shared.adapters import adapter_ref
 from shared.keys import ADAPTERS_INDEX, job_key
-from shared.model_ids import model_id_error
+from shared.model_ids import job_id_of, model_id_error
 from shared.routing import is_hub_id
 from shared.schemas import ChatMessage, ErrorBody, check_json_values
 
@@ -137,7 +137,7 @@ async def check_adapter(ar, who, model_id: str, adapter_name: str) -> str:
 
 async def fine_tuned(ar, req: ScoreRequest) -> ScoreRequest:
     """The request with a fine-tuned model's name (ft:...) read as its base model and adapter."""
-    job_id = openai_jobs.job_id_of(req.model_id)
+    job_id = job_id_of(req.model_id)
     values = await ar.hmget(job_key(job_id), openai_jobs.NAME_FIELDS) if job_id and job_id.isalnum() else []
     found = openai_jobs.adapter_of(req.model_id, dict(zip((f.encode() for f in openai_jobs.NAME_FIELDS), values)))
     if found is None:

@@ -8,7 +8,7 @@
 
 The storage, quotas, retention and ownership are the dataset files' (api/routes/files.py,
 shared/datasets.py): an upload here is usable as a `{"file_id"}` dataset there too. A file is
-checked at upload against OpenAI's fine-tuning formats (shared/openai_files.py): a 400 names
+checked at upload against OpenAI's fine-tuning formats (api/openai_compat/files.py): a 400 names
 the first bad line. A job's results file (`file-<job id>`, purpose `fine-tune-results`: its
 metrics as CSV) is made from the job's history when asked for.
 """
@@ -22,11 +22,10 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import Principal
 from api.deps import PrincipalDep, RedisDep, SettingsDep, WriterDep, require_token
+from api.openai_compat import jobs as openai_jobs
+from api.openai_compat.files import PURPOSES, check_file
 from api.openai_errors import ERRORS, OpenAIError, OpenAIRoute
-from shared import openai_jobs
-from shared.datasets import (DatasetError, QuotaExceeded, delete_file, file_content, owner_files, store_file,
-                             visible_file)
-from shared.openai_files import PURPOSES, check_file
+from shared.datasets import DatasetError, QuotaExceeded, delete_file, file_content, owner_files, store_file, visible_file
 
 router = APIRouter(prefix="/v1/files", tags=["OpenAI: files"], dependencies=[Depends(require_token)],
                    route_class=OpenAIRoute, responses=ERRORS)

@@ -9,7 +9,7 @@
     GET  /v1/fine_tuning/jobs/{id}/events          newest first, ?after=<event id>&limit=
     GET  /v1/fine_tuning/jobs/{id}/checkpoints     newest first, ?after=<checkpoint id>&limit=
 
-A job here is an SFT, DPO or GRPO job of this project (shared/openai_jobs.py maps it): created
+A job here is an SFT, DPO or GRPO job of this project (api/openai_compat/jobs.py maps it): created
 through its kind's spec model, its family's checks (api/submission.py) and jobstore.create_job,
 run by the same workers, and visible on the kinds' own routes too. Same tokens and roles as
 every route (api/deps.py); errors in OpenAI's envelope (api/openai_errors.py).
@@ -24,13 +24,15 @@ from pydantic import ValidationError
 
 from api.auth import Principal
 from api.deps import PrincipalDep, RedisDep, SettingsDep, WriterDep, require_token
+from api.openai_compat import jobs as openai_jobs
+from api.openai_compat.jobs import CheckpointPage, FineTuningJob, JobCreateRequest, Page
 from api.openai_errors import ERRORS, OpenAIError, OpenAIRoute
 from api.routes.job_routes import FAMILIES
-from shared import graders, jobstore, lifecycle, openai_jobs
+from shared import graders, jobstore, lifecycle
 from shared.events import append_event
 from shared.keys import JOBS_INDEX, job_key
 from shared.kinds import KINDS, of_record
-from shared.openai_jobs import JOB_PREFIX, CheckpointPage, FineTuningJob, JobCreateRequest, Page
+from shared.model_ids import OPENAI_JOB_PREFIX, job_id_of
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["OpenAI: fine-tuning jobs"],
                    dependencies=[Depends(require_token)], route_class=OpenAIRoute, responses=ERRORS)
@@ -40,7 +42,7 @@ AfterQuery = Annotated[str | None, Query(max_length=128)]
 
 
 def _found(r, openai_id: str, who: Principal) -> tuple[str, dict, dict]:
-    job_id = openai_jobs.job_id_of(openai_id)
+    job_id = job_id_of(openai_id)
     found = None if job_id is None else openai_jobs.openai_record(r, job_id)
     if found is None or not who.sees(found[0].get("owner")):
         raise OpenAIError(404, f"No such fine-tuning job: {openai_id[:100]}", "fine_tuning_job_id")
@@ -51,7 +53,7 @@ def _job(job_id: str, rec: dict, ft: dict) -> FineTuningJob:
     try:
         return openai_jobs.to_job(job_id, rec, ft)
     except (ValueError, KeyError) as e:  # a record this version cannot read (another version's)
-        raise OpenAIError(409, f"job {JOB_PREFIX}{job_id}: stored record cannot be loaded: {type(e).__name__}",
+        raise OpenAIError(409, f"job {OPENAI_JOB_PREFIX}{job_id}: stored record cannot be loaded: {type(e).__name__}",
                           "fine_tuning_job_id") from None
 
 
@@ -93,7 +95,7 @@ def list_jobs(request: Request, r: RedisDep, who: PrincipalDep, after: AfterQuer
               if k.startswith("metadata[") and k.endswith("]")}
     ids = [i.decode() for i in r.zrevrange(JOBS_INDEX, 0, -1)]
     if after is not None:
-        start = openai_jobs.job_id_of(after)
+        start = job_id_of(after)
         if start not in ids:
             raise OpenAIError(400, f"unknown fine-tuning job id in 'after': {after[:100]}", "after")
         ids = ids[ids.index(start) + 1:]

@@ -35,5 +35,5 @@ The package, by part:
   scorer.py     the scorer: the sources bound at job start by their type, summed each step
 
 This package does not import mlx: plain Python, numpy, httpx and jsonschema, so it can be
-tested without a model (a reward model's rewards come from the job: worker/scoring.py).
+tested without a model (a reward model's rewards come from the job: worker/runtime/score_requests.py).
 """

@@ -20,7 +20,7 @@ from worker.rewards.guard import CallGuard, Resolver, guarded_client, resolve_ho
 from worker.rewards.sandbox import call_reward_function, load_reward_function, within
 
 # (settings, model_id, adapter_name, prompts, completions) -> rewards: the training process's
-# reward models (worker/scoring.py reward_model_rewards), given by the job; this package has no MLX.
+# reward models (worker/runtime/score_requests.py reward_model_rewards), given by the job; this package has no MLX.
 RewardModelFn = Callable[[Settings, str, str, list[str], list[str]], list[float]]
 
 

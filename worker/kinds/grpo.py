@@ -1,0 +1,539 @@
+"""GRPO with LoRA on an mlx_lm model, top to bottom.
+
+One step (= one `iter` of the job config), GRPOTrainer.step, in four phases:
+
+  1. rollout: take B = batch_size prompts; sample G = group_size completions each, all B*G rows
+     decoding together (worker/decode/sampling.py). For every completion token t we keep
+         old_logp_t = log pi_old(o_t | q, o_<t)      (logits / temperature, as sampled)
+     The sampling KV cache is freed when sampling returns, before the loss step.
+     A completion ends at EOS, at max_completion_len, or just after the token that
+     completes a stop string (its text is cut before the stop string).
+  2. score: each completion on its text decoded without special tokens: r_i
+     (worker/rewards/; NaN when every reward source returned None).
+  3. advantages: the rewards normalised inside each group of G over the scorable completions:
+         A_i = (r_i - nanmean_group(r)) / (nanstd(r) + 1e-4)    std: of the group, the batch, or 1
+         A_i = 0 where r_i is NaN (or where the std is undefined: fewer than 2 scorable)
+  4. update, mu = num_iterations times: forward the B*G sequences under the current LoRA weights
+     theta, and minimise the clipped surrogate (TRL's GRPO):
+         log_ratio_t = logp_t - old_logp_t                 token level
+                     = mean_t(logp_t - old_logp_t)         sequence level (GSPO), one per row
+         ratio_t     = exp(log_ratio_t)
+         loss_t      = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i)
+                       + beta * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)      (k3 KL)
+     where ref_t is the log-prob under the base model (the same weights with LoRA off),
+     computed only when beta > 0. old_logp is, as in TRL:
+         mu == 1:  stop_gradient(logp): the ratio is exactly 1 and the update on-policy,
+                   also under LoRA dropout (sampling runs without it, the loss with it)
+         mu > 1:   log-probs recorded in the mode the loss runs in: sampling's own when
+                   lora_dropout == 0, else a train-mode (dropout) forward pass before the
+                   first update
+     Aggregated over completion tokens (mask m):
+         grpo:    sum_i( sum_t m loss_t / sum_t m ) / (B*G)
+         bnpo:    sum m loss_t / sum m
+         dapo:    sum m loss_t / sum m          (tokens of the whole generation batch)
+         dr_grpo: sum m loss_t / (B*G * max_completion_len)
+     Memory: the rows go through forward+backward micro_batch_size at a time and the
+     gradients add up. Every normaliser above (B*G, sum m) is the whole step's, so the sum
+     of the micro-batches' losses and gradients is the step's. Log-probs of the chosen
+     tokens are computed from the last hidden states of completion positions only, a
+     chunk of positions at a time (full-vocabulary float32 logits of one chunk at once);
+     with gradient checkpointing each layer keeps only its input and recomputes the rest
+     in the backward pass (worker/runtime/memory_plan.py estimates all this before the job starts).
+     The optimizer step: AdamW on the LoRA weights only, bias-corrected as PyTorch's (TRL's numerics:
+     betas adam_beta1/adam_beta2, eps adam_epsilon), gradients clipped to max_grad_norm:
+         m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  theta *= 1 - lr * weight_decay
+         theta -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
+
+On a gang of N workers (config.workers, worker/runtime/gang_group.py) each rank runs the four phases on every
+N-th of the step's B prompts with their groups: it pads them to the whole step's width and
+draws each row's random numbers as that row of the whole batch would (so it samples what one
+worker would), sums every rank's rewards into the whole (B, G) before the advantages, and sums
+the loss, its statistics and gradients (normalised by the whole step's B*G and tokens) before
+clipping: the update is one worker's for the same B prompts.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_map
+
+from shared.schemas import GRPOConfig, JobCreate, PromptItem
+from worker.decode.sampling import Samples, SamplingParams, left_pad, make_decode_step, sample
+from worker.rewards.batch import RewardStopped
+from worker.runtime.adapter_layers import lora_disabled
+from worker.runtime.gang_group import SOLO, Gang
+from worker.runtime.logprobs import as_item, completion_logprobs, prompt_token_ids
+from worker.runtime.memory_plan import GB, logits_chunk_tokens, model_shape, plan_memory
+from worker.runtime.train_core import Cancelled, TrainState, batch_indices, check_finite, clipped, make_optimizer, step_seed
+
+ADV_EPS = 1e-4
+# The per-step `samples` event lives in Redis: each completion in it is cut to SAMPLE_TEXT_CHARS,
+# and to fewer when the step has so many rows that the event would pass SAMPLES_EVENT_CHARS.
+SAMPLE_TEXT_CHARS = 2000
+SAMPLES_EVENT_CHARS = 262_144
+HISTORY_METRICS = ("loss", "reward", "reward_std", "entropy", "completions/mean_length", "learning_rate", "step_time")
+LENGTH_BUCKET = 16  # pad completion lengths to a multiple of this so the loss compiles for few shapes
+
+
+# --------------------------------------------------------------------------- the math
+
+
+def nan_mean(x: np.ndarray, axis=None, keepdims: bool = False) -> np.ndarray:
+    """Mean over the non-NaN values; NaN where there is none (torch.nanmean)."""
+    valid = ~np.isnan(x)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(valid, x, 0.0).sum(axis, keepdims=keepdims) / valid.sum(axis, keepdims=keepdims)
+
+
+def nan_std(x: np.ndarray, axis=None, keepdims: bool = False) -> np.ndarray:
+    """Unbiased std over the non-NaN values; NaN where there are fewer than 2 (TRL's nanstd)."""
+    valid = ~np.isnan(x)
+    n = valid.sum(axis, keepdims=keepdims)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        sq = np.where(valid, (x - nan_mean(x, axis, keepdims=True)) ** 2, 0.0).sum(axis, keepdims=keepdims)
+        return np.where(n > 1, np.sqrt(sq / np.maximum(n - 1, 1)), np.nan)
+
+
+def advantages_from_rewards(rewards: np.ndarray, scale_rewards: str) -> np.ndarray:
+    """rewards: (B, G), NaN = unscorable. Returns (B, G) advantages, normalised per group
+    over the scorable completions (TRL's convention: unbiased std; advantage 0 for an
+    unscorable completion and where the std is undefined, e.g. groups of one)."""
+    mean = nan_mean(rewards, axis=1, keepdims=True)
+    if scale_rewards == "group":
+        std = nan_std(rewards, axis=1, keepdims=True)
+    elif scale_rewards == "batch":
+        std = np.full_like(mean, nan_std(rewards))
+    else:
+        std = np.zeros_like(mean) + (1.0 - ADV_EPS)  # divide by exactly 1
+    with np.errstate(invalid="ignore"):
+        advantages = (rewards - mean) / (std + ADV_EPS)
+    return np.nan_to_num(advantages, nan=0.0).astype(np.float32)
+
+
+def grpo_loss(
+    logp: mx.array,
+    old_logp: mx.array,
+    ref_logp: mx.array | None,
+    advantages: mx.array,
+    mask: mx.array,
+    *,
+    loss_type: str,
+    importance_sampling_level: str,
+    epsilon_low: float,
+    epsilon_high: float,
+    beta: float,
+    max_completion_len: int,
+    n_rows: mx.array | None = None,
+    n_tokens: mx.array | None = None,
+) -> tuple[mx.array, dict[str, mx.array]]:
+    """The GRPO objective for rows of completion tokens. logp, old_logp, ref_logp, mask:
+    (rows, T); advantages: (rows,). Returns the scalar loss and per-step statistics.
+
+    n_rows, n_tokens: the whole step's rows and max(completion tokens, 1) when these rows
+    are one micro-batch of it (default: these rows' own). Loss and statistics are sums over
+    these rows divided by step-wide counts, so the micro-batches' values add up to the step's."""
+    mask = mask.astype(mx.float32)
+    n_rows = mask.shape[0] if n_rows is None else n_rows
+    n_tokens = mx.maximum(mask.sum(), 1.0) if n_tokens is None else n_tokens
+    tokens_per_row = mx.maximum(mask.sum(axis=1), 1.0)
+    log_ratio = logp - old_logp
+    if importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(axis=1) / tokens_per_row)[:, None]
+    ratio = mx.exp(log_ratio)
+    clipped = mx.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    A = advantages[:, None]
+    per_token = -mx.minimum(ratio * A, clipped * A)
+
+    kl = None
+    if beta > 0.0:
+        d = ref_logp - logp
+        kl = mx.exp(d) - d - 1.0
+        per_token = per_token + beta * kl
+
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(axis=1) / tokens_per_row).sum() / n_rows
+    elif loss_type in ("bnpo", "dapo"):
+        loss = (per_token * mask).sum() / n_tokens
+    elif loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (n_rows * max_completion_len)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+
+    # Statistics as TRL defines them: means over completion tokens, or over sequences when
+    # the ratio is one per sequence (sequence level).
+    def token_mean(x):
+        return (mx.broadcast_to(x, mask.shape) * mask).sum() / n_tokens
+
+    def ratio_mean(x):
+        return x.sum() / n_rows if importance_sampling_level == "sequence" else token_mean(x)
+
+    low = (ratio < 1.0 - epsilon_low) & (A < 0)
+    high = (ratio > 1.0 + epsilon_high) & (A > 0)
+    stats = {
+        "clip_ratio/low_mean": ratio_mean(low.astype(mx.float32)),
+        "clip_ratio/high_mean": ratio_mean(high.astype(mx.float32)),
+        "clip_ratio/region_mean": ratio_mean((low | high).astype(mx.float32)),
+        "mean_ratio": ratio_mean(ratio),
+    }
+    if kl is not None:
+        stats["kl"] = token_mean(kl)
+    return loss, stats
+
+
+# --------------------------------------------------------------------------- the batch
+
+
+@dataclass
+class Batch:
+    """B*G rows: left-padded prompt, then completion (right-padded to a length bucket)."""
+
+    inputs: mx.array  # (rows, P + L) int32
+    left_pad: mx.array  # (rows,) int32
+    completion: mx.array  # (rows, L) int32
+    mask: mx.array  # (rows, L) bool
+    old_logp: mx.array  # (rows, L) float32
+    advantages: mx.array  # (rows,) float32
+    ref_logp: mx.array | None = None
+
+
+
+def make_batch(prompt_ids: list[list[int]], samples: Samples, mask: mx.array, advantages: np.ndarray, group_size: int,
+               width: int | None = None) -> Batch:
+    prompts, pad = left_pad([p for p in prompt_ids for _ in range(group_size)], pad_id=0, width=width)
+    used = max(int(samples.steps), 1)
+    L = min(samples.tokens.shape[1], math.ceil(used / LENGTH_BUCKET) * LENGTH_BUCKET)
+    completion = samples.tokens[:, :L]
+    return Batch(
+        inputs=mx.concatenate([prompts, completion], axis=1),
+        left_pad=pad,
+        completion=completion,
+        mask=mask[:, :L],
+        old_logp=samples.logprobs[:, :L],
+        advantages=mx.array(advantages.reshape(-1)),
+    )
+
+
+
+# --------------------------------------------------------------------------- completions as text
+
+
+def completion_text(tokenizer, tokens: list[int]) -> str:
+    """What reward functions see: special tokens (EOS, chat markers) left out, as TRL decodes."""
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def cut_at_stop_strings(tokenizer, tokens: list[int], stops: list[str]) -> tuple[str, int, bool]:
+    """Text cut just before the first stop string, the tokens that stay in the completion
+    (up to the one that completes the stop string), and whether a stop string was found."""
+    text = completion_text(tokenizer, tokens)
+    hits = [text.find(s) for s in stops if s and s in text]
+    if not hits:
+        return text, len(tokens), False
+    cut = min(hits)
+    for n in range(1, len(tokens) + 1):  # fewest tokens whose text reaches past the stop string
+        if len(completion_text(tokenizer, tokens[:n])) > cut:
+            return text[:cut], n, True
+    return text[:cut], len(tokens), True
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+class JobDoesNotFitModel(ValueError):
+    """The job asks for more than the model has: its context or its vocabulary."""
+
+
+def check_fits_model(model: nn.Module, prompt_ids: list[list[int]], cfg: GRPOConfig) -> None:
+    """Before the first step: every prompt (tokenised) plus max_completion_len fits the
+    model's context, and top_k is within its vocabulary. (The API could only estimate from
+    characters.)"""
+    args = getattr(model, "args", None)
+    context = getattr(args, "max_position_embeddings", None)
+    longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    if context and len(prompt_ids[longest]) + cfg.max_completion_len > context:
+        raise JobDoesNotFitModel(
+            f"prompts[{longest}] is {len(prompt_ids[longest])} tokens; with max_completion_len "
+            f"{cfg.max_completion_len} that exceeds the model's context of {context} tokens"
+        )
+    vocab = getattr(args, "vocab_size", None)
+    if vocab and cfg.top_k > vocab:
+        raise JobDoesNotFitModel(f"top_k {cfg.top_k} is larger than the model's vocabulary ({vocab} tokens)")
+
+
+@dataclass
+class Rollout:
+    """Phase 1's result: the step's prompts and their B*G sampled completions, group by group."""
+
+    indices: list[int]  # the step's prompts
+    items: list[PromptItem]
+    prompt_ids: list[list[int]]
+    samples: Samples
+    bodies: list[list[int]]  # each completion's tokens without its EOS (what its text decodes)
+    texts: list[str]  # each completion's text for the rewards (cut before a stop string)
+    lengths: list[int]  # each completion's tokens in the loss (its EOS, or the stop string's last token, included)
+    ended: list[bool]  # ended by EOS or a stop string (not cut at max_completion_len)
+    mask: mx.array  # (rows, L) bool: the completion tokens
+    seconds: float  # of sampling
+    width: int  # the prompts' padded width: the longest of the whole step's (a gang's too)
+
+    def groups(self, per_row: list) -> list[list]:
+        """A per-row list as B groups of G."""
+        G = len(per_row) // len(self.items)
+        return [per_row[b * G:(b + 1) * G] for b in range(len(self.items))]
+
+
+class GRPOTrainer:
+    """Runs the steps of one job on a model with LoRA attached (worker/runtime/adapter_layers.py)."""
+
+    def __init__(self, model: nn.Module, tokenizer, spec: JobCreate, scorer, gang: Gang = SOLO):
+        self.model, self.tokenizer, self.spec, self.cfg, self.scorer = model, tokenizer, spec, spec.config, scorer
+        cfg = self.cfg
+        # A gang's rank (worker/runtime/gang_group.py) takes every size-th prompt of a step, and its groups' rows.
+        self.gang = gang
+        self.positions = gang.share(list(range(cfg.batch_size)))
+        rows = tuple(b * cfg.group_size + g for b in self.positions for g in range(cfg.group_size))
+        self.items = [as_item(p) for p in spec.prompts]
+        self.prompt_ids = [prompt_token_ids(tokenizer, it, cfg.use_chat_template) for it in self.items]
+        check_fits_model(model, self.prompt_ids, cfg)
+        eos = getattr(tokenizer, "eos_token_ids", None)
+        self.eos_ids = sorted(eos) if eos is not None else [tokenizer.eos_token_id]
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
+                                       *((rows, cfg.batch_size * cfg.group_size) if gang.size > 1 else ()))
+        # Memory: fails here, before anything runs, when even one row cannot fit.
+        width = max(len(p) for p in self.prompt_ids) + cfg.max_completion_len
+        self.memory = plan_memory(
+            model, cfg.batch_size * cfg.group_size, width, cfg.use_gradient_checkpointing,
+            cfg.micro_batch_size, cfg.max_memory_gb,
+        )
+        self.decode_step = make_decode_step(model, self.sampling, self.eos_ids, pad_id,
+                                            dense=self.memory.dense_decode_gb > 0)
+        self.optimizer = make_optimizer(cfg, cfg.iters * cfg.num_iterations)
+        self.optimizer.init(model.trainable_parameters())
+        self.chunk_tokens = logits_chunk_tokens(model_shape(model).vocab)
+        # MLX queues GPU work ahead of the host and frees a buffer only once its kernel has
+        # run, so without a limit the whole backward pass (recomputed layers included) can
+        # be alive at once. Above this limit its scheduler waits for queued work first.
+        mx.set_memory_limit(int(self.memory.memory_limit_gb * GB))  # with a budget (max_memory_gb): the budget
+
+        loss_kwargs = dict(
+            loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
+            epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_upper, beta=cfg.beta,
+            max_completion_len=cfg.max_completion_len,
+        )
+        on_policy = cfg.num_iterations == 1
+
+        def loss_fn(model, inputs, pad, completion, mask, old_logp, ref_logp, advantages, n_rows, n_tokens):
+            logp = completion_logprobs(
+                model, inputs, pad, completion, cfg.temperature, self.chunk_tokens, self.memory.gradient_checkpointing
+            )
+            if on_policy:  # TRL: old = detached current log-probs, so the ratio is exactly 1
+                old_logp = mx.stop_gradient(logp)
+            return grpo_loss(logp, old_logp, ref_logp, advantages, mask, n_rows=n_rows, n_tokens=n_tokens, **loss_kwargs)
+
+        value_and_grad = nn.value_and_grad(model, loss_fn)
+        state = [model.state, mx.random.state]
+
+        def micro_batch_step(*arrays):
+            (loss, stats), grads = value_and_grad(model, *arrays)
+            return loss, stats, grads
+
+        self.micro_batch_step = mx.compile(micro_batch_step, inputs=state, outputs=state)
+
+    def micro_batches(self, batch: Batch) -> list[slice]:
+        m, rows = self.memory.micro_batch_size, batch.inputs.shape[0]
+        return [slice(i, i + m) for i in range(0, rows, m)]
+
+    def forward_logprobs(self, batch: Batch) -> mx.array:
+        """log pi(o_t) of every completion token under the model as it is (no gradient)."""
+        parts = []
+        for rows in self.micro_batches(batch):
+            logp = completion_logprobs(
+                self.model, batch.inputs[rows], batch.left_pad[rows], batch.completion[rows], self.cfg.temperature,
+                self.chunk_tokens,
+            )
+            mx.eval(logp)  # now, one micro-batch at a time (peak memory)
+            parts.append(logp)
+        return mx.concatenate(parts)
+
+    def loss_and_grads(self, batch: Batch, ref_logp: mx.array) -> tuple[mx.array, dict, mx.array, dict]:
+        """The step's loss, statistics, gradient norm and (clipped) gradients, summed over
+        micro-batches (and a gang's ranks: the normalisers are the whole step's)."""
+        n_rows = mx.array(self.cfg.batch_size * self.cfg.group_size, dtype=mx.float32)  # B*G: every row of the step
+        n_tokens = mx.maximum(self.gang.sum(batch.mask.sum()), 1).astype(mx.float32)
+        loss, stats, grads = None, None, None
+        for rows in self.micro_batches(batch):
+            part = self.micro_batch_step(
+                batch.inputs[rows], batch.left_pad[rows], batch.completion[rows], batch.mask[rows],
+                batch.old_logp[rows], ref_logp[rows], batch.advantages[rows], n_rows, n_tokens,
+            )
+            loss, stats, grads = part if loss is None else tree_map(mx.add, (loss, stats, grads), part)
+            mx.eval(loss, stats, grads)
+        loss, stats, grads = self.gang.sum_tree((loss, stats, grads))
+        grads, grad_norm = clipped(grads, self.cfg.max_grad_norm)
+        return loss, stats, grad_norm, grads
+
+    def step(
+        self, state: TrainState, should_stop: Callable[[], bool], on_finite_loss: Callable[[], None] = lambda: None
+    ) -> tuple[dict[str, float], dict]:
+        """One iter, the module docstring's four phases: rollout, score, advantages, update. Returns
+        the step's metrics and its samples event. on_finite_loss: called once the current weights
+        gave a finite loss and gradient (before they are updated), the moment they are known to
+        be good to checkpoint."""
+        t0 = time.perf_counter()
+        mx.reset_peak_memory()
+        rollout = self.rollout(state.step, should_stop)
+        rewards, reward_metrics = self.score(rollout, state.step, should_stop)
+        every = self.whole_batch(rewards)  # (B, G): a gang's ranks' rewards together
+        advantages = advantages_from_rewards(every, self.cfg.scale_rewards)[self.positions]
+        loss, stats, grad_norm = self.update(rollout, advantages, state.step, should_stop, on_finite_loss)
+
+        tokens = sum(rollout.lengths) + sum(len(p) for p in rollout.prompt_ids) * self.cfg.group_size
+        state.num_tokens += tokens if self.gang.size == 1 else int(self.gang.sum(mx.array(tokens)).item())
+        metrics = step_metrics(rollout, every, reward_metrics, loss, stats, grad_norm, self.optimizer, state.num_tokens)
+        metrics["step_time"] = time.perf_counter() - t0
+        state.step += 1
+        return metrics, samples_event(rollout, rewards)
+
+    def whole_batch(self, rewards: np.ndarray) -> np.ndarray:
+        """A gang's rank's rewards (its prompts' groups) as the whole step's (B, G), every rank's
+        in its place (NaN stays NaN: the others add 0 there)."""
+        if self.gang.size == 1:
+            return rewards
+        every = np.zeros((self.cfg.batch_size, self.cfg.group_size))
+        every[self.positions] = rewards
+        return np.array(self.gang.sum(mx.array(every, dtype=mx.float32)), dtype=np.float64)
+
+    def rollout(self, step: int, should_stop: Callable[[], bool]) -> Rollout:
+        """Phase 1: sample G completions for each of the step's B prompts; their texts, with
+        stop strings ending a completion early (host side)."""
+        cfg, tok = self.cfg, self.tokenizer
+        every = batch_indices(len(self.items), cfg.batch_size, step, cfg.seed)
+        width = max(len(self.prompt_ids[i]) for i in every)  # as the whole step pads them
+        idx = self.gang.share(every)
+        prompt_ids = [self.prompt_ids[i] for i in idx]
+        seed = step_seed(cfg.seed, step)  # sampling and LoRA dropout: reproducible, and as before on resume
+        mx.random.seed(seed)
+        self.model.eval()
+        t0 = time.perf_counter()
+        samples = sample(
+            self.model, self.decode_step, prompt_ids, cfg.group_size, self.sampling, self.eos_ids,
+            mx.random.key(seed), should_stop, width,
+        )
+        if samples is None:
+            raise Cancelled()
+        seconds = time.perf_counter() - t0
+
+        rows = samples.tokens.tolist()
+        lengths = samples.mask.sum(axis=1).tolist()
+        ended = samples.ended.tolist()
+        # A row that ended has its EOS as last token: part of the loss, not of the text.
+        bodies = [r[: n - 1] if e else r[:n] for r, n, e in zip(rows, lengths, ended)]
+        mask = samples.mask
+        if cfg.stop:
+            texts, cut = [], []
+            for i, body in enumerate(bodies):
+                text, k, hit = cut_at_stop_strings(tok, body, cfg.stop)
+                texts.append(text)
+                cut.append(k if hit else lengths[i])
+                ended[i] = ended[i] or hit
+            lengths = cut
+            mask = mx.arange(mask.shape[1])[None, :] < mx.array(cut)[:, None]
+        else:
+            texts = [completion_text(tok, body) for body in bodies]
+        return Rollout(idx, [self.items[i] for i in idx], prompt_ids, samples, bodies, texts, lengths, ended, mask, seconds,
+                       width)
+
+    def score(self, rollout: Rollout, step: int, should_stop: Callable[[], bool]) -> tuple[np.ndarray, dict[str, float]]:
+        """Phase 2: the completions' rewards, (B, G) with NaN where unscorable, and the reward
+        sources' metrics (worker/rewards/scorer.py)."""
+        try:
+            return self.scorer.score(step, rollout.items, rollout.groups(rollout.texts),
+                                     token_counts=rollout.groups(rollout.lengths), should_stop=should_stop)
+        except RewardStopped:  # cancelled while waiting on a reward server
+            raise Cancelled() from None
+
+    def update(self, rollout: Rollout, advantages: np.ndarray, step: int, should_stop: Callable[[], bool],
+               on_finite_loss: Callable[[], None]) -> tuple[mx.array, dict, mx.array]:
+        """Phase 4: mu optimizer updates on the rollout's tokens (mask_truncated_completions: the
+        completions cut at max_completion_len left out), with the reference policy's log-probs
+        when beta > 0. Returns the last update's loss, statistics and gradient norm."""
+        cfg, model = self.cfg, self.model
+        mask = rollout.mask & mx.array(rollout.ended)[:, None] if cfg.mask_truncated_completions else rollout.mask
+        batch = make_batch(rollout.prompt_ids, rollout.samples, mask, advantages, cfg.group_size, rollout.width)
+        if cfg.beta > 0:
+            with lora_disabled(model):
+                batch.ref_logp = self.forward_logprobs(batch)
+        ref = batch.ref_logp if batch.ref_logp is not None else batch.old_logp  # unused when beta == 0
+
+        model.train()
+        if cfg.num_iterations > 1 and cfg.lora_dropout > 0:
+            batch.old_logp = self.forward_logprobs(batch)  # under dropout, as the loss sees the policy
+        for mu in range(cfg.num_iterations):
+            if mu and should_stop():
+                raise Cancelled()
+            loss, stats, grad_norm, grads = self.loss_and_grads(batch, ref)
+            mx.eval(loss, grad_norm, stats)
+            check_finite(loss.item(), grad_norm.item(), step + 1)
+            if mu == 0:
+                on_finite_loss()
+            self.optimizer.update(model, grads)
+            mx.eval(model.trainable_parameters(), self.optimizer.state)
+        model.eval()
+        return loss, stats, grad_norm
+
+
+# --------------------------------------------------------------------------- what a step reports
+
+
+def step_metrics(rollout: Rollout, rewards: np.ndarray, reward_metrics: dict, loss: mx.array, stats: dict,
+                 grad_norm: mx.array, optimizer: optim.Optimizer, num_tokens: int) -> dict[str, float]:
+    """A step's metrics, named as TRL users know them."""
+    samples = rollout.samples
+    group_std = nan_std(rewards, axis=1)  # NaN where a group has fewer than 2 scorable completions
+    defined = ~np.isnan(group_std)
+    lengths = np.asarray(rollout.lengths)
+    metrics = {
+        "loss": float(loss.item()),
+        # Over scorable completions (0 when there is none: metrics stay JSON numbers).
+        "reward": float(np.nan_to_num(nan_mean(rewards))),
+        "reward_std": float(group_std[defined].mean()) if defined.any() else 0.0,
+        "frac_reward_zero_std": float(np.isclose(group_std, 0.0).mean()),  # undefined std: not zero (TRL)
+        **{k: float(v.item()) for k, v in stats.items()},
+        "entropy": float(((samples.entropy * samples.mask).sum() / mx.maximum(samples.mask.sum(), 1)).item()),
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(1.0 - np.mean(rollout.ended)),
+        "num_tokens": num_tokens,
+        "grad_norm": float(grad_norm.item()),
+        "learning_rate": float(optimizer.learning_rate.item()),
+        "tokens_per_second": samples.steps * len(rollout.texts) / max(rollout.seconds, 1e-9),
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        "n_samples": len(rollout.texts),
+        **reward_metrics,
+    }
+    metrics["mean_reward"] = metrics["reward"]
+    return metrics
+
+
+def samples_event(rollout: Rollout, rewards: np.ndarray) -> dict:
+    """The step's samples event: each completion's text, cut to fit SAMPLES_EVENT_CHARS, its reward,
+    and its text's tokens with their summed sampling log-probs (logits / temperature): what a
+    downstream trainer needs for its own ratios, and what the log-prob endpoint answers for the
+    same prompt and completion text."""
+    cut = min(SAMPLE_TEXT_CHARS, SAMPLES_EVENT_CHARS // len(rollout.texts))
+    text_tokens = [min(n, len(body)) for n, body in zip(rollout.lengths, rollout.bodies)]
+    old_logp = np.array(rollout.samples.logprobs)
+    sums = [float(old_logp[i, :n].sum()) for i, n in enumerate(text_tokens)]
+    return {"prompt_indices": rollout.indices,
+            "completions": [[text[:cut] for text in group] for group in rollout.groups(rollout.texts)],
+            "rewards": [[None if np.isnan(r) else float(r) for r in group] for group in rewards],
+            "token_counts": rollout.groups(text_tokens),
+            "logprobs": rollout.groups(sums)}

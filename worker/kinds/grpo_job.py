@@ -1,0 +1,69 @@
+"""The GRPO job kind: the shared model with a fresh LoRA, the job's reward sources, and the
+trainer (worker/kinds/grpo.py, where the math is), as the Run the job loop drives (worker/runtime/job_loop.py).
+What is GRPO's own around the steps: the reward scorer (closed with the job), progress marks
+and /metrics timings around scoring, and a `samples` event per step."""
+
+import contextlib
+import functools
+import json
+import time
+from typing import Iterator
+
+import mlx.core as mx
+
+from shared.adapters import init_adapter_dir
+from shared.metrics import recorder
+from shared.schemas import JobCreate
+from worker.kinds.grpo import HISTORY_METRICS, GRPOTrainer
+from worker.rewards.scorer import build_scorer
+from worker.runtime import score_requests as scoring
+from worker.runtime.adapter_layers import adapter_config, attach_adapter, remove_adapter_layers, save_adapter, started_from
+from worker.runtime.models import get_model
+from worker.runtime.train_core import Run
+
+
+@contextlib.contextmanager
+def load(job, spec: JobCreate, settings) -> Iterator[Run]:
+    cfg = spec.config
+    t0 = time.perf_counter()
+    model, tokenizer, cached = get_model(spec.model_id, settings)
+    if not cached:
+        job.publish_loaded()
+    init = init_adapter_dir(job.lease.r, settings, spec.init_adapter)
+    job.write(event={"type": "model_ready", "cached": cached, "load_s": time.perf_counter() - t0, **started_from(spec)})
+    reward_model = functools.partial(scoring.reward_model_rewards, tenant=job.tenant)  # its owner's reward models
+    with build_scorer(spec, job.job_id, reward_model=reward_model) as scorer:
+        mx.random.seed(cfg.seed)  # LoRA init and dropout
+        attach_adapter(model, cfg, init=init)
+        try:
+            trainer = GRPOTrainer(model, tokenizer, spec, MarkedScorer(scorer, job), job.gang)
+            job.write(memory_plan=json.dumps(trainer.memory.as_record()))  # GET on the job shows it
+
+            def step(state, should_stop, on_finite_loss):
+                metrics, samples = trainer.step(state, should_stop, on_finite_loss)
+                recorder.observe("mtq_step_seconds", metrics["step_time"])
+                recorder.observe("mtq_tokens_per_second", metrics["tokens_per_second"])
+                return metrics, [{"type": "samples", **samples}]
+
+            yield Run(module=model, optimizer=trainer.optimizer, step=step,
+                      save=lambda out_dir: save_adapter(model, out_dir, adapter_config(cfg)), phase="sampling",
+                      history_metrics=HISTORY_METRICS, steps_per_save=cfg.checkpoint_every)
+        finally:
+            remove_adapter_layers(model)  # the process keeps the model for the next job
+
+
+class MarkedScorer:
+    """The job's reward scorer, leaving progress marks around each call (a reward call that
+    never returns shows up as a stall in phase 'scoring'), timed for /metrics."""
+
+    def __init__(self, scorer, job):
+        self.scorer, self.job = scorer, job
+
+    def score(self, *args, **kwargs):
+        self.job.mark("scoring")
+        t0 = time.perf_counter()
+        try:
+            return self.scorer.score(*args, **kwargs)
+        finally:
+            recorder.observe("mtq_scoring_seconds", time.perf_counter() - t0)
+            self.job.mark("updating")

@@ -1,0 +1,131 @@
+"""Adapter layers on a loaded model: attach a job's, take them out, switch them off, swap in
+another's, and write them as mlx_lm writes and loads them (adapters.safetensors +
+adapter_config.json). Where adapters live on disk and in Redis: shared/adapters.py.
+
+The training process keeps its models loaded between jobs, so a job attaches fresh layers to
+the shared model and takes them out again at its end (its worker module's `load`).
+"""
+
+import contextlib
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.tuner.dora import DoRALinear
+from mlx_lm.tuner.lora import LoRALinear
+from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
+
+from shared.adapters import CONFIG_FILE, WEIGHTS_FILE
+
+
+def adapter_config(cfg, fine_tune_type: str = "lora", quantization: dict | None = None) -> dict:
+    """mlx_lm's adapter_config.json for a job's config (any kind's: lora_layers, lora_rank,
+    lora_alpha, lora_dropout). lora_alpha is mlx_lm's LoRA `scale` itself, as the seed server
+    passes it (so the same request trains the same model). A quantized base (qlora) adds
+    `quantization`, the arguments of mlx_lm's quantize_model that rebuild it (the key mlx_lm's
+    config.json uses for a quantized model); mlx_lm itself keeps none there."""
+    return {"fine_tune_type": fine_tune_type, "num_layers": cfg.lora_layers,
+            "lora_parameters": {"rank": cfg.lora_rank, "scale": cfg.lora_alpha, "dropout": cfg.lora_dropout},
+            **({"quantization": quantization} if quantization else {})}
+
+
+def remove_adapter_layers(model: nn.Module) -> None:
+    """Take every LoRA / DoRA layer out (mlx_lm's remove_lora_layers leaves DoRA in)."""
+    layers = [(name, m.linear) for name, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))]
+    if layers:
+        model.update_modules(tree_unflatten(layers))
+
+
+class AdapterMismatch(Exception):
+    """An init_adapter whose weights are not those of the job's adapter; the message says how."""
+
+
+def attach_adapter(model: nn.Module, cfg, fine_tune_type: str = "lora", init: Path | None = None) -> None:
+    """Make the job's weights the only trainable ones: fresh LoRA / DoRA layers (qlora: LoRA)
+    in place of any previous job's, or for `full` the last lora_layers blocks' own weights
+    (-1: all), as mlx_lm's trainer does (embeddings and the final norm stay frozen). init: an
+    adapter directory whose weights the layers start from (the job's init_adapter)."""
+    remove_adapter_layers(model)
+    model.freeze()
+    if fine_tune_type == "full":
+        for layer in model.layers[-max(cfg.lora_layers, 0):]:
+            layer.unfreeze()
+    else:
+        conf = adapter_config(cfg, fine_tune_type)
+        linear_to_lora_layers(model, conf["num_layers"], conf["lora_parameters"], use_dora=fine_tune_type == "dora")
+    if init is not None:
+        load_adapter_weights(model, init / WEIGHTS_FILE)
+    model.eval()
+    mx.eval(model.trainable_parameters())
+
+
+def started_from(spec) -> dict:
+    """The model_ready event's word on where the adapter started (nothing: a fresh one)."""
+    return {"init_adapter": spec.init_adapter.model_dump(exclude_none=True)} if spec.init_adapter else {}
+
+
+def load_adapter_weights(module: nn.Module, path: Path) -> None:
+    """Set the module's trainable weights from an adapters.safetensors that has exactly those
+    (names and shapes: AdapterMismatch otherwise)."""
+    weights = mx.load(str(path))
+    own = adapter_weights(module)
+    missing, extra = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
+    shapes = [f"{k} {tuple(weights[k].shape)} there, {tuple(own[k].shape)} here" for k in sorted(own.keys() & weights.keys())
+              if weights[k].shape != own[k].shape]
+    if missing or extra or shapes:
+        parts = [f"{len(missing)} of this job's weights missing (e.g. {missing[0]})" if missing else "",
+                 f"{len(extra)} weights this job has not (e.g. {extra[0]})" if extra else "",
+                 f"other shapes: {shapes[0]}" if shapes else ""]
+        raise AdapterMismatch("init_adapter does not fit this job's adapter: " + "; ".join(p for p in parts if p))
+    module.load_weights([(k, v.astype(own[k].dtype)) for k, v in weights.items()], strict=False)
+
+
+def adapter_weights(module: nn.Module) -> dict[str, mx.array]:
+    """The job's weights: the module's trainable parameters, by their flat names."""
+    return dict(tree_flatten(module.trainable_parameters()))
+
+
+def save_adapter(module: nn.Module, out_dir: Path, config: dict) -> None:
+    """adapters.safetensors + adapter_config.json, as mlx_lm writes and loads them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out_dir / WEIGHTS_FILE), adapter_weights(module))
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+
+
+class lora_disabled:
+    """Context: LoRA layers contribute nothing (the base model = the reference policy of GRPO's
+    KL term and of DPO: the same weights, no second copy)."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = [m for _, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "scale")]
+
+    def __enter__(self):
+        self.scales = [m.scale for m in self.layers]
+        for m in self.layers:
+            m.scale = 0.0
+
+    def __exit__(self, *exc):
+        for m, s in zip(self.layers, self.scales):
+            m.scale = s
+
+
+@contextlib.contextmanager
+def adapter_swapped(model: nn.Module, adapter_dir: Path | None):
+    """The model with the given adapter (None: no adapter) in place of its own LoRA layers, in
+    eval mode; its own very layers go back afterwards, so a job's weights, optimizer state and
+    compiled functions are untouched (worker/runtime/score_requests.py answers between a job's steps)."""
+    own = [(name, m) for name, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))]
+    training = model.training
+    remove_adapter_layers(model)
+    try:
+        if adapter_dir is not None:
+            load_adapters(model, str(adapter_dir))
+        model.eval()
+        yield model
+    finally:
+        remove_adapter_layers(model)
+        if own:
+            model.update_modules(tree_unflatten(own))
+        model.train(training)

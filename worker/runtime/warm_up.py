@@ -1,0 +1,58 @@
+"""A worker's models warmed up before its first job: MLX compiles its kernels on first use
+(about a minute on a CPU, several on a fresh CUDA machine), so a training process that finds
+its kernel cache empty (worker/supervisor/kernel_cache.py) runs one throwaway GRPO step of each model its
+worker offers (`mtq worker --models`) while no job waits. The step decodes, scores, and takes
+the loss and an update with a fresh LoRA of a job's defaults, as a job's first step does, on a
+small batch: MLX's kernels depend on the ops and dtypes, not on the batch's size, so a job's
+first step then finds them in the cache. The model stays loaded for the jobs.
+"""
+
+import logging
+import time
+from typing import Callable
+
+import mlx.core as mx
+
+from shared.schemas import JobCreate
+from shared.settings import Settings
+from worker.kinds.grpo import GRPOTrainer
+from worker.rewards.scorer import build_scorer
+from worker.runtime.adapter_layers import attach_adapter, remove_adapter_layers
+from worker.runtime.gang_group import SOLO
+from worker.runtime.models import get_model
+from worker.runtime.train_core import TrainState
+
+log = logging.getLogger(__name__)
+
+# Two of each so that no axis has size 1 (MLX compiles another kernel for a broadcast one).
+PROMPTS = ["Warm up, first prompt.", "Warm up, the second prompt."]
+CONFIG = {"group_size": 2, "batch_size": 2, "max_completion_len": 8, "iters": 1}
+
+
+def warm_up(model_id: str, settings: Settings, should_stop: Callable[[], bool]) -> float:
+    """One GRPO step of the model, discarded (the model keeps no adapter); its seconds."""
+    t0 = time.perf_counter()
+    model, tokenizer, _ = get_model(model_id, settings)
+    spec = JobCreate.model_validate({"model_id": model_id, "prompts": PROMPTS, "config": CONFIG})
+    mx.random.seed(0)
+    attach_adapter(model, spec.config)
+    try:
+        with build_scorer(spec, "warm-up") as scorer:
+            GRPOTrainer(model, tokenizer, spec, scorer, SOLO).step(TrainState(), should_stop)
+    finally:
+        remove_adapter_layers(model)
+    return time.perf_counter() - t0
+
+
+def warm_up_all(model_ids: list[str], settings: Settings, job_waiting: Callable[[], bool],
+                mark: Callable[[], None]) -> None:
+    """warm_up each model in turn until a job waits (it compiles what it needs itself). A model
+    that fails to load or step is logged and skipped: its jobs fail with the reason."""
+    for model_id in model_ids:
+        if job_waiting():
+            return
+        try:
+            seconds = warm_up(model_id, settings, should_stop=lambda: mark() or False)
+            log.info("warmed up %s in %.1f s (MLX's kernels compiled into the cache)", model_id, seconds)
+        except Exception:
+            log.exception("warming up %s failed", model_id)
