@@ -1,7 +1,7 @@
-"""Decode speed of the GRPO sampler (worker/decode/sampling.py) beside mlx_lm's own decoders, in one run.
+"""Decode speed of the GRPO sampler (worker/decode/) beside mlx_lm's own decoders, in one run.
 
     python3 bench/decode.py MODEL_DIR --rows 8 32 64 --tokens 128 [--group-size 8] [--prompt-len 24]
-                            [--reps 3] [--sampling FILE ...] [--queries 1 2] [--lora-layers N]
+                            [--reps 3] [--queries 1 2] [--lora-layers N]
                             [--count-only] [--ours-only] [--dense] [--kernel on off] [--eos-every N]
                             [--json OUT]
 
@@ -11,9 +11,8 @@ every row decodes --tokens tokens, unless --eos-every N: then every N-th token i
 ours' rows, which end at different steps as a GRPO step's do, and its finished rows are
 dropped once half have finished):
 
-  ours      sample() of worker/decode/sampling.py (or of each --sampling FILE: an older copy of
-            that module, to compare versions in one sitting); with --queries 1 2, once with
-            each number of queries per row make_decode_step can be given (see fused_queries);
+  ours      sample() of this tree's decoder (worker/decode/sampling.py); with --queries 1 2, once
+            with each number of queries per row make_decode_step can be given (see fused_queries);
             with --kernel on off, with and without the decode's CUDA kernels (attention, LoRA,
             quantized matmul, residual add and norm: worker/decode/*_kernel.py).
             Every variant after the first draws what the first does and prints how far they
@@ -42,15 +41,14 @@ blocks, rank 8, scale 16 (a GRPO job's defaults: lora_layers 16), as GRPO sample
 Ratios: ours / batch and ours / single (ms/pos). --ours-only skips mlx_lm's decoders (e.g. to
 compare MLX settings such as MLX_USE_CUDA_GRAPHS between runs). --count-only skips the timings (e.g. the
 28-layer model on a CPU). On Linux CPU the process re-executes itself with the system
-OpenBLAS (worker/supervisor/openblas.py, standard library only). Imports nothing else from this
-repository than worker/decode/sampling.py, so it runs on a machine with only mlx, mlx_lm and numpy.
+OpenBLAS (worker/supervisor/openblas.py, standard library only). From this repository it imports
+the decoder (worker/decode/) and what it takes from worker/runtime/ (projection_groups, logprobs,
+backend).
 """
 
 import argparse
 import collections
 import contextlib
-import importlib.util
-import inspect
 import itertools
 import json
 import re
@@ -75,12 +73,9 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 
-
-def load_sampling(path: Path):
-    spec = importlib.util.spec_from_file_location(f"sampling_{abs(hash(str(path)))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from worker.decode.draw import SamplingParams  # noqa: E402
+from worker.decode.sampling import make_decode_step, sample  # noqa: E402
+from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
 
 
 def primitives(*outputs) -> collections.Counter:
@@ -142,15 +137,15 @@ class _Counted(Exception):
     pass
 
 
-def make_step(S, model, p, variant, eos=()):
-    """variant: make_decode_step's keyword arguments (queries, dense, kernel) that this version has."""
-    return S.make_decode_step(model, p, list(eos), 0, **variant)
+def make_step(model, p, variant, eos=()):
+    """variant: make_decode_step's keyword arguments (queries, dense, kernel) chosen on the command line."""
+    return make_decode_step(model, p, list(eos), 0, **variant)
 
 
-def ours_counts(S, model, prompts, group_size, variant) -> collections.Counter:
+def ours_counts(model, prompts, group_size, variant) -> collections.Counter:
     """The graph of our second decode step (the first one's inputs still hold the prefill)."""
-    p = S.SamplingParams(max_tokens=4, temperature=1.0)  # the step's graph does not depend on the length
-    step = make_step(S, model, p, variant)
+    p = SamplingParams(max_tokens=4, temperature=1.0)  # the step's graph does not depend on the length
+    step = make_step(model, p, variant)
     calls = []
 
     def counted(*args):
@@ -161,19 +156,19 @@ def ours_counts(S, model, prompts, group_size, variant) -> collections.Counter:
         raise _Counted(primitives(*[a for _, a in tree_flatten(list(step(*args)))]))
 
     try:
-        S.sample(model, counted, prompts, group_size, p, [], mx.random.key(0))
+        sample(model, counted, prompts, group_size, p, [], mx.random.key(0))
     except _Counted as counted_step:
         return counted_step.args[0]
     raise RuntimeError("sample() made fewer than two decode steps")
 
 
-def ours_time(S, model, prompts, group_size, variant, tokens, reps, eos=()):
+def ours_time(model, prompts, group_size, variant, tokens, reps, eos=()):
     """Wall times of sample(), and the host's share of each: the seconds spent in the decode
     steps' calls (mx.compile's replay, building the step's graph) and in handing them to the
     device (mx.async_eval, which encodes every kernel). Close to the wall time: host-bound.
     Also the last run's samples (its key is the same for every variant)."""
-    p = S.SamplingParams(max_tokens=tokens, temperature=1.0)
-    step = make_step(S, model, p, variant, eos)
+    p = SamplingParams(max_tokens=tokens, temperature=1.0)
+    step = make_step(model, p, variant, eos)
     host = [0.0]
 
     def timed(*args):
@@ -187,7 +182,7 @@ def ours_time(S, model, prompts, group_size, variant, tokens, reps, eos=()):
     for i in range(reps + 1):  # the first run compiles
         host[0] = 0.0
         t0 = time.perf_counter()
-        samples = S.sample(model, timed, prompts, group_size, p, list(eos), mx.random.key(i))
+        samples = sample(model, timed, prompts, group_size, p, list(eos), mx.random.key(i))
         times.append(time.perf_counter() - t0)
         hosts.append(host[0])
         assert eos or samples.steps == tokens
@@ -271,10 +266,8 @@ def main():
     ap.add_argument("--group-size", type=int, default=8, help="rows per distinct prompt (GRPO's G)")
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--sampling", type=Path, nargs="+", default=[ROOT / "worker" / "decode" / "sampling.py"],
-                    help="copies of worker/decode/sampling.py to measure (e.g. an older commit's)")
     ap.add_argument("--queries", type=int, nargs="+", choices=[1, 2], default=[None],
-                    help="also force make_decode_step's queries per row (versions that have it; default: its own choice)")
+                    help="also force make_decode_step's queries per row (default: its own choice)")
     ap.add_argument("--lora-layers", type=int, default=0, help="LoRA (rank 8, scale 16) on the last N blocks")
     ap.add_argument("--count-only", action="store_true", help="primitive counts only, no timings")
     ap.add_argument("--dense", action="store_true",
@@ -290,11 +283,8 @@ def main():
     args = ap.parse_args()
 
     model, tokenizer = mlx_lm.load(args.model_dir)
-    versions = {str(path): load_sampling(path) for path in args.sampling}
-    # As a worker loads a model (worker/runtime/models.py): the projections that read one input fused, by
-    # the first version that has that; the others run on the same weights (views of the fused ones).
-    fuse = next((S.fuse_shared_inputs for S in versions.values() if hasattr(S, "fuse_shared_inputs")), None)
-    fused = fuse(model) if fuse else 0
+    # As a worker loads a model (worker/runtime/models.py): the projections that read one input fused.
+    fused = fuse_shared_inputs(model)
     model.freeze()  # a job's base model is frozen
     if args.lora_layers:
         linear_to_lora_layers(model, args.lora_layers, {"rank": 8, "scale": 16.0, "dropout": 0.0})
@@ -344,34 +334,31 @@ def main():
                 return counter, fn()
 
         ours, first = [], None
-        for name, S in versions.items():
-            params = inspect.signature(S.make_decode_step).parameters
-            options = [("queries", args.queries, lambda q: f" queries={q}" if q else ""),
-                       ("dense", [False, True] if args.dense else [False], lambda d: " dense" if d else ""),
-                       ("kernel", args.kernel, lambda k: {"on": " kernel", "off": " no kernel"}.get(k, ""))]
-            options = [(key, values, tag) for key, values, tag in options if key in params]
-            for choice in itertools.product(*[values for _, values, _ in options]):
-                variant = {key: {"on": True, "off": False}.get(c, c) for (key, _, _), c in zip(options, choice)
-                           if c is not None}
-                label = (f"ours {Path(name).name if len(versions) == 1 else name}"
-                         + "".join(tag(c) for (_, _, tag), c in zip(options, choice)))
-                try:  # one decoder failing (e.g. a kernel path on one backend) leaves the others' figures
-                    counts = both(lambda: ours_counts(S, model, prompts, G, variant))
-                    times, hosts, samples = ((None, None, None) if args.count_only
-                                             else ours_time(S, model, prompts, G, variant, args.tokens, args.reps, eos))
-                except Exception as e:
-                    print(f"  {label:40s} rows {R:3d}  failed: {type(e).__name__}: {e}", flush=True)
-                    continue
-                rec = record(label, R, *counts, times, hosts)
-                ours.append(rec)
-                if samples is not None and first is None:
-                    first = (label, samples)
-                elif samples is not None:
-                    rec.update(agreement(samples, first[1]))
-                    print(f"    vs {first[0]}: rows the same {rec['rows_as_first']:.3f}, tokens before a row's "
-                          f"first difference {rec['tokens_before_difference']:.4f}, their largest log-prob "
-                          f"difference {rec['max_logprob_diff_before']:.2e}", flush=True)
-                    save()
+        options = [("queries", args.queries, lambda q: f" queries={q}" if q else ""),
+                   ("dense", [False, True] if args.dense else [False], lambda d: " dense" if d else ""),
+                   ("kernel", args.kernel, lambda k: {"on": " kernel", "off": " no kernel"}.get(k, ""))]
+        for choice in itertools.product(*[values for _, values, _ in options]):
+            variant = {key: {"on": True, "off": False}.get(c, c) for (key, _, _), c in zip(options, choice)
+                       if c is not None}
+            # "ours sampling.py", as older sittings named ours (the sampler was one file): their records compare
+            label = "ours sampling.py" + "".join(tag(c) for (_, _, tag), c in zip(options, choice))
+            try:  # one decoder failing (e.g. a kernel path on one backend) leaves the others' figures
+                counts = both(lambda: ours_counts(model, prompts, G, variant))
+                times, hosts, samples = ((None, None, None) if args.count_only
+                                         else ours_time(model, prompts, G, variant, args.tokens, args.reps, eos))
+            except Exception as e:
+                print(f"  {label:40s} rows {R:3d}  failed: {type(e).__name__}: {e}", flush=True)
+                continue
+            rec = record(label, R, *counts, times, hosts)
+            ours.append(rec)
+            if samples is not None and first is None:
+                first = (label, samples)
+            elif samples is not None:
+                rec.update(agreement(samples, first[1]))
+                print(f"    vs {first[0]}: rows the same {rec['rows_as_first']:.3f}, tokens before a row's "
+                      f"first difference {rec['tokens_before_difference']:.4f}, their largest log-prob "
+                      f"difference {rec['max_logprob_diff_before']:.2e}", flush=True)
+                save()
         if args.ours_only:
             continue
         counts = both(lambda: batch_counts(model, rows))

@@ -6,8 +6,9 @@ evaluated together (so the device, not the host, is what is timed once it is the
 For each row count: the first block's q, k, gate and down projections (quantized in a 4-bit
 model: MLX's quantized matmul) of (rows, 1, K) inputs, as mlx_lm's models give them, and the gate
 and down ones of (rows, K) inputs (2-D: MLX 0.32's CUDA backend runs a 3-D input as `rows`
-products of one row; worker/decode/sampling.py decode_blocks), the decode attention with two queries and a boolean mask (the
-cuDNN path, worker/decode/sampling.py fused_queries) over 152 keys, and the KV cache write (a select).
+products of one row; worker/decode/graph_patches.py decode_blocks), the decode attention with
+two queries and a boolean mask (the cuDNN path, worker/decode/graph_patches.py fused_queries)
+over 152 keys, and the KV cache write (a select).
 On CUDA, a second line: the decode's own kernels beside the MLX ops they replace, a q/k/v
 group's LoRA product (rank 8 each, float32 A and B) by MLX's ops and by lora_kernel's down and
 up, the gate projection by quantized_kernel (at most its MAX_ROWS rows), the residual add
@@ -28,7 +29,7 @@ import mlx_lm  # noqa: E402
 from mlx_lm.models.activations import swiglu  # noqa: E402
 
 from worker.decode import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel  # noqa: E402
-from worker.decode.sampling import attention_mask  # noqa: E402
+from worker.runtime.logprobs import attention_mask  # noqa: E402
 
 
 def timed(make, n: int = 200) -> float:

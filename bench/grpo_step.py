@@ -40,11 +40,11 @@ import mlx_lm  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 from shared.schemas import JobCreate  # noqa: E402
-from worker.decode.sampling import fuse_shared_inputs  # noqa: E402
 from worker.kinds.grpo import GRPOTrainer  # noqa: E402
 from worker.rewards.scorer import build_scorer  # noqa: E402
 from worker.runtime.adapter_layers import attach_adapter  # noqa: E402
 from worker.runtime.logprobs import as_item, prompt_token_ids  # noqa: E402
+from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
 from worker.runtime.train_core import TrainState  # noqa: E402
 
 PROMPTS = ["What is 2+2?", "Say hello.", "Name a prime number.", "Write a haiku about rain.",

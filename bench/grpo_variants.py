@@ -22,7 +22,8 @@ import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 
 import worker.kinds.grpo as grpo  # noqa: E402
-from worker.decode.sampling import StaticKVCache, fuse_shared_inputs  # noqa: E402
+from worker.decode.kv_cache import StaticKVCache  # noqa: E402
+from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
 
 PLAN_UPDATE = StaticKVCache.update_and_fetch
 PLAN_SAMPLE = grpo.sample

@@ -30,8 +30,9 @@ import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 import numpy as np  # noqa: E402
 
-from worker.decode.sampling import fuse_shared_inputs, sample  # noqa: E402
+from worker.decode.sampling import sample  # noqa: E402
 from worker.kinds.grpo import make_batch  # noqa: E402
+from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
 
 
 def parse_config(text: str) -> tuple[dict, str]:

@@ -1,4 +1,4 @@
-"""worker/decode/sampling.py's batched decoder gives what a straightforward decoder gives.
+"""worker/decode/'s batched decoder gives what a straightforward decoder gives.
 
 The reference below decodes every row on its own, uncompiled, with mlx_lm's own KV cache
 (no padding, no mask, no fixed-size buffer), and makes the same random draws: token t of
@@ -26,16 +26,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from worker.decode import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, sampling, swiglu_kernel
-from worker.decode.sampling import (
-    SamplingParams,
-    compacted,
-    decode_groups,
-    fuse_shared_inputs,
-    kernel_fits,
-    make_decode_step,
-    sample,
-)
+from worker.decode import attention_kernel, graph_patches, lora_kernel, norm_kernel, quantized_kernel, sampling, swiglu_kernel
+from worker.decode.draw import SamplingParams
+from worker.decode.sampling import compacted, kernel_fits, make_decode_step, sample
+from worker.runtime.projection_groups import decode_groups, fuse_shared_inputs
 
 PAD = 7
 
@@ -142,7 +136,7 @@ def test_batched_decode_equals_row_by_row_decode(model, case, queries):
 
 
 def test_decode_with_lora_equals_row_by_row_decode(lora_model, model):
-    """The decode step's groups (worker/decode/sampling.py: grouped_projections: fused base weights, one
+    """The decode step's groups (worker/decode/graph_patches.py: grouped_projections: fused base weights, one
     pair of LoRA matmuls per group) give what each LoRA layer gives alone; and the LoRA changes
     the tokens (it is not a no-op)."""
     groups = decode_groups(lora_model)
@@ -324,7 +318,7 @@ def test_the_cuda_kernels_decode_what_mlx_ops_do(model, lora_model, quantized_lo
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls[_n].append((a, kw)) or _k(*a, **kw))
     if not whole:
-        monkeypatch.setattr(sampling, "kernel_norms_and_rope", lambda attention: False)
+        monkeypatch.setattr(graph_patches, "kernel_norms_and_rope", lambda attention: False)
     params, prompts, group_size = CASES[case]
     p = SamplingParams(**params)
     for m in (model, lora_model, quantized_lora_model):
@@ -355,7 +349,7 @@ def test_the_cuda_kernels_decode_what_mlx_ops_do(model, lora_model, quantized_lo
 
 @pytest.mark.parametrize("case", ["categorical", "one prompt"])
 def test_the_kernels_take_over_the_lora_products_next_to_them(model, lora_model, case, monkeypatch):
-    """What the decode step hands its kernels (sampling.Handoff), on a CPU made to look like CUDA:
+    """What the decode step hands its kernels (graph_patches.Handoff), on a CPU made to look like CUDA:
     each kernel stood in for by MLX's ops of its formula. Every residual add, norm and MLP
     activation goes to its kernel; in the LoRA block the adds after o and down take those
     projections' base outputs and make their LoRA products, the norms before q/k/v and gate/up

@@ -129,3 +129,69 @@ def test_a_planted_circle_is_found_through_an_import_in_a_function(tmp_path):
     assert find_circle(edges) == ["shared.a", "shared.b", "shared.c", "shared.a"]
     assert find_circle(module_level) is None  # without the function's import there is none
     assert forbidden(edges, external, ["api.routes"]) == ["shared.heavy"]
+
+
+GRPO_KINDS = ("worker.kinds.grpo", "worker.kinds.grpo_job")  # the kind that decodes
+LOADING = ("worker.runtime.models", "worker.runtime.memory_plan")  # what every kind loads a model with
+
+
+def import_chain(edges: dict[str, set[str]], start: str, target: str) -> list[str] | None:
+    """The shortest chain of imports from `start` to `target` or a module under it, or None:
+    every import counts (one in a function too), and importing a module also runs its packages'
+    __init__ first."""
+    came_from = {start: None}
+    todo = [start]
+    for m in todo:
+        if m == target or m.startswith(target + "."):
+            chain = [m]
+            while came_from[chain[-1]] is not None:
+                chain.append(came_from[chain[-1]])
+            return chain[::-1]
+        packages = {".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1)} & edges.keys()
+        for n in sorted(edges[m] | packages):
+            if n not in came_from:
+                came_from[n] = m
+                todo.append(n)
+    return None
+
+
+def decoder_reached(edges: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Each worker.kinds module but GRPO's (all of them, found in the graph: a new kind is
+    covered), and model loading and the memory plan, that reaches worker.decode: its chain."""
+    starts = [m for m in edges if m.split(".")[:2] == ["worker", "kinds"] and m not in GRPO_KINDS] + list(LOADING)
+    return {m: chain for m in sorted(starts) if (chain := import_chain(edges, m, "worker.decode"))}
+
+
+def test_no_supervised_kind_reaches_the_decoder():
+    """Loading a model for SFT, DPO, KTO or a reward model loads no part of GRPO's decoder
+    (worker/decode/): what loading and memory planning share with it lives in worker/runtime/."""
+    edges, _, _ = GRAPH
+    assert {"worker.kinds.sft_job", "worker.kinds.dpo_job", "worker.kinds.kto_job",
+            "worker.kinds.supervised_trainer"} <= {m for m in edges if m.startswith("worker.kinds.")} - set(GRPO_KINDS)
+    reached = decoder_reached(edges)
+    assert reached == {}, "\n".join(" -> ".join(chain) for chain in reached.values())
+    assert import_chain(edges, "worker.kinds.grpo", "worker.decode")  # ...while GRPO does
+
+
+def test_a_planted_import_of_the_decoder_is_found_through_a_runtime_module(tmp_path):
+    """The check above must fail when what it guards breaks: a new kind that reaches the decoder
+    through a runtime module's import in a function body; GRPO's own import is allowed."""
+    for pkg, files in {
+        "worker": {"kinds/x.py": "from worker.runtime import helper\n", "kinds/grpo.py": "from worker.decode import y\n",
+                   "runtime/helper.py": "def f():\n    from worker.decode.y import step\n",
+                   "runtime/models.py": "", "runtime/memory_plan.py": "import worker.runtime.models\n",
+                   "decode/y.py": "step = 1\n"},
+        "shared": {}, "api": {}, "cli": {},
+    }.items():
+        for name in ("__init__.py", *files):
+            path = tmp_path / pkg / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            (path.parent / "__init__.py").touch()
+            path.write_text(files.get(name, ""))
+    edges, _, _ = read_graph(tmp_path)
+    assert decoder_reached(edges) == {"worker.kinds.x": ["worker.kinds.x", "worker.runtime.helper", "worker.decode.y"]}
+    # A package's __init__ runs before any of its modules: one that imports the decoder counts.
+    (tmp_path / "worker" / "runtime" / "__init__.py").write_text("import worker.decode\n")
+    reached = decoder_reached(read_graph(tmp_path)[0])
+    assert set(reached) == {"worker.kinds.x", "worker.runtime.models", "worker.runtime.memory_plan"}
+    assert reached["worker.runtime.models"] == ["worker.runtime.models", "worker.runtime", "worker.decode"]

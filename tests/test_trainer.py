@@ -291,7 +291,7 @@ def test_micro_batches_and_checkpointing_give_the_unbatched_loss_and_gradients(l
 def test_a_budget_that_fits_them_buys_dense_decode_weights_on_cuda(lm, monkeypatch):
     """On CUDA (worker/runtime/memory_plan.py cuda(), set here: a CPU never decodes dense) a quantized model's
     budget that fits dense copies of its weights beside the plan decodes with them (the
-    trainer's decode step: worker/decode/sampling.py dequantized), from DENSE_DECODE_ROWS rows on;
+    trainer's decode step: worker/decode/graph_patches.py dequantized), from DENSE_DECODE_ROWS rows on;
     memory first, a small budget, few rows or an unquantized model do not."""
     from mlx_lm.models import qwen3
 

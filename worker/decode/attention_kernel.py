@@ -1,11 +1,12 @@
-"""One CUDA kernel per layer for a decode step's attention (worker/decode/sampling.py, on MLX's CUDA backend).
+"""One CUDA kernel per layer for a decode step's attention (worker/decode/graph_patches.py
+decode_attention, on MLX's CUDA backend).
 
 What it replaces: MLX's fused decode attention takes no array mask, so a masked decode step
 ran it through cuDNN with each query given twice (two copies and a slice around it), and wrote
 the new key and value with a select over the whole KV buffer (two full copies per layer per
 token, which at 32 rows and more also cost the bandwidth). Five primitives per layer become one.
 For mlx_lm's Qwen3 attention it also applies the q and k RMSNorms and RoPE to the projections
-(sampling.kernel_norms_and_rope): four kernels more, and the reshapes and transposes around
+(graph_patches.kernel_norms_and_rope): four kernels more, and the reshapes and transposes around
 them, so that a layer's attention between its projections is this one kernel.
 
 The kernel attends one query per row and head over the slots a row may see (its left padding
@@ -21,6 +22,8 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from worker.runtime.backend import cuda
 
 WARPS = (4, 8, 16)  # warps per (row, head): more for longer buffers
 
@@ -156,10 +159,6 @@ SOURCE = """
     }
   }
 """
-
-def cuda() -> bool:
-    """Whether MLX runs on its CUDA backend."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""A decode step's LoRA products as two CUDA kernels per projection group (worker/decode/sampling.py
+"""A decode step's LoRA products as two CUDA kernels per projection group (worker/decode/graph_patches.py
 grouped_projections, on MLX's CUDA backend).
 
 What they replace: MLX runs y + scale * (x @ A) @ B, the LoRA product added to the base
@@ -16,7 +16,8 @@ and B stay float32 (a job's LoRA weights): bf16 LoRA moved sampled log-probs by 
 
 import mlx.core as mx
 
-from worker.decode.attention_kernel import cuda, kernel
+from worker.decode.attention_kernel import kernel
+from worker.runtime.backend import cuda
 
 THREADS = 1024  # per row in `down`: R of them per slice of K
 MAX_RANK = THREADS  # columns of A (a group's ranks together) that `down` holds

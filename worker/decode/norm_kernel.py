@@ -1,4 +1,4 @@
-"""A decode step's residual add and the RMSNorm after it as one CUDA kernel (worker/decode/sampling.py
+"""A decode step's residual add and the RMSNorm after it as one CUDA kernel (worker/decode/graph_patches.py
 decode_blocks, on MLX's CUDA backend), with the LoRA kernels on either side of it folded in.
 
 A pre-norm block adds each sublayer's output to the residual stream and norms the sum for what
@@ -17,7 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from worker.decode import lora_kernel
-from worker.decode.attention_kernel import cuda, kernel
+from worker.decode.attention_kernel import kernel
+from worker.runtime.backend import cuda
 
 THREADS = lora_kernel.THREADS  # per row: DOWN then sums as lora_kernel.down does
 MAX_HIDDEN = 8192  # DOWN: the normed row in shared memory (float32)

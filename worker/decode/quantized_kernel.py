@@ -1,20 +1,21 @@
-"""A decode step's quantized matmuls as one CUDA kernel each (worker/decode/sampling.py
+"""A decode step's quantized matmuls as one CUDA kernel each (worker/decode/graph_patches.py
 grouped_projections, on MLX's CUDA backend).
 
 What it replaces: MLX 0.32's CUDA quantized matmul of a decode step's 8 rows runs its
 tensor-core GEMM, whose tiles are far taller than 8 rows (under 8 rows, a vector kernel that
-adds in bf16): a gate projection of the qwen3-0.6b shape took 13 us (bench/decode_kernels.py),
-where reading its 1.6 MB of 4-bit weights takes under 1 us. Here one warp makes one output
-column for every row: it reads the column's packed weights once, dequantizes them as MLX's GEMM
-does (the weight times its scale in the model's dtype T, plus the bias in T), and adds their
-products with each row's inputs in float32, so the result is MLX's up to float32 summation
-order. It re-reads the rows' inputs for every column, so from 32 rows MLX's GEMM is faster.
+adds in bf16): a gate projection of the qwen3-0.6b shape takes far longer than reading its
+1.6 MB of 4-bit weights would (docs/performance.md, "H200: projections and norms as kernels").
+Here one warp makes one output column for every row: it reads the column's packed weights once,
+dequantizes them as MLX's GEMM does (the weight times its scale in the model's dtype T, plus the
+bias in T), and adds their products with each row's inputs in float32, so the result is MLX's
+up to float32 summation order. It re-reads the rows' inputs for every column, so from 32 rows MLX's GEMM is faster.
 """
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker.decode.attention_kernel import cuda, kernel
+from worker.decode.attention_kernel import kernel
+from worker.runtime.backend import cuda
 
 MAX_ROWS = 8  # more: MLX's GEMM (at 32 rows its tensor cores beat this kernel, which reads x once per column)
 WARPS = 8  # output columns per block

@@ -1,10 +1,11 @@
-"""A decode step's MLP activation, swiglu(gate, up), as one CUDA kernel (worker/decode/sampling.py
+"""A decode step's MLP activation, swiglu(gate, up), as one CUDA kernel (worker/decode/graph_patches.py
 decode_blocks, on MLX's CUDA backend), with the LoRA kernels on either side of it folded in.
 
-A Qwen3 block's gate and up projections are one matmul (sampling.fuse_shared_inputs) whose
-output MLX splits, then swiglu's kernel multiplies silu(gate) by up. Here the kernel reads the
-fused output itself, with MLX's own Sigmoid and Multiply (the ops its compiled swiglu runs,
-each rounding to the model's dtype T), so the result is MLX's exactly. With LoRA, the gate/up
+A Qwen3 block's gate and up projections are one matmul (fuse_shared_inputs,
+worker/runtime/projection_groups.py) whose output MLX splits, then swiglu's kernel multiplies
+silu(gate) by up. Here the kernel reads the fused output itself, with MLX's own Sigmoid and
+Multiply (the ops its compiled swiglu runs, each rounding to the model's dtype T), so the
+result is MLX's exactly. With LoRA, the gate/up
 group's last kernel (lora_kernel.up: y + T(scale * t @ B)) and the down projection's first
 (lora_kernel.down: its input @ A) are done here too (UP, DOWN), with their formulas and
 summation order: in a LoRA block those two and the activation are one kernel, not three.
@@ -13,7 +14,8 @@ summation order: in a LoRA block those two and the activation are one kernel, no
 import mlx.core as mx
 
 from worker.decode import lora_kernel
-from worker.decode.attention_kernel import cuda, kernel
+from worker.decode.attention_kernel import kernel
+from worker.runtime.backend import cuda
 
 THREADS = lora_kernel.THREADS  # per row: DOWN sums as lora_kernel.down does
 MAX_WIDTH = 8192  # DOWN: the activation's row in shared memory (float32)

@@ -64,11 +64,12 @@ import numpy as np
 from mlx.utils import tree_map
 
 from shared.schemas import GRPOConfig, JobCreate, PromptItem
-from worker.decode.sampling import Samples, SamplingParams, left_pad, make_decode_step, sample
+from worker.decode.draw import Samples, SamplingParams
+from worker.decode.sampling import make_decode_step, sample
 from worker.rewards.batch import RewardStopped
 from worker.runtime.adapter_layers import lora_disabled
 from worker.runtime.gang_group import SOLO, Gang
-from worker.runtime.logprobs import as_item, completion_logprobs, prompt_token_ids
+from worker.runtime.logprobs import as_item, completion_logprobs, left_pad, prompt_token_ids
 from worker.runtime.memory_plan import GB, logits_chunk_tokens, model_shape, plan_memory
 from worker.runtime.train_core import Cancelled, TrainState, batch_indices, check_finite, clipped, make_optimizer, step_seed
 

@@ -1,21 +1,79 @@
 """Log-probabilities of tokens under a model, and how prompts and completions become tokens
-for them: the one place that GRPO's loss, the preference kinds, reward models and log-prob
-scoring (worker/runtime/score_requests.py) all take them from.
+for them: the one place that GRPO's loss, the preference kinds, reward models, log-prob
+scoring (worker/runtime/score_requests.py) and the decoder (worker/decode/) all take them from,
+so that sampling (pi_old) and the loss (pi_theta) see the same distribution.
 
+    token_logprobs        log softmax(logits / T)[token] and the entropy, in float32 (sampling
+                          and completion_logprobs); log_softmax and pick its two halves
     completion_logprobs   log softmax(logits_t / T)[o_t] of left-padded prompt + completion rows,
                           from the last hidden states of completion positions only (GRPO, scoring)
     token_logps           log softmax(logits)[target] at every position of right-padded rows
                           (the supervised kinds); sequence_logps their sum (or mean) per row
+    PaddingMaskCache      what a full forward pass over left-padded rows gives mlx_lm's models as
+                          their cache: the causal + padding mask (attention_mask), nothing stored
+    lm_head               a model's output projection (its lm_head or its tied embedding)
+    left_pad              prompts as left-padded rows
 """
 
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from shared.schemas import PromptItem
-from worker.decode.sampling import PaddingMaskCache, lm_head, token_logprobs
 from worker.runtime.models import gradient_checkpointing
+
+
+class PaddingMaskCache:
+    """A 'cache' for one full forward pass over left-padded rows (the loss): it stores
+    nothing and only supplies the causal + padding mask, so that any mlx_lm model works."""
+
+    def __init__(self, left_pad: mx.array):
+        self.left_pad = left_pad
+        self.offset = 0
+
+    def update_and_fetch(self, keys, values):
+        return keys, values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size=None) -> mx.array:
+        pos = mx.arange(n)
+        return attention_mask(pos, pos, self.left_pad)
+
+
+def attention_mask(q_pos: mx.array, k_pos: mx.array, left_pad: mx.array) -> mx.array:
+    """(rows, 1, queries, keys): causal, padding hidden. A padding query sees only itself:
+    a row with every key masked gives NaN in attention (on CUDA), which would reach the
+    gradients even though padding positions are never used."""
+    causal = k_pos[None, :] <= q_pos[:, None]  # also hides buffer slots not written yet
+    not_pad = k_pos[None, :] >= left_pad[:, None]
+    itself = k_pos[None, :] == q_pos[:, None]
+    return ((causal[None] & not_pad[:, None, :]) | itself[None])[:, None]
+
+
+def lm_head(model: nn.Module) -> Callable[[mx.array], mx.array]:
+    """The output projection of an mlx_lm model whose logits are head(model.model(x)):
+    its lm_head, or the tied embedding."""
+    return model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens.as_linear
+
+
+def log_softmax(logits: mx.array, temperature: float) -> mx.array:
+    """log softmax(logits / temperature) in float32 (temperature 0, greedy, counts as 1)."""
+    logits = logits.astype(mx.float32) / (temperature if temperature > 0 else 1.0)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def pick(logp_all: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+    """log p(token) and the entropy of the distribution, from log_softmax's output."""
+    logp = mx.take_along_axis(logp_all, tokens[..., None], axis=-1)[..., 0]
+    return logp, -(mx.exp(logp_all) * logp_all).sum(-1)
+
+
+def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> tuple[mx.array, mx.array]:
+    """log p(token) and entropy of softmax(logits / temperature), in float32.
+
+    Shared by sampling (pi_old) and the loss (pi_theta) so both see the same distribution.
+    """
+    return pick(log_softmax(logits, temperature), tokens)
 
 
 def completion_logprobs(
@@ -87,3 +145,11 @@ def pair_tokens(tokenizer, prompt: str, completion: str) -> tuple[list[int], int
     p = list(tokenizer.encode(prompt))
     c = completion_token_ids(tokenizer, completion) + [tokenizer.eos_token_id]
     return p + c, len(p)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, width: int | None = None) -> tuple[mx.array, mx.array]:
+    """Prompts left-padded to one width (the longest's, or `width`: a gang's rank pads its share as
+    the whole batch would be, so that its positions are the same)."""
+    width = max(max(len(p) for p in prompts), width or 0)
+    rows = [[pad_id] * (width - len(p)) + p for p in prompts]
+    return mx.array(rows, dtype=mx.int32), mx.array([width - len(p) for p in prompts], dtype=mx.int32)

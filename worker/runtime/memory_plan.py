@@ -45,11 +45,11 @@ from mlx.utils import tree_flatten
 
 from shared.memory_estimate import GB, ModelShape, logits_chunk_tokens, loss_bytes, min_need_bytes, sampling_bytes  # noqa: F401 (re-exported)
 from shared.settings import load_settings
-from worker.decode.attention_kernel import cuda
-from worker.decode.sampling import decode_groups, decode_projections
+from worker.runtime.backend import cuda
+from worker.runtime.projection_groups import decode_groups, decode_projections
 
 MAX_MICRO_BATCH_TOKENS = 8192
-DENSE_DECODE_ROWS = 16  # CUDA's quantized matmul of 8 rows is near its per-kernel floor (worker/decode/sampling.py dequantized)
+DENSE_DECODE_ROWS = 16  # CUDA's quantized matmul of 8 rows is near its per-kernel floor (worker/decode/graph_patches.py dequantized)
 MIN_MICRO_BATCH_TOKENS = 1024  # below this a micro-batch is mostly per-call overhead: allowed whenever it fits
 
 
@@ -139,7 +139,7 @@ def plan_memory(
     where it buys a larger micro-batch (recomputing costs a forward pass); with a budget
     (max_memory_gb) only where without it the micro-batch would be small (module docstring).
     A budget that also fits dense copies of a quantized model's weights on CUDA decodes with
-    them (worker/decode/sampling.py dequantized), from DENSE_DECODE_ROWS rows on."""
+    them (worker/decode/graph_patches.py dequantized), from DENSE_DECODE_ROWS rows on."""
     plan = _plan_loss(model, rows, width, checkpointing, micro_batch_size, max_memory_gb)
     dense = dense_decode_bytes(model) / GB
     if not plan.budget or not dense or not cuda() or rows < DENSE_DECODE_ROWS:
@@ -152,8 +152,8 @@ def plan_memory(
 
 
 def dense_decode_bytes(model: nn.Module) -> int:
-    """Dense copies of the quantized weights a decode step multiplies by (sampling.py
-    decode_projections), in the scales' dtype."""
+    """Dense copies of the quantized weights a decode step multiplies by
+    (worker/runtime/projection_groups.py decode_projections), in the scales' dtype."""
     return sum(m["weight"].shape[0] * m["weight"].shape[1] * 32 // m.bits * m["scales"].dtype.size
                for m in decode_projections(model, decode_groups(model)))
 

@@ -19,7 +19,7 @@ from mlx_lm.utils import quantize_model
 
 from shared.model_ids import model_id_error, under_roots
 from shared.settings import Settings
-from worker.decode.sampling import fuse_shared_inputs
+from worker.runtime.projection_groups import fuse_shared_inputs
 
 log = logging.getLogger(__name__)
 MAX_LOADED_MODELS = 2

@@ -41,11 +41,10 @@ from shared.metrics import recorder
 from shared.routing import model_key, served_models
 from shared.settings import Settings
 from shared.workers import get_worker
-from worker.decode.sampling import left_pad
 from worker.kinds.reward_head import load_head, score_completions
 from worker.rewards.batch import RewardError
 from worker.runtime.adapter_layers import adapter_swapped
-from worker.runtime.logprobs import as_item, completion_logprobs, completion_token_ids, pair_tokens, prompt_token_ids
+from worker.runtime.logprobs import as_item, completion_logprobs, completion_token_ids, left_pad, pair_tokens, prompt_token_ids
 from worker.runtime.memory_plan import logits_chunk_tokens, model_shape
 from worker.runtime.models import ModelNotFound, get_model
 

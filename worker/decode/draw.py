@@ -1,0 +1,62 @@
+"""Drawing each row's next token: what a job asks of sampling (SamplingParams), what sample()
+returns (Samples), and draw, which picks the tokens from the logits with their log-probs and
+entropies under the distribution they were drawn from (logits / temperature: log_softmax and
+pick of worker/runtime/logprobs.py, as the loss computes them)."""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from worker.runtime.logprobs import log_softmax, pick
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    # A gang's rank (worker/runtime/gang_group.py) samples some rows of a step's batch: which rows of the whole
+    # batch they are, and its height. Each row then draws the random numbers it would draw in the
+    # whole batch on one worker (Gumbel noise of the whole batch's shape; categorical's own way).
+    batch_rows: tuple[int, ...] | None = None
+    batch_height: int = 0
+
+
+@dataclass
+class Samples:
+    tokens: mx.array  # (rows, max_tokens) int32, pad after the end
+    logprobs: mx.array  # (rows, max_tokens) float32: log pi_old(token), logits / temperature
+    entropy: mx.array  # (rows, max_tokens) float32: entropy of the sampling distribution
+    mask: mx.array  # (rows, max_tokens) bool: token belongs to the completion (EOS included)
+    ended: mx.array  # (rows,) bool: the row emitted EOS (not truncated)
+    steps: int  # decode steps actually run
+
+
+def draw(logits: mx.array, key: mx.array, p: SamplingParams,
+         rows: tuple[int, mx.array] | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """The next token of every row, its log-prob and the entropy (one log-softmax for all three).
+    rows (height, index): the rows are these rows of a batch of `height` (a gang's share, or
+    the rows left once finished ones are dropped), and each draws the Gumbel noise it would
+    draw in the whole batch (mx.random.categorical's own way), so the same token."""
+    logp_all = log_softmax(logits, p.temperature)
+    if p.temperature == 0:
+        tokens = mx.argmax(logits, axis=-1)
+    else:
+        filtered = logp_all
+        if p.top_k > 0:
+            filtered = apply_top_k(filtered, p.top_k)
+        if p.top_p < 1.0:
+            filtered = apply_top_p(filtered, p.top_p)
+        if p.min_p > 0.0:
+            filtered = apply_min_p(filtered, p.min_p)
+        if rows is None:
+            tokens = mx.random.categorical(filtered, key=key)
+        else:
+            height, index = rows
+            noise = mx.random.gumbel(shape=(height, filtered.shape[-1]), key=key)
+            tokens = mx.argmax(filtered + noise[index], axis=-1)
+    tokens = tokens.astype(mx.int32)
+    return (tokens, *pick(logp_all, tokens))
