@@ -34,7 +34,7 @@ from worker.supervisor.openblas import reexec_with_openblas  # noqa: E402
 
 def child(kind: str, model_dir: str) -> None:
     """A training process's first two steps of a job of `kind`, as one JSON line."""
-    kernel_cache.use(load_settings().kernel_cache_dir)  # as worker/supervisor/supervisor.py training_entry, before MLX
+    kernel_cache.use(load_settings().kernel_cache_dir)  # as worker/supervisor/child.py child_main, before MLX
     import mlx.core as mx
     import mlx_lm
 

@@ -9,12 +9,13 @@ fields a resume cannot change) is the kind's entry in shared/kinds.py.
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 from pydantic import AliasChoices, BaseModel
 
-from shared import adapters, kinds, lifecycle
+from shared import adapters, kinds, lifecycle, routing
 from shared.adapters import adapter_dir
 from shared.keys import JOBS_INDEX, job_key
 from shared.schemas import JobStatus, JobSummary, UnreadableJob
@@ -57,10 +58,43 @@ def create_job(r: redis.Redis, spec, owner: str | None = None, tenant: str | Non
     return job_from_record(job_id, spec, record)
 
 
+@dataclass(frozen=True)
+class StoredJob:
+    """A job as its training process runs it."""
+
+    kind: kinds.Kind
+    spec: BaseModel  # its kind's spec model
+    tenant: str | None  # a trainer's job uses only that trainer's adapters and files (None: anyone's)
+
+
+def load_job(r: redis.Redis, job_id: str) -> StoredJob | None:
+    """The job's kind, spec and tenant, the spec decoded once, here; None if there is no such
+    job. ValueError if this version cannot read its spec."""
+    kind, raw, tenant = r.hmget(job_key(job_id), "kind", "spec", "tenant")
+    if raw is None:
+        return None
+    spec = lifecycle.read_spec({"kind": kind and kind.decode(), "spec": raw})
+    return StoredJob(kinds.of_record(kind), spec, None if tenant is None else tenant.decode())
+
+
 def get_spec(r: redis.Redis, job_id: str):
     """The job's spec, as its kind's model; None if there is no such job."""
-    kind, raw = r.hmget(job_key(job_id), "kind", "spec")
-    return None if raw is None else lifecycle.read_spec({"kind": kind and kind.decode(), "spec": raw})
+    job = load_job(r, job_id)
+    return None if job is None else job.spec
+
+
+def load_summary(r: redis.Redis, job_id: str) -> tuple[kinds.Kind, dict[str, Any]] | None:
+    """What a worker's supervisor reads of a job: its kind and its summary (model,
+    config and the step the memory estimate reads: shared/routing.py spec_summary), never its
+    spec, except for a record written before summaries held the step. None if there is no
+    such job; ValueError if this version cannot read it."""
+    kind, summary = r.hmget(job_key(job_id), "kind", "summary")
+    rec = {"kind": None if kind is None else kind.decode(), "summary": None if summary is None else summary.decode()}
+    current = lifecycle.current_summary(rec)
+    if current is not None:
+        return kinds.of_record(kind), current
+    job = load_job(r, job_id)
+    return None if job is None else (job.kind, routing.spec_summary(job.spec))
 
 
 def job_from_record(job_id: str, spec, rec: dict[str, str]) -> BaseModel:
@@ -77,7 +111,7 @@ def summary_from_hash(job_id: str, h: dict[bytes, bytes]) -> JobSummary:
     prompts or datasets (from the record's `summary`; a record written before there was one:
     its spec)."""
     rec = {k.decode(): v.decode() for k, v in h.items() if k != b"history"}
-    summary = json.loads(rec["summary"]) if rec.get("summary") else lifecycle.spec_summary(lifecycle.read_spec(rec))
+    summary = json.loads(rec["summary"]) if rec.get("summary") else routing.spec_summary(lifecycle.read_spec(rec))
     return JobSummary(**_record_fields(job_id, rec, summary["model_id"], summary["adapter_name"] or ""),
                       config=summary["config"])
 

@@ -32,10 +32,10 @@ and the adapter copy are fenced writes that change no status (shared/fenced_writ
 Every transition reads the record under WATCH and commits in one MULTI/EXEC together with
 its rq enqueue (rq's `enqueue_call(..., pipeline=...)`), so there is no moment where a job
 is `queued` without an rq job, whoever dies when. Each enqueue routes the job again
-(shared/routing.py: its model, memory need and lane, against the live workers) and records
-its rq queue (`queue`) and, when no live worker can run it, `waiting_for_worker`. The
-reconciler (worker/supervisor/reconciler.py) repairs what a lost worker leaves through these transitions.
-Nothing else in the project writes a job's status.
+(shared/routing.py: its model, memory need and lane, read from the record's summary, against
+the live workers) and records its rq queue (`queue`) and, when no live worker can run it,
+`waiting_for_worker`. The reconciler (worker/supervisor/reconciler.py) repairs what a lost
+worker leaves through these transitions. Nothing else in the project writes a job's status.
 """
 
 import json
@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import redis
+from pydantic import ValidationError
 from rq import Queue
 
 from shared import kinds, routing, workers
@@ -108,7 +109,7 @@ def create(r: redis.Redis, job_id: str, kind: str, spec, *, max_attempts: int, *
     with r.pipeline() as p:
         p.multi()
         p.zadd(JOBS_INDEX, {job_id: now})
-        written = _write(p, r, job_id, {}, Change("queued", record, enqueue=True), spec=spec)
+        written = _write(p, r, job_id, {}, Change("queued", record, enqueue=True))
         p.execute()
     return written
 
@@ -200,7 +201,7 @@ def resume(r: redis.Redis, job_id: str, spec, overrides: dict, *, max_attempts: 
         event = {"type": "resume_requested", "config_overrides": overrides}
         return Change("queued", fields, event, enqueue=True)
 
-    return _commit(r, job_id, "resume", decide, spec=spec) is not None
+    return _commit(r, job_id, "resume", decide) is not None
 
 
 def delete(r: redis.Redis, job_id: str) -> bool:
@@ -238,7 +239,7 @@ def wait_for_gang(r: redis.Redis, job_id: str, rq_job_id: str) -> bool:
     def decide(rec):
         if rec.get("rq_job") != rq_job_id:
             return None  # routed or started meanwhile
-        waiting = _route(r, rec, read_spec(rec), warm=False).waiting_for_worker
+        waiting = _route(r, rec, read_summary(rec), warm=False).waiting_for_worker
         event = None if waiting == rec.get("waiting_for_worker") else {"type": "waiting", "waiting_for_worker": waiting}
         return Change("queued", {}, event, enqueue=True)
 
@@ -250,13 +251,13 @@ def refresh_route(r: redis.Redis, job_id: str, rq_job_id: str, live: list[dict])
     the hub queue and a live worker now has its model, or the other way round (no holder is
     left and a hub worker can download it); "updated" when it stays on its queue and only its
     waiting_for_worker changed; None otherwise. Moves between memory classes are left to the
-    worker that dequeues the job (Supervisor.run), which measures it."""
+    worker that dequeues the job (worker/supervisor/admission.py), which measures it."""
     outcome = {}
 
     def decide(rec):
         if rec.get("rq_job") != rq_job_id:
             return None  # routed or started meanwhile
-        spec = read_spec(rec)
+        spec = read_spec(rec)  # a record this version cannot read stays where it is (ValueError)
         where = _route(r, rec, spec, live, warm=False)
         queue = rec.get("queue") or ""
         if routing.is_hub_queue(where.queue) != routing.is_hub_queue(queue):
@@ -277,7 +278,7 @@ def refresh_route(r: redis.Redis, job_id: str, rq_job_id: str, live: list[dict])
 
 
 def _commit(r: redis.Redis, job_id: str, name: str, decide: Callable[[dict], Change | None], *,
-            lease_ttl_s: float | None = None, check_lease: bool = False, spec=None) -> Change | None:
+            lease_ttl_s: float | None = None, check_lease: bool = False) -> Change | None:
     """Read the record under WATCH; if its status allows event `name`, write decide(record)
     and everything that goes with it in one MULTI/EXEC. None when nothing was written."""
     from_statuses, to_statuses = TABLE[name]
@@ -295,7 +296,7 @@ def _commit(r: redis.Redis, job_id: str, name: str, decide: Callable[[dict], Cha
                     return None
                 assert (change.status in to_statuses) or (change.status is None and not to_statuses), (name, change)
                 p.multi()
-                _write(p, r, job_id, rec, change, lease_ttl_s, spec)
+                _write(p, r, job_id, rec, change, lease_ttl_s)
                 p.execute()
                 return change
             except redis.WatchError:
@@ -312,12 +313,10 @@ def _fenced_commit(r: redis.Redis, job_id: str, name: str, epoch: int, decide: C
         raise LeaseLost(f"job {job_id}: lease epoch {epoch} is no longer current")
 
 
-def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_s: float | None = None,
-           spec=None) -> dict[str, str]:
+def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_s: float | None = None) -> dict[str, str]:
     """Queue on pipeline `p` every write of `change`: status, fields, event, the sets the
-    reconciler scans, the lease, the rq job, and retention. spec: the job's spec as the
-    change leaves it, when the caller has it (else an enqueue reads the record's). Returns
-    the record's fields as written."""
+    reconciler scans, the lease, the rq job (routed by the record's summary as the change
+    leaves it), and retention. Returns the record's fields as written."""
     keys = [job_key(job_id), events_key(job_id), checkpoint_key(job_id), adapter_key(job_id)]
     if change.status is None:  # delete: its rq jobs too, every attempt's
         _unqueue(p, rec)
@@ -340,11 +339,11 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
         # job_timeout -1: training runs as long as it takes; liveness is the supervisor's business.
         # rq's own record of the attempt lives no longer than ours.
         record = {**rec, **change.fields}
-        spec = spec or read_spec(record)
-        where = _route(r, record, spec)
+        summary = read_summary(record)
+        where = _route(r, record, summary)
         fields.update(queue=where.queue, waiting_for_worker=where.waiting_for_worker, enqueued_at=repr(time.time()))
         _unqueue(p, rec)  # re-queued while queued (rerouted, repaired): its old rq job leaves its queue
-        description = f"{record['kind']} job {job_id} on {spec.model_id} (run {attempt + 1})"
+        description = f"{record['kind']} job {job_id} on {summary['model_id']} (run {attempt + 1})"
         Queue(where.queue, connection=r).enqueue_call(
             RUN_JOB_FUNC, args=(job_id,), job_id=rq_id, timeout=-1, pipeline=p, description=description,
             result_ttl=min(3600, _retention_s()), failure_ttl=min(7 * 86400, _retention_s()),
@@ -402,15 +401,11 @@ def _unqueue(p, rec: dict) -> bool:
     return True
 
 
-def spec_summary(spec) -> dict[str, Any]:
-    """What the job list's summary shows of a spec: its model, adapter name and config."""
-    return {"model_id": spec.model_id, "adapter_name": spec.adapter_name, "config": spec.config.model_dump()}
-
-
 def spec_fields(spec) -> dict[str, str]:
-    """The record's fields of a spec: the spec, and its summary (so that the list's summary never
-    reads a spec of megabytes of prompts)."""
-    return {"spec": spec.model_dump_json(by_alias=True), "summary": json.dumps(spec_summary(spec))}
+    """The record's fields of a spec: the spec, and its summary (shared/routing.py
+    spec_summary), so that the list and the workers never read a spec of megabytes of prompts
+    to learn its model, config or memory need."""
+    return {"spec": spec.model_dump_json(by_alias=True), "summary": json.dumps(routing.spec_summary(spec))}
 
 
 def read_spec(rec: dict):
@@ -419,10 +414,29 @@ def read_spec(rec: dict):
     return kinds.of_record(rec.get("kind")).spec_model.model_validate_json(rec["spec"])
 
 
-def _route(r: redis.Redis, rec: dict, spec, live: list[dict] | None = None, warm: bool = True) -> routing.Route:
-    """Where the job goes now: its spec against the live workers (shared/routing.py)."""
+def current_summary(rec: dict) -> dict[str, Any] | None:
+    """The record's summary (decoded fields), if it holds what routing reads (its `step`);
+    None for a record written before summaries did. ValueError if it is not JSON."""
+    summary = json.loads(rec["summary"]) if rec.get("summary") else {}
+    return summary if "step" in summary else None
+
+
+def read_summary(rec: dict) -> dict[str, Any]:
+    """The record's summary, made from its spec for a record written before summaries held
+    the step (rec["spec"] is then read). ValueError if this version cannot read it."""
+    return current_summary(rec) or routing.spec_summary(read_spec(rec))
+
+
+def unreadable(e: ValueError) -> str:
+    """A worker's error for a job whose record it cannot load: the job fails, never retried."""
+    what = f"{e.error_count()} invalid fields" if isinstance(e, ValidationError) else str(e)
+    return f"the stored job record cannot be loaded: {what}"
+
+
+def _route(r: redis.Redis, rec: dict, job, live: list[dict] | None = None, warm: bool = True) -> routing.Route:
+    """Where the job goes now: its spec or summary against the live workers (shared/routing.py)."""
     floor = float(rec.get("need_gb") or 0) or None
-    return routing.route(kinds.of_record(rec.get("kind")).name, spec, workers.live_workers(r) if live is None else live,
+    return routing.route(kinds.of_record(rec.get("kind")).name, job, workers.live_workers(r) if live is None else live,
                          floor_gb=floor, warm=warm,
                          finished=lambda job_id: r.hget(job_key(job_id), "status") != b"running")
 

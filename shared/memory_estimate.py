@@ -1,6 +1,8 @@
 """The memory formulas of a training step, on plain numbers: no MLX, so the API can route a
-job by its estimated need (shared/routing.py) and the worker can plan its micro-batch
-(worker/runtime/memory_plan.py, which explains each term and how they were calibrated).
+job by its estimated need (shared/routing.py), the worker that dequeues it can check it
+against its own device (worker/supervisor/admission.py), and GRPO's trainer can plan its
+micro-batch (worker/runtime/memory_plan.py, which explains each term and how they were
+calibrated). All three ask `need_bytes`, the one estimate of what a step needs.
 
 A model's shape comes from its config.json (`shape_from_config`), its weights' size from its
 safetensors files, both advertised by the workers that hold it (shared/workers.py).
@@ -76,7 +78,11 @@ def loss_bytes(s: ModelShape, rows: int, width: int, checkpointing: bool) -> int
     return rows * width * per_token + logits
 
 
-def min_need_bytes(s: ModelShape, weights: int, rows: int, width: int, checkpointing: bool, device: str) -> int:
-    """The least a step can run in: the weights plus the larger of sampling and a loss step
-    of one row (the micro-batch then grows into whatever room is left)."""
-    return weights + max(sampling_bytes(s, rows, width, device), loss_bytes(s, 1, width, checkpointing))
+def need_bytes(family: str, s: ModelShape, weights: int, rows: int, width: int, checkpointing: bool, device: str) -> int:
+    """The least memory a step of a job of this family (shared/kinds.py) runs in, with `rows`
+    rows of `width` tokens. GRPO: the weights plus the larger of sampling every row and a loss
+    step of one row (the micro-batch then grows into whatever room is left). Supervised kinds:
+    the weights plus a loss step of all the rows (a batch is one forward and backward pass)."""
+    if family == "grpo":
+        return weights + max(sampling_bytes(s, rows, width, device), loss_bytes(s, 1, width, checkpointing))
+    return weights + loss_bytes(s, rows, width, checkpointing)

@@ -19,10 +19,12 @@ A model is named by its model_id, with org/name as org:name (rq-dashboard puts q
 URLs), except absolute paths (any characters, and rq joins queue names with ','), which are
 named by a hash of the normalised path.
 
-The estimate (shared/memory_estimate.py) comes from the job's config and the model's shape
-and size as the workers that hold it advertise them (the largest, if they differ); with the
-GPU's sampling factor, the lowest a device needs. The worker that takes the job checks again
-with its own device and model (Supervisor.run) and re-routes the job, without starting it,
+The estimate (shared/memory_estimate.py need_bytes) comes from the job's step (`step_of`: its
+rows and their width, from its config and prompts) and the model's shape and size as the
+workers that hold it advertise them (the largest, if they differ); with the GPU's sampling
+factor, the lowest a device needs. The record keeps the step in its summary (`spec_summary`),
+so the worker that takes the job checks again with its own device and model without reading
+the spec (worker/supervisor/admission.py) and re-routes the job, without starting it,
 when it does not fit: the API's class is a lower bound, never a reason to run a job that
 does not fit. A model no live worker advertises has no size yet: its job waits in class 1,
 and the first worker with the model checks it.
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared import kinds
-from shared.memory_estimate import GB, ModelShape, loss_bytes, min_need_bytes
+from shared.memory_estimate import GB, ModelShape, need_bytes
 from shared.model_ids import MODEL_NAME
 from shared.schemas import DEFAULT_LANE, prompt_chars
 
@@ -123,24 +125,40 @@ def served_models(worker: dict[str, Any]) -> dict[str, dict[str, Any]]:
 # --------------------------------------------------------------------------- the estimate
 
 
-def job_need_gb(kind: str, spec, model: dict[str, Any], device: str = "gpu") -> float | None:
-    """Estimated memory (GB) of the step of a job of `kind` (shared/kinds.py: its family says
-    how), from its config and the model's advertised shape and size; None when the model's
-    shape is not known."""
-    if not model.get("shape") or model.get("size_bytes") is None:
-        return None
-    s, weights, cfg = ModelShape(**model["shape"]), int(model["size_bytes"]), spec.config
-    entry = kinds.KINDS[kind]
-    if entry.family == "grpo":
+def step_of(spec) -> dict[str, Any]:
+    """What the memory estimate reads of a job: the rows a step holds, their width in tokens,
+    and whether its loss step recomputes activations. GRPO: B*G rows of the longest prompt
+    (CHARS_PER_TOKEN characters a token, plus a chat template's tokens) and max_completion_len
+    (checkpointing unless the job turns it off: the plan may turn it on). Supervised kinds:
+    batch_size x rows_per_example rows of max_seq_length."""
+    kind, cfg = kinds.KINDS[spec.kind], spec.config
+    if kind.family == "grpo":
         chars = max(prompt_chars(p) for p in spec.prompts)
         chat = cfg.use_chat_template or any(isinstance(p, list) for p in spec.prompts)
         width = math.ceil(chars / CHARS_PER_TOKEN) + (CHAT_TEMPLATE_TOKENS if chat else 0) + cfg.max_completion_len
-        checkpointing = cfg.use_gradient_checkpointing is not False  # None: the plan may turn it on
-        need = min_need_bytes(s, weights, cfg.batch_size * cfg.group_size, width, checkpointing, device)
-    else:  # supervised kinds: a batch of rows of max_seq_length (a preference pair is two rows)
-        rows = cfg.batch_size * entry.rows_per_example
-        need = weights + loss_bytes(s, rows, cfg.max_seq_length, cfg.gradient_checkpointing)
-    return need / GB
+        return {"rows": cfg.batch_size * cfg.group_size, "width": width,
+                "checkpointing": cfg.use_gradient_checkpointing is not False}
+    return {"rows": cfg.batch_size * kind.rows_per_example, "width": cfg.max_seq_length,
+            "checkpointing": cfg.gradient_checkpointing}
+
+
+def spec_summary(spec) -> dict[str, Any]:
+    """What a job record keeps of its spec besides the spec itself (its `summary` field,
+    shared/lifecycle.py spec_fields): the model, adapter name and config, which the job list
+    shows, and the step the estimate reads (`step_of`). A worker routes and sizes a job from
+    it without reading the spec, which may hold megabytes of prompts or rows."""
+    return {"model_id": spec.model_id, "adapter_name": spec.adapter_name, "config": spec.config.model_dump(),
+            "step": step_of(spec)}
+
+
+def job_need_gb(kind: str, summary: dict[str, Any], model: dict[str, Any], device: str = "gpu") -> float | None:
+    """Estimated memory (GB) of the step of a job of `kind` (its summary, `spec_summary`) on the
+    model of this advertisement (its shape and size), on `device`; None when the model's shape
+    is not known."""
+    if not model.get("shape") or model.get("size_bytes") is None:
+        return None
+    family = kinds.KINDS[kind].family
+    return need_bytes(family, ModelShape(**model["shape"]), int(model["size_bytes"]), **summary["step"], device=device) / GB
 
 
 # --------------------------------------------------------------------------- routing a job
@@ -154,29 +172,33 @@ class Route:
     free: tuple[dict[str, Any], ...] = ()  # a gang job's (config.workers > 1): the free workers that can run it
 
 
-def route(kind: str, spec, live: list[dict[str, Any]], floor_gb: float | None = None, warm: bool = True,
+def route(kind: str, job, live: list[dict[str, Any]], floor_gb: float | None = None, warm: bool = True,
           finished=lambda job_id: True) -> Route:
-    """The queue for a job of `kind` (shared/kinds.py), given the live workers' advertisements (shared/workers.py).
-    floor_gb: a need measured by a worker that could not fit the job. warm: prefer the own
-    queue of a capable worker that holds the model loaded and is free (finished(job_id) says
-    whether the job a worker advertises as its current one has ended meanwhile). A gang job
-    (config.workers > 1, worker/supervisor/gang_claims.py) waits until that many capable workers are free at once."""
-    lane = getattr(spec.config, "queue", DEFAULT_LANE)
-    key = model_key(spec.model_id)
+    """The queue for a job of `kind` (shared/kinds.py), given the live workers' advertisements
+    (shared/workers.py). job: its spec (the API has it), or its record's summary
+    (`spec_summary`: a worker reads no more). floor_gb: a need measured by a worker that could
+    not fit the job. warm: prefer the own queue of a capable worker that holds the model loaded
+    and is free (finished(job_id) says whether the job a worker advertises as its current one
+    has ended meanwhile). A gang job (config.workers > 1, worker/supervisor/gang_claims.py)
+    waits until that many capable workers are free at once."""
+    summary = job if isinstance(job, dict) else spec_summary(job)
+    model_id, cfg = summary["model_id"], summary["config"]
+    lane = cfg.get("queue", DEFAULT_LANE)
+    key = model_key(model_id)
     holders = [w for w in live if key in served_models(w)]
-    sizes = [job_need_gb(kind, spec, served_models(w)[key]) for w in holders]
+    sizes = [job_need_gb(kind, summary, served_models(w)[key]) for w in holders]
     need = max([n for n in sizes if n is not None] + [floor_gb or 0.0]) or None
     cls = memory_class(need)
 
     def capable(w):
         return lane in w.get("lanes", [DEFAULT_LANE]) and cls <= (w.get("memory_gb") or 0)
 
-    if not holders and is_hub_id(spec.model_id):
+    if not holders and is_hub_id(model_id):
         queue, candidates = hub_queue(lane, cls), [w for w in live if w.get("hub")]
-        missing = f"no live worker has model {spec.model_id!r}, and none has hub access (mtq worker --hub)"
+        missing = f"no live worker has model {model_id!r}, and none has hub access (mtq worker --hub)"
     else:
-        queue, candidates = model_queue(lane, spec.model_id, cls), holders
-        missing = f"no live worker has model {spec.model_id!r}"
+        queue, candidates = model_queue(lane, model_id, cls), holders
+        missing = f"no live worker has model {model_id!r}"
     able = [w for w in candidates if capable(w)]
     waiting = None
     if not candidates:
@@ -187,7 +209,7 @@ def route(kind: str, spec, live: list[dict[str, Any]], floor_gb: float | None = 
         largest = max((w.get("memory_gb") or 0) for w in candidates)
         waiting = (f"needs about {need:.2f} GB (memory class {cls} GB); the largest live worker that can run it "
                    f"has {largest:g} GB")
-    gang = getattr(spec.config, "workers", 1)
+    gang = cfg.get("workers", 1)
     if gang > 1:  # worker/supervisor/gang_claims.py: the leader that takes it needs gang - 1 more, free, at once
         free = tuple(w for w in able if w.get("gang_address") and (not w.get("current_job") or finished(w["current_job"])))
         if waiting is None and len(free) < gang:

@@ -5,7 +5,10 @@ import counts as an edge, also one inside a function body or under `if TYPE_CHEC
 - the API never imports mlx (nor mlx_lm) or worker/, through any chain of imports;
 - the client commands (cli/commands.py and what it imports, and cli/main.py's module-level
   imports) never import mlx or worker/: only `mtq worker` and `mtq make-model` do, from the
-  functions that run those commands (cli/main.py imports them there for that reason).
+  functions that run those commands (cli/main.py imports them there for that reason);
+- no supervised kind, nor model loading or the memory plan, reaches the decode package;
+- the supervisor package reaches neither mlx nor the training side (runtime, kinds, decode):
+  it names rq's job functions and the training process's main by strings, which must exist.
 """
 
 import ast
@@ -195,3 +198,83 @@ def test_a_planted_import_of_the_decoder_is_found_through_a_runtime_module(tmp_p
     reached = decoder_reached(read_graph(tmp_path)[0])
     assert set(reached) == {"worker.kinds.x", "worker.runtime.models", "worker.runtime.memory_plan"}
     assert reached["worker.runtime.models"] == ["worker.runtime.models", "worker.runtime", "worker.decode"]
+
+
+# --------------------------------------------------------------------------- the supervisor
+
+TRAINING_SIDE = ("worker.runtime", "worker.kinds", "worker.decode")
+# The names by which the supervisor's side reaches code it never imports: rq's job functions
+# and the training process's main (module, constant).
+ENTRY_NAMES = (("shared.lifecycle", "RUN_JOB_FUNC"), ("worker.supervisor.gang_claims", "RANK_JOB_FUNC"),
+               ("worker.supervisor.child", "TRAINING_MAIN"))
+
+
+def on_training_side(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in TRAINING_SIDE)
+
+
+def mlx_reached(edges, external, start: list[str]) -> list[str]:
+    """Modules reachable from `start` that import mlx / mlx_lm, or are the training side's."""
+    return sorted(m for m in reachable(edges, start)
+                  if on_training_side(m) or any(e in ("mlx", "mlx_lm") for e in external[m]))
+
+
+def module_path(root: Path, module: str) -> Path:
+    path = root.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def string_constant(root: Path, module: str, name: str) -> str:
+    """A module-level `NAME = "..."` of a module, read from its source."""
+    tree = ast.parse(module_path(root, module).read_text())
+    values = [node.value.value for node in tree.body if isinstance(node, ast.Assign)
+              and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)]
+    assert len(values) == 1 and isinstance(values[0], str), (module, name)
+    return values[0]
+
+
+def names_a_function(root: Path, dotted: str) -> bool:
+    """Whether `package.module.function` is a function defined at the top of that module."""
+    module, _, function = dotted.rpartition(".")
+    path = module_path(root, module)
+    return path.is_file() and any(isinstance(node, ast.FunctionDef) and node.name == function
+                                  for node in ast.parse(path.read_text()).body)
+
+
+def test_the_supervisor_reaches_no_mlx_and_no_training_code():
+    """`mtq worker`'s supervisor must always answer: none of its modules, nor any module they
+    reach (function-level imports included), imports MLX or the training side."""
+    edges, _, external = GRAPH
+    supervisor = [m for m in edges if m.startswith("worker.supervisor.")]
+    assert {"worker.supervisor.supervisor", "worker.supervisor.admission", "worker.supervisor.child"} <= set(supervisor)
+    assert mlx_reached(edges, external, supervisor) == []
+
+
+def test_the_names_that_cross_to_the_worker_are_functions_that_exist():
+    """rq's job functions and the training process's main are named by strings (so that
+    enqueuing and supervising never import them): each names a function that exists."""
+    for module, constant in ENTRY_NAMES:
+        name = string_constant(ROOT, module, constant)
+        assert names_a_function(ROOT, name), f"{module}.{constant} = {name!r} names no function"
+    assert on_training_side(string_constant(ROOT, "worker.supervisor.child", "TRAINING_MAIN"))
+
+
+def test_a_planted_mlx_import_in_the_supervisor_is_found(tmp_path):
+    """The checks above fail when what they guard breaks: a supervisor module that reaches
+    mlx through an import in a function body, one that imports the training side, and an
+    entry name whose function is gone."""
+    for pkg, files in {
+        "worker": {}, "worker/supervisor": {"a.py": "def f():\n    from shared import heavy\n",
+                                            "b.py": "import worker.runtime.loop\n", "c.py": "ENTRY = 'worker.runtime.loop.gone'\n"},
+        "worker/runtime": {"loop.py": "def main():\n    pass\n"},
+        "shared": {"heavy.py": "import mlx_lm\n"}, "api": {}, "cli": {},
+    }.items():
+        (tmp_path / pkg).mkdir()
+        for name, text in {"__init__.py": "", **files}.items():
+            (tmp_path / pkg / name).write_text(text)
+    edges, module_level, external = read_graph(tmp_path)
+    assert mlx_reached(edges, external, ["worker.supervisor.a"]) == ["shared.heavy"]
+    assert mlx_reached(module_level, external, ["worker.supervisor.a"]) == []  # only through the function's import
+    assert mlx_reached(edges, external, ["worker.supervisor.b"]) == ["worker.runtime.loop"]
+    assert names_a_function(tmp_path, "worker.runtime.loop.main")
+    assert not names_a_function(tmp_path, string_constant(tmp_path, "worker.supervisor.c", "ENTRY"))

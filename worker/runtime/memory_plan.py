@@ -43,7 +43,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from shared.memory_estimate import GB, ModelShape, logits_chunk_tokens, loss_bytes, min_need_bytes, sampling_bytes  # noqa: F401 (re-exported)
+from shared.memory_estimate import GB, ModelShape, logits_chunk_tokens, loss_bytes, need_bytes, sampling_bytes  # noqa: F401 (re-exported)
 from shared.settings import load_settings
 from worker.runtime.backend import cuda
 from worker.runtime.projection_groups import decode_groups, decode_projections
@@ -190,7 +190,7 @@ def _plan(model: nn.Module, rows: int, width: int, checkpointing: bool, micro_ba
     def fits(m: int) -> bool:
         return weights + loss_bytes(s, m, width, checkpointing) <= limit
 
-    need = min_need_bytes(s, weights, rows, width, checkpointing, device_kind())
+    need = need_bytes("grpo", s, weights, rows, width, checkpointing, device_kind())
     if need > limit:
         raise MemoryEstimateError(
             f"this job needs about {need / GB:.2f} GB (weights {weights / GB:.2f} GB, sampling {rows} rows of "

@@ -1,4 +1,4 @@
-"""The training process: a long-lived child of the supervisor (worker/supervisor/supervisor.py).
+"""The training process: a long-lived child of the supervisor (worker/supervisor/child.py).
 
 Its main thread owns MLX (streams are per thread: the seed bug), runs one job at a time and
 keeps models loaded between jobs. It takes jobs from the supervisor over a pipe, with the
@@ -26,9 +26,9 @@ from typing import Callable
 
 import mlx.core as mx
 
-from shared import kinds, workers
+from shared import jobstore, kinds, lifecycle, workers
 from shared.jobstore import connect
-from shared.keys import adapter_key, checkpoint_key, events_key, job_key
+from shared.keys import adapter_key, checkpoint_key, events_key
 from shared.metrics import recorder
 from shared.settings import load_settings
 from worker.runtime import gang_group as gang
@@ -184,24 +184,25 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
     """Run one job whose lease the supervisor holds; every outcome is written by this process.
     ranks: (rank, hostfile) of this worker's part of a gang job (worker/supervisor/gang_claims.py)."""
     lease = Lease(r, job_id, worker, epoch)
-    record = retrying(lambda: r.hmget(job_key(job_id), "kind", "spec", "tenant"), "job read")
-    tenant = None if record[2] is None else record[2].decode()
-    if record[1] is None:
-        return "deleted"
     rank = 0 if ranks is None else ranks[0]
+    try:
+        stored = retrying(lambda: jobstore.load_job(r, job_id), "job read")
+    except ValueError as e:  # a record this version cannot load: failed (by rank 0), never retried
+        return "rank done" if rank > 0 else _fail(lease, lifecycle.unreadable(e))
+    if stored is None:
+        return "deleted"
     try:
         if ranks is not None:
             marks.mark("joining")  # the supervisor bounds this phase (MTQ_GANG_JOIN_S)
             part = gang.join(*ranks)
-            job = (JobRun if rank == 0 else RankRun)(lease, marks, parent_pid, tenant, part)
+            job = (JobRun if rank == 0 else RankRun)(lease, marks, parent_pid, stored.tenant, part)
         else:
-            job = JobRun(lease, marks, parent_pid, tenant)
-        kind = kinds.of_record(record[0])
+            job = JobRun(lease, marks, parent_pid, stored.tenant)
+        kind = stored.kind
         job.write(event={"type": "started", "worker": worker, "pid": os.getpid(), "supervisor_pid": parent_pid,
                          "main_thread": threading.current_thread() is threading.main_thread(),
                          **({} if ranks is None else {"rank": rank, "gang_size": len(ranks[1])})})
-        spec = kind.spec_model.model_validate_json(record[1])
-        fields = job_loop.run(job, kind, spec, importlib.import_module(kind.worker_module).load)
+        fields = job_loop.run(job, kind, stored.spec, importlib.import_module(kind.worker_module).load)
         if rank > 0:
             return "rank done"
         events = [*fields.pop("events"), {"type": "done", "adapter_path": fields.get("adapter_path")}]
@@ -239,7 +240,7 @@ def _fail(lease: Lease, error: str) -> str:
 
 
 def main(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str] = ()) -> None:
-    """The child's loop, called by its entry point (worker/supervisor/supervisor.py training_entry).
+    """The child's loop, called by its entry point (worker/supervisor/child.py child_main, by name).
     warm_models: the models its worker offers, warmed up first when the kernel cache is empty."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s [training {os.getpid()}] %(name)s %(levelname)s %(message)s")

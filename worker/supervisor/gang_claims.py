@@ -2,7 +2,7 @@
 module is the queue's side of it (no MLX); worker/runtime/gang_group.py is the training process's.
 
 A job whose config says `workers: N` (N > 1) is a gang job. Its rq job is routed and taken as
-any job's, by one worker: the leader, its rank 0 (worker/supervisor/supervisor.py Supervisor.lead_gang).
+any job's, by one worker: the leader, its rank 0 (worker/supervisor/admission.py form_gang, push_ranks).
 
     pick      the leader and N-1 other workers that are free, can run the job (shared/routing.py
               Route.free) and advertise a gang address on the same device; fewer: the job goes

@@ -10,7 +10,8 @@ a shared volume) runs its first step without compiling them.
            TMPDIR puts it in the cache directory
     Metal  no disk cache: each process compiles its kernels
 
-No MLX here: the supervisor calls `use` in the training process before MLX is imported.
+No MLX here: the training process's entry (worker/supervisor/child.py child_main) calls `use`
+before MLX is imported.
 """
 
 import os
