@@ -45,7 +45,7 @@ logging.getLogger("uvicorn.access").addFilter(QueryTokensRedacted())
 app = FastAPI(
     title="mlx-train-queue",
     version="0.1.0",
-    summary="GRPO (LoRA) fine-tuning of MLX language models, run as jobs behind a Redis queue.",
+    summary="Fine-tuning of MLX language models (GRPO, SFT, DPO, ORPO, KTO, reward models), run as jobs behind a Redis queue.",
     description="Every `/admin` route needs `Authorization: Bearer <token>` (MTQ_API_TOKEN, or a token of MTQ_TOKENS_FILE).",
     # Answered with 413 while the body is read (Content-Length, or counting a chunked body).
     max_body_size=get_settings().max_body_bytes,

@@ -89,7 +89,8 @@ def _count(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     settings = load_settings()
-    parser = argparse.ArgumentParser(prog="mtq", description="GRPO LoRA fine-tuning of MLX models as queued jobs.")
+    parser = argparse.ArgumentParser(
+        prog="mtq", description="Fine-tuning of MLX language models (GRPO, SFT, DPO, ORPO, KTO, reward models) as queued jobs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     api = commands.add_parser("api", help="serve the REST API (uvicorn)")

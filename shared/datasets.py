@@ -10,7 +10,8 @@ A job's `dataset` (and `valid_dataset`) is one of:
 A kind's rows have a format (`RowFormat`), declared by its spec model (`row_format`): SFT's
 are mlx_lm's, `{"text"}`, `{"messages": [{role, content}], "tools"?}` or `{"prompt",
 "completion"}` (`SFT_ROWS`); the preference kinds' (DPO, ORPO, reward models) are `{"prompt",
-"chosen", "rejected"}` (`PREFERENCE_ROWS`). Errors name the row and the field.
+"chosen", "rejected"}` (`PREFERENCE_ROWS`); KTO's are `{"prompt", "completion", "label"}`
+(shared/train_specs.py `KTO_ROWS`). Errors name the row and the field.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@ only where the operator sets MTQ_PYTHON_GRADERS=1 (Settings.python_graders; the 
 
 The child is `python -I` (no site, no environment, no user directory) in an empty temporary
 directory that it may write to, with OpenAI's bounds as rlimits: CPU seconds, address space,
-bytes per file written, open files, and no new processes; the parent kills it past its wall
-time (MTQ_PYTHON_GRADER_TIMEOUT_S). An audit hook installed before the source is compiled refuses sockets, new processes,
-ctypes, and opening a file for writing outside its directory (audit hooks cannot be removed).
-Whatever goes wrong in the child (an exception, a limit, a non-number) scores 0, as OpenAI
-scores it; the reason is returned for graders/run's metadata.
+bytes per file written, open files, and no new processes; the parent kills it past its wall time
+(MTQ_PYTHON_GRADER_TIMEOUT_S). An audit hook installed before the source is compiled refuses
+sockets, new processes, ctypes, and opening a file for writing outside its directory (audit
+hooks cannot be removed). Whatever goes wrong in the child (an exception, a limit, a non-number)
+scores 0, as OpenAI scores it; the reason is returned for graders/run's metadata.
 """
 
 import functools

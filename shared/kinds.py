@@ -1,13 +1,13 @@
 """The job kinds: the one registry of what varies by kind. The API's routes, the job records,
 the lifecycle, routing and the worker read it; everything else is the same for every kind.
 
-    kind    routes                               spec            worker module            family
-    grpo    /admin/api/fine-tune/grpo/jobs       JobCreate       worker.kinds.grpo_job          grpo
-    sft     /admin/api/fine-tune/jobs            SFTJobCreate    worker.kinds.sft_job           supervised
-    dpo     /admin/api/fine-tune/dpo/jobs        DPOJobCreate    worker.kinds.dpo_job           supervised
-    orpo    /admin/api/fine-tune/orpo/jobs       ORPOJobCreate   worker.kinds.dpo_job           supervised
-    kto     /admin/api/fine-tune/kto/jobs        KTOJobCreate    worker.kinds.kto_job           supervised
-    reward  /admin/api/fine-tune/reward/jobs     RewardJobCreate worker.kinds.reward_model_job  supervised
+    kind    routes                            spec             worker module                  family
+    grpo    /admin/api/fine-tune/grpo/jobs    JobCreate        worker.kinds.grpo_job          grpo
+    sft     /admin/api/fine-tune/jobs         SFTJobCreate     worker.kinds.sft_job           supervised
+    dpo     /admin/api/fine-tune/dpo/jobs     DPOJobCreate     worker.kinds.dpo_job           supervised
+    orpo    /admin/api/fine-tune/orpo/jobs    ORPOJobCreate    worker.kinds.dpo_job           supervised
+    kto     /admin/api/fine-tune/kto/jobs     KTOJobCreate     worker.kinds.kto_job           supervised
+    reward  /admin/api/fine-tune/reward/jobs  RewardJobCreate  worker.kinds.reward_model_job  supervised
 
 A job record without a `kind` (written before there were kinds) is GRPO's (`of_record`).
 

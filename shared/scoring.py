@@ -1,11 +1,11 @@
 """Scoring requests (log-probs, reward-model rewards): the API queues them, the workers'
 training processes answer.
 
-Why not rq jobs: a request takes milliseconds, and a worker busy with a training job must
-answer it between two optimizer steps, on the model it already holds (worker/runtime/score_requests.py).
-rq runs one job per worker at a time, so scoring has queues of its own, one per model, and
-within a queue one list per owner, served in turn (round robin): one token's requests, however
-many or large, never make another's wait behind all of them.
+Why not rq jobs: a request takes milliseconds, and a worker busy with a training job must answer
+it between two optimizer steps, on the model it already holds
+(worker/runtime/score_requests.py). rq runs one job per worker at a time, so scoring has queues
+of its own, one per model, and within a queue one list per owner, served in turn (round robin):
+one token's requests, however many or large, never make another's wait behind all of them.
 
     mtq:scoring:<queue>             list: the owners with requests waiting, in turn order (each once)
     mtq:scoring:<queue>:owners      set: the same owners

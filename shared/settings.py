@@ -18,15 +18,15 @@ class Settings:
     api_host: str
     api_port: int
     reward_hosts: tuple[str, ...]
-    # The job lifecycle (shared/lifecycle.py, worker/supervisor/supervisor.py).
+    # The job lifecycle (shared/lifecycle.py, worker/supervisor/).
     lease_ttl_s: float = 20.0  # a running job's lease; a dead worker's job is re-queued about this long after
     redis_retry_s: float = 600.0  # how long workers retry Redis calls before giving up
     job_retention_s: int = 30 * 86400  # finished jobs' keys expire after this long
     max_attempts_cap: int = 10  # server cap on a job's max_attempts
     max_stall_timeout_s: float = 3600.0  # server cap on a job's stall_timeout_s (MTQ_MAX_STALL_TIMEOUT_S)
     score_wait_s: float = 20.0  # how long POST .../logprob waits for the workers before answering 202
-    # Extra room before a job's first step: MLX compiles kernels on first use (about a minute on
-    # a fresh Linux CPU machine, about six on a fresh CUDA machine).
+    # Extra room before a job's first step: MLX compiles kernels on first use, which takes
+    # minutes on a fresh machine (docs/performance.md, "The first step and the kernel cache").
     compile_grace_s: float = 600.0
     # Where the training process keeps the kernels MLX compiles (worker/supervisor/kernel_cache.py): shared by
     # the workers of one $MTQ_HOME, so only the first of them compiles (MTQ_KERNEL_CACHE).

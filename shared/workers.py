@@ -7,9 +7,9 @@ Two keys per worker, both expiring (a dead worker disappears within `ttl_s`):
                              queues, lanes, hub, declared (model ids it offers besides),
                              device, device_name, memory_total_gb, memory_gb, memory_declared,
                              current_job, gang_address ("host:port" its gang ranks listen on,
-                             worker/supervisor/gang_claims.py)}; written by the worker's supervisor from its heartbeat
-                             and when a job starts or ends (`advertise`), which also renews the
-                             key below.
+                             worker/supervisor/gang_claims.py)}; written by the worker's
+                             supervisor from its heartbeat and when a job starts or ends
+                             (`advertise`), which also renews the key below.
   mtq:worker:<name>:loaded   JSON [model_id, ...]: the models its training process holds
                              loaded; written by the training process itself (`publish_loaded`)
                              whenever that set changes, so the supervisor never needs MLX.
@@ -17,8 +17,7 @@ Two keys per worker, both expiring (a dead worker disappears within `ttl_s`):
 `models` lists the directories under the worker's MTQ_MODELS_DIR that hold a config.json
 (names, and org/name for Hugging Face ids), those under MTQ_MODEL_ROOTS (absolute paths) and
 the local Hugging Face cache's; size_bytes and shape feed the memory estimate that routes
-jobs (shared/routing.py); model_type is "vlm" for a config with a vision
-part, "llm" otherwise, null when config.json cannot be read. Readers: `live_workers`,
+jobs (shared/routing.py); model_type is "vlm" for a config with a vision part, "llm" otherwise, null when config.json cannot be read. Readers: `live_workers`,
 `model_list` (the seed's GET /admin/api/fine-tune/models).
 """
 

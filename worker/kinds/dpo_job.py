@@ -1,10 +1,10 @@
 """The DPO and ORPO job kinds (one module, `method` "dpo" or "orpo"), on preference pairs.
 
-For a pair (x, y_w chosen, y_l rejected), with log pi(y | x) = sum_t log pi(y_t | x, y_<t)
-over the completion tokens (EOS included), pi_theta the policy (base + LoRA) and pi_ref the
-same weights with the LoRA off (worker/runtime/adapter_layers.py lora_disabled: no second copy). The reference
-never changes, so each pair's log-probs under it are computed at the pair's first step and kept,
-with the job's checkpoint too (worker/kinds/supervised_trainer.py ReferenceLogps):
+For a pair (x, y_w chosen, y_l rejected), with log pi(y | x) = sum_t log pi(y_t | x, y_<t) over
+the completion tokens (EOS included), pi_theta the policy (base + LoRA) and pi_ref the same
+weights with the LoRA off (worker/runtime/adapter_layers.py lora_disabled: no second copy). The
+reference never changes, so each pair's log-probs under it are computed at the pair's first step
+and kept, with the job's checkpoint too (worker/kinds/supervised_trainer.py ReferenceLogps):
 
 DPO (Rafailov et al. 2023), z = [log pi_theta(y_w) - log pi_ref(y_w)] - [log pi_theta(y_l) - log pi_ref(y_l)]:
     sigmoid: loss = -(1 - eps) log sigma(beta z) - eps log sigma(-beta z)     (eps = label_smoothing)

@@ -3,7 +3,7 @@
 One step (= one `iter` of the job config), GRPOTrainer.step, in four phases:
 
   1. rollout: take B = batch_size prompts; sample G = group_size completions each, all B*G rows
-     decoding together (worker/decode/sampling.py). For every completion token t we keep
+     decoding together (the batched sampler, worker/decode/). For every completion token t we keep
          old_logp_t = log pi_old(o_t | q, o_<t)      (logits / temperature, as sampled)
      The sampling KV cache is freed when sampling returns, before the loss step.
      A completion ends at EOS, at max_completion_len, or just after the token that
@@ -38,18 +38,19 @@ One step (= one `iter` of the job config), GRPOTrainer.step, in four phases:
      tokens are computed from the last hidden states of completion positions only, a
      chunk of positions at a time (full-vocabulary float32 logits of one chunk at once);
      with gradient checkpointing each layer keeps only its input and recomputes the rest
-     in the backward pass (worker/runtime/memory_plan.py estimates all this before the job starts).
-     The optimizer step: AdamW on the LoRA weights only, bias-corrected as PyTorch's (TRL's numerics:
-     betas adam_beta1/adam_beta2, eps adam_epsilon), gradients clipped to max_grad_norm:
+     in the backward pass (worker/runtime/memory_plan.py estimates all this before the job
+     starts). The optimizer step: AdamW on the LoRA weights only, bias-corrected as PyTorch's
+     (TRL's numerics: betas adam_beta1/adam_beta2, eps adam_epsilon), gradients clipped to
+     max_grad_norm:
          m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  theta *= 1 - lr * weight_decay
          theta -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
 
-On a gang of N workers (config.workers, worker/runtime/gang_group.py) each rank runs the four phases on every
-N-th of the step's B prompts with their groups: it pads them to the whole step's width and
-draws each row's random numbers as that row of the whole batch would (so it samples what one
-worker would), sums every rank's rewards into the whole (B, G) before the advantages, and sums
-the loss, its statistics and gradients (normalised by the whole step's B*G and tokens) before
-clipping: the update is one worker's for the same B prompts.
+On a gang of N workers (config.workers, worker/runtime/gang_group.py) each rank runs the four
+phases on every N-th of the step's B prompts with their groups: it pads them to the whole step's
+width and draws each row's random numbers as that row of the whole batch would (so it samples
+what one worker would), sums every rank's rewards into the whole (B, G) before the advantages,
+and sums the loss, its statistics and gradients (normalised by the whole step's B*G and tokens)
+before clipping: the update is one worker's for the same B prompts.
 """
 
 import math

@@ -1,7 +1,8 @@
-"""The GRPO job kind: the shared model with a fresh LoRA, the job's reward sources, and the
-trainer (worker/kinds/grpo.py, where the math is), as the Run the job loop drives (worker/runtime/job_loop.py).
-What is GRPO's own around the steps: the reward scorer (closed with the job), progress marks
-and /metrics timings around scoring, and a `samples` event per step."""
+"""The GRPO job kind: the shared model with a fresh LoRA (or the adapter its init_adapter
+names), the job's reward sources, and the trainer (worker/kinds/grpo.py, where the math is), as
+the Run the job loop drives (worker/runtime/job_loop.py). What is GRPO's own around the steps:
+the reward scorer (closed with the job), progress marks and /metrics timings around scoring,
+and a `samples` event per step."""
 
 import contextlib
 import functools

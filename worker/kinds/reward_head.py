@@ -3,9 +3,10 @@ hidden state at a row's last token (EOS),
 
     r(x, y) = w . h_last(x, y) + b
 
-trained by the reward-model kind (worker/kinds/reward_model_job.py) and read back by reward scoring
-(worker/runtime/score_requests.py: POST /admin/api/fine-tune/reward/score, and GRPO's `reward_model` reward
-source). The head lives beside the adapter's files as value_head.safetensors.
+trained by the reward-model kind (worker/kinds/reward_model_job.py) and read back by reward
+scoring (worker/runtime/score_requests.py: POST /admin/api/fine-tune/reward/score, and GRPO's
+`reward_model` reward source). The head lives beside the adapter's files as
+value_head.safetensors.
 """
 
 from pathlib import Path

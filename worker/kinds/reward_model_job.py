@@ -1,14 +1,15 @@
-"""The reward-model job kind: a scalar value head on the base model + LoRA (worker/kinds/reward_head.py),
-trained on preference pairs with the Bradley-Terry loss (TRL's RewardTrainer).
+"""The reward-model job kind: a scalar value head on the base model + LoRA
+(worker/kinds/reward_head.py), trained on preference pairs with the Bradley-Terry loss (TRL's
+RewardTrainer).
 
     r(x, y) = w . h_last(x, y) + b       h_last: the final hidden state (after the model's
                                          last norm) at the row's last token (EOS)
     loss    = -mean log sigma(r(x, y_w) - r(x, y_l))
     accuracy = mean[r(x, y_w) > r(x, y_l)],  margin = mean[r(x, y_w) - r(x, y_l)]
 
-The adapter directory holds mlx_lm's adapter files plus the head (reward_head.HEAD_FILE); reward
-scoring (POST /admin/api/fine-tune/reward/score) and GRPO's `reward_model` reward source read
-it back (worker/runtime/score_requests.py).
+The adapter directory holds mlx_lm's adapter files plus the head (shared/adapters.py HEAD_FILE);
+reward scoring (POST /admin/api/fine-tune/reward/score) and GRPO's `reward_model` reward source
+read it back (worker/runtime/score_requests.py).
 """
 
 from pathlib import Path

@@ -8,7 +8,8 @@ token of a text row; padding never):
 
 Rows are tokenised by mlx_lm's own dataset classes (text, messages with tools, prompt/
 completion; `mask_prompt` trains only on the completion / last assistant message). The job
-around the steps is worker/kinds/supervised_trainer.py's `load` and the job loop (worker/runtime/job_loop.py).
+around the steps is worker/kinds/supervised_trainer.py's `load` and the job loop
+(worker/runtime/job_loop.py).
 """
 
 import types

@@ -1,10 +1,11 @@
-"""What the supervised kinds (SFT, DPO, ORPO, reward models) share: their trainer (`Trainer`:
-one optimizer step over micro-batches of token rows, evaluation on the valid rows), preference
-pairs as rows, and `load`, the job around the trainer: the model (the shared one, or a private
-copy for full and quantized fine-tuning), the datasets, the adapter, and the Run the job loop
-drives (worker/runtime/job_loop.py).
+"""What the supervised kinds (SFT, DPO, ORPO, KTO, reward models) share: their trainer
+(`Trainer`: one optimizer step over micro-batches of token rows, evaluation on the valid rows),
+prompt/completion texts and preference pairs as token rows, DPO's reference log-probs, and
+`load`, the job around the trainer: the model (the shared one, or a private copy for full and
+quantized fine-tuning), the datasets, the adapter, and the Run the job loop drives
+(worker/runtime/job_loop.py).
 
-Each kind module (worker/kinds/sft_job.py, worker/kinds/dpo_job.py, worker/kinds/reward_model_job.py) writes
+Each kind module (worker/kinds/sft_job.py, dpo_job.py, kto_job.py, reward_model_job.py) writes
 its math at its top, a Trainer with its `arrays` (a batch of its rows) and `loss`, and `load`.
 """
 

@@ -34,6 +34,6 @@ The package, by part:
   endpoint.py   the reward endpoint protocol (per prompt or per step, retries)
   scorer.py     the scorer: the sources bound at job start by their type, summed each step
 
-This package does not import mlx: plain Python, numpy, httpx and jsonschema, so it can be
-tested without a model (a reward model's rewards come from the job: worker/runtime/score_requests.py).
+This package does not import mlx: plain Python, numpy, httpx and jsonschema, so it can be tested
+without a model (a reward model's rewards come from the job: worker/runtime/score_requests.py).
 """

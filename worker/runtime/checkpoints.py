@@ -1,9 +1,10 @@
 """Checkpoints as bytes, so they can live in Redis where any worker can resume from them.
 
-A checkpoint holds the LoRA weights, the optimizer state, the trainer's counters and
-metric history, and the log-probs a kind keeps (DPO's reference log-probs: `reference`, an
-object with arrays() and restore(arrays), worker/kinds/supervised_trainer.py ReferenceLogps). No RNG state: the trainer draws every step's randomness (sampling, LoRA
-dropout) from (seed, step), so a resumed job samples what the original would have.
+A checkpoint holds the LoRA weights, the optimizer state, the trainer's counters and metric
+history, and the log-probs a kind keeps (DPO's reference log-probs: `reference`, an object with
+arrays() and restore(arrays), worker/kinds/supervised_trainer.py ReferenceLogps). No RNG state:
+the trainer draws every step's randomness (sampling, LoRA dropout) from (seed, step), so a
+resumed job samples what the original would have.
 """
 
 import json

@@ -1,6 +1,6 @@
-"""A gang's rank in its training process (worker/supervisor/gang_claims.py is the queue's side): its group over
-mx.distributed, and the sums across ranks that make a step of N ranks the step of one worker
-for the same global batch (docs/distributed.md).
+"""A gang's rank in its training process (worker/supervisor/gang_claims.py is the queue's side):
+its group over mx.distributed, and the sums across ranks that make a step of N ranks the step of
+one worker for the same global batch (docs/distributed.md).
 
 Every rank draws the same rows for a step (train_core.batch_rows: a function of step and seed)
 and takes every N-th of them (`share`, as mlx_lm's trainer does). A loss that is a weighted mean
@@ -9,7 +9,8 @@ weighted by its share of the normaliser, so the gradients, the loss and its stat
 summed across ranks after that weighting (`sum_tree`, in buckets as mlx_lm's average_gradients).
 
 The ring backend (TCP; every platform) forms from MLX_RANK and MLX_HOSTFILE, once per process:
-a process that joined one is replaced after its attempt (worker/supervisor/supervisor.py).
+a process that joined one is replaced after its attempt (the supervisor starts a fresh
+training process).
 """
 
 import json

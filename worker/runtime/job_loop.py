@@ -3,8 +3,8 @@ one for SFT and DPO with an injected loss and batch iterator.
 
 A kind's worker module has `load(job, spec, settings)`: a context manager that loads the model
 and the data, attaches the adapter, writes the `model_ready` event and yields the kind's Run
-(worker/runtime/train_core.py: its step, its artefact, its intervals); on exit it undoes what it did.
-The loop does the rest, the same for every kind:
+(worker/runtime/train_core.py: its step, its artefact, its intervals); on exit it undoes what it
+did. The loop does the rest, the same for every kind:
 
     resume from the job's checkpoint in Redis, if it has one (any worker resumes any job)
     until `iters` steps are done:

@@ -254,8 +254,9 @@ def init_weights(model, seed: int, dtype) -> dict[str, mx.array]:
     """Normal(0, 0.02) for every matrix, ones for the RMSNorm scales (as nn.RMSNorm starts).
 
     Tensor i (in sorted-name order) draws from numpy's PCG64 seeded with (seed, i): the values
-    depend only on the seed and the size, not on dict order or thread count. numpy rather than mx.random: on CPU
-    mx.random.normal is ~3x slower, which matters for qwen3-0.6b's 440M values.
+    depend only on the seed and the size, not on dict order or thread count. numpy rather than
+    mx.random: on a CPU numpy's draws are the faster (docs/performance.md, "Random weights"),
+    which matters for qwen3-0.6b's 440M values.
     """
     shapes = {name: p.shape for name, p in tree_flatten(model.parameters())}
     weights = {}

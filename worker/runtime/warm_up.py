@@ -1,10 +1,11 @@
-"""A worker's models warmed up before its first job: MLX compiles its kernels on first use
-(about a minute on a CPU, several on a fresh CUDA machine), so a training process that finds
-its kernel cache empty (worker/supervisor/kernel_cache.py) runs one throwaway GRPO step of each model its
-worker offers (`mtq worker --models`) while no job waits. The step decodes, scores, and takes
-the loss and an update with a fresh LoRA of a job's defaults, as a job's first step does, on a
-small batch: MLX's kernels depend on the ops and dtypes, not on the batch's size, so a job's
-first step then finds them in the cache. The model stays loaded for the jobs.
+"""A worker's models warmed up before its first job. MLX compiles its kernels on first use,
+which makes a fresh machine's first step slow (docs/performance.md, "The first step and the
+kernel cache"), so a training process that finds its kernel cache empty
+(worker/supervisor/kernel_cache.py) runs one throwaway GRPO step of each model its worker offers
+(`mtq worker --models`) while no job waits. The step decodes, scores, and takes the loss and an
+update with a fresh LoRA of a job's defaults, as a job's first step does, on a small batch:
+MLX's kernels depend on the ops and dtypes, not on the batch's size, so a job's first step then
+finds them in the cache. The model stays loaded for the jobs.
 """
 
 import logging
