@@ -27,7 +27,7 @@ Chosen and rejected rows of a batch go through the model in one right-padded bat
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker.kinds import supervised_trainer as supervised
+from worker.kinds import supervised_trainer
 from worker.kinds.supervised_trainer import PreferenceTrainer, ReferenceLogps
 from worker.runtime.adapter_layers import lora_disabled
 from worker.runtime.logprobs import sequence_logps, token_logps
@@ -122,4 +122,4 @@ class DPOTrainer(PreferenceTrainer):
 
 def load(job, spec, settings):
     """The job's Run (worker/kinds/supervised_trainer.py load); the spec's kind says DPO or ORPO."""
-    return supervised.load(job, spec, settings, DPOTrainer)
+    return supervised_trainer.load(job, spec, settings, DPOTrainer)

@@ -17,7 +17,7 @@ from shared.metrics import recorder
 from shared.schemas import JobCreate
 from worker.kinds.grpo import HISTORY_METRICS, GRPOTrainer
 from worker.rewards.scorer import build_scorer
-from worker.runtime import score_requests as scoring
+from worker.runtime import score_requests
 from worker.runtime.adapter_layers import adapter_config, attach_adapter, remove_adapter_layers, save_adapter, started_from
 from worker.runtime.models import get_model
 from worker.runtime.train_core import Run
@@ -32,7 +32,7 @@ def load(job, spec: JobCreate, settings) -> Iterator[Run]:
         job.publish_loaded()
     init = init_adapter_dir(job.lease.r, settings, spec.init_adapter)
     job.write(event={"type": "model_ready", "cached": cached, "load_s": time.perf_counter() - t0, **started_from(spec)})
-    reward_model = functools.partial(scoring.reward_model_rewards, tenant=job.tenant)  # its owner's reward models
+    reward_model = functools.partial(score_requests.reward_model_rewards, tenant=job.tenant)  # its owner's reward models
     with build_scorer(spec, job.job_id, reward_model=reward_model) as scorer:
         mx.random.seed(cfg.seed)  # LoRA init and dropout
         attach_adapter(model, cfg, init=init)

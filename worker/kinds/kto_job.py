@@ -26,7 +26,7 @@ and the KL estimate's rows (policy and reference) are forward passes without one
 
 import mlx.core as mx
 
-from worker.kinds import supervised_trainer as supervised
+from worker.kinds import supervised_trainer
 from worker.kinds.supervised_trainer import Trainer, completion_rows
 from worker.runtime.adapter_layers import lora_disabled
 from worker.runtime.logprobs import sequence_logps, token_logps
@@ -105,4 +105,4 @@ class KTOTrainer(Trainer):
 
 def load(job, spec, settings):
     """The job's Run (worker/kinds/supervised_trainer.py load)."""
-    return supervised.load(job, spec, settings, KTOTrainer)
+    return supervised_trainer.load(job, spec, settings, KTOTrainer)

@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from shared.adapters import HEAD_FILE
 from shared.train_specs import RewardJobCreate
-from worker.kinds import supervised_trainer as supervised
+from worker.kinds import supervised_trainer
 from worker.kinds.reward_head import RewardModel, load_head, new_head, save_head
 from worker.kinds.supervised_trainer import PreferenceTrainer
 from worker.runtime.adapter_layers import save_adapter
@@ -61,4 +61,4 @@ class RewardTrainer(PreferenceTrainer):
 
 def load(job, spec: RewardJobCreate, settings):
     """The job's Run (worker/kinds/supervised_trainer.py load)."""
-    return supervised.load(job, spec, settings, RewardTrainer)
+    return supervised_trainer.load(job, spec, settings, RewardTrainer)

@@ -19,7 +19,7 @@ from mlx_lm.tuner.datasets import create_dataset
 
 from shared.datasets import DatasetError
 from shared.train_specs import SFTJobCreate
-from worker.kinds import supervised_trainer as supervised
+from worker.kinds import supervised_trainer
 from worker.kinds.supervised_trainer import Trainer
 from worker.runtime.logprobs import token_logps
 from worker.runtime.models import UnsupportedBase
@@ -81,4 +81,4 @@ def load(job, spec: SFTJobCreate, settings):
     if cfg.mxfp8:  # the seed server's field, failing as its job does
         raise UnsupportedBase("mxfp8 mixed-precision training is not supported (mlx_lm has no fp8 training path); "
                               "use qlora for memory savings")
-    return supervised.load(job, spec, settings, SFTTrainer, cfg.fine_tune_type, cfg.quant_bits if cfg.quantized else None)
+    return supervised_trainer.load(job, spec, settings, SFTTrainer, cfg.fine_tune_type, cfg.quant_bits if cfg.quantized else None)

@@ -31,9 +31,7 @@ from shared.jobstore import connect
 from shared.keys import adapter_key, checkpoint_key, events_key
 from shared.metrics import recorder
 from shared.settings import load_settings
-from worker.runtime import gang_group as gang
-from worker.runtime import job_loop
-from worker.runtime import score_requests as scoring
+from worker.runtime import gang_group, job_loop, score_requests
 from worker.runtime.memory_plan import device_description
 from worker.runtime.models import loaded_model_ids
 from worker.runtime.train_core import Cancelled
@@ -68,7 +66,7 @@ class JobRun:
     checkpoints and the adapter commit."""
 
     def __init__(self, lease: Lease, marks: Marks, parent_pid: int, tenant: str | None = None,
-                 part: gang.Gang = gang.SOLO):
+                 part: gang_group.Gang = gang_group.SOLO):
         self.lease, self.marks, self.parent_pid = lease, marks, parent_pid
         self.gang = part  # worker/runtime/gang_group.py: this process's rank of the job's gang (SOLO: the whole job)
         self.job_id = lease.job_id
@@ -118,7 +116,7 @@ class JobRun:
     def between_steps(self, model_id: str) -> None:
         """Answer waiting log-prob requests for the model this job trains (worker/runtime/score_requests.py)."""
         self.marks.mark()
-        retrying(lambda: scoring.serve_waiting(self.lease.r, load_settings(), model_id), "scoring")
+        retrying(lambda: score_requests.serve_waiting(self.lease.r, load_settings(), model_id), "scoring")
         self.marks.mark()
 
     def publish_loaded(self) -> None:
@@ -194,7 +192,7 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
     try:
         if ranks is not None:
             marks.mark("joining")  # the supervisor bounds this phase (MTQ_GANG_JOIN_S)
-            part = gang.join(*ranks)
+            part = gang_group.join(*ranks)
             job = (JobRun if rank == 0 else RankRun)(lease, marks, parent_pid, stored.tenant, part)
         else:
             job = JobRun(lease, marks, parent_pid, stored.tenant)
@@ -272,13 +270,14 @@ def main(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str
         # process after the requests already queued (scoring comes before training work).
         try:
             while not conn.poll(0):
-                if time.monotonic() - read_at > scoring.QUEUES_REREAD_S:
-                    queues, read_at = retrying(lambda: scoring.idle_queues(r, worker, settings), "scoring queues"), time.monotonic()
-                if retrying(lambda: scoring.serve_waiting(r, settings, queues=queues, wait_s=IDLE_WAIT_S), "scoring"):
+                if time.monotonic() - read_at > score_requests.QUEUES_REREAD_S:
+                    queues = retrying(lambda: score_requests.idle_queues(r, worker, settings), "scoring queues")
+                    read_at = time.monotonic()
+                if retrying(lambda: score_requests.serve_waiting(r, settings, queues=queues, wait_s=IDLE_WAIT_S), "scoring"):
                     publish_changes()  # a request may have loaded a model
                 if os.getppid() != parent_pid:
                     return
-            retrying(lambda: scoring.serve_waiting(r, settings, queues=queues), "scoring")
+            retrying(lambda: score_requests.serve_waiting(r, settings, queues=queues), "scoring")
             job_id, epoch, ranks = conn.recv()
         except (EOFError, OSError):
             return

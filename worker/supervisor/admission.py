@@ -27,7 +27,7 @@ from rq import Queue
 from shared import lifecycle, routing, workers
 from shared.keys import job_key
 from shared.settings import load_settings
-from worker.supervisor import gang_claims as gangs
+from worker.supervisor import gang_claims
 from worker.supervisor.lease import retrying
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def does_not_fit(r, here: Here, job_id: str, rq_job_id: str, kind: str, summary:
 def claimed_by_another_gang(r, name: str, job_id: str, rq_job_id: str) -> str | None:
     """This worker is claimed by another job's gang, whose rank job is on its way: route the
     job elsewhere. The reason, or None."""
-    claimed = retrying(lambda: gangs.claimed_by(r, name), "gang claim")
+    claimed = retrying(lambda: gang_claims.claimed_by(r, name), "gang claim")
     if claimed is None or claimed == job_id:
         return None
     reason = f"worker {name} is claimed by the gang of job {claimed}"
@@ -112,9 +112,9 @@ def form_gang(r, name: str, job_id: str, rq_job_id: str, kind: str, summary: dic
     live = retrying(lambda: workers.live_workers(r), "live workers")
     where = routing.route(kind, summary, live, warm=False,
                           finished=lambda j: r.hget(job_key(j), "status") != b"running")
-    members = gangs.pick(name, list(where.free), summary["config"]["workers"])
+    members = gang_claims.pick(name, list(where.free), summary["config"]["workers"])
     join_s = load_settings().gang_join_s
-    token = members and retrying(lambda: gangs.claim(r, [w["name"] for w in members], job_id, join_s), "gang claim")
+    token = members and retrying(lambda: gang_claims.claim(r, [w["name"] for w in members], job_id, join_s), "gang claim")
     if token:
         return LeadGang(members, token)
     retrying(lambda: lifecycle.wait_for_gang(r, job_id, rq_job_id), "wait for gang")
@@ -126,14 +126,14 @@ def push_ranks(r, job_id: str, epoch: int, gang: LeadGang, lane: str) -> list[li
     """The leader holds the job's lease under `epoch`: push each other member's rank job
     (worker.jobs.run_rank) on that member's own queue, which it serves first, and drop the
     leader's own claim. The gang's hostfile."""
-    hosts = gangs.hostfile(gang.members)
+    hosts = gang_claims.hostfile(gang.members)
     size = len(gang.members)
     for rank, member in enumerate(gang.names[1:], 1):
         queue = Queue(routing.own_queue(lane, member), connection=r)
         retrying(lambda: queue.enqueue_call(
-            gangs.RANK_JOB_FUNC, args=(job_id, epoch, rank, hosts, gang.token), timeout=-1,
+            gang_claims.RANK_JOB_FUNC, args=(job_id, epoch, rank, hosts, gang.token), timeout=-1,
             job_id=f"{job_id}-e{epoch}-rank{rank}", result_ttl=3600, failure_ttl=3600,
             description=f"rank {rank} of {size} of job {job_id} (epoch {epoch})"), "rank job")
-    gangs.release(r, gang.names[:1], gang.token)
+    gang_claims.release(r, gang.names[:1], gang.token)
     log.info("job %s: leading a gang of %d: %s", job_id, size, ", ".join(gang.names))
     return hosts

@@ -34,8 +34,7 @@ from shared import jobstore, lifecycle, routing, workers
 from shared.jobstore import connect
 from shared.keys import job_key
 from shared.settings import load_settings
-from worker.supervisor import admission, openblas, watchdog
-from worker.supervisor import gang_claims as gangs
+from worker.supervisor import admission, gang_claims, openblas, watchdog
 from worker.supervisor.child import TrainingProcess
 from worker.supervisor.lease import Lease, LeaseLost, retrying
 from worker.supervisor.reconciler import Reconciler
@@ -109,7 +108,7 @@ class Supervisor(RQWorker):
         """Start the gang job admission formed, this worker as rank 0, and push the other ranks."""
         lease = Lease.start(self.connection, job_id, self.name, gang=gang.names)
         if lease is None:
-            gangs.release(self.connection, gang.names, gang.token)
+            gang_claims.release(self.connection, gang.names, gang.token)
             return NO_LONGER_QUEUED
         hosts = admission.push_ranks(self.connection, job_id, lease.epoch, gang, summary["config"]["queue"])
         return self._run_leased(lease, summary, gang=(0, hosts))
@@ -117,7 +116,7 @@ class Supervisor(RQWorker):
     def run_rank(self, job_id: str, epoch: int, rank: int, hosts: list[list[str]], token: str) -> str:
         """rq's rank job (worker/jobs.py): this worker's part of a gang job its leader started
         under `epoch`; watched as any job, so that its death or stall ends the gang's attempt."""
-        gangs.release(self.connection, [self.name], token)
+        gang_claims.release(self.connection, [self.name], token)
         lease = Lease(self.connection, job_id, self.name, epoch)
         if not lease.renew():
             return "not started: the gang's attempt is over"
