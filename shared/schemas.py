@@ -10,6 +10,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from shared.model_ids import MODEL_ID_RE
+from shared.agentic_specs import OpenEnvEnvironment, PythonTool
 from shared.reward_specs import RewardSource
 
 SEED_MAX = 2**32 - 1
@@ -157,6 +158,19 @@ class GRPOConfig(OptimizerConfig):
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16, description="Stop strings (besides EOS).")
     use_chat_template: bool = Field(False, description="Render string prompts with the tokenizer's chat template (default: raw text, `tokenizer.encode`, as the seed server). Chat-message prompts always use the template.")
 
+    # Multi-turn episodes (docs/agentic.md): tools and an environment answer the model's turns.
+    max_turns: int = Field(1, ge=1, le=64, description="Model turns per episode; 1: one completion, as without tools.")
+    max_tool_calls: int = Field(8, ge=0, le=256, description="Tool calls per episode; past it a call is answered "
+                                "with an error message.")
+    max_episode_len: int | None = Field(
+        None, ge=1, le=131072, description="Tokens after the prompt: the model's turns and what tools and the "
+        "environment appended (max_completion_len counts the model's tokens only). Default: "
+        "max_completion_len + (max_turns - 1) * (max_tool_output_tokens + 32).")
+    max_tool_output_tokens: int = Field(256, ge=1, le=32768, description="Tokens of one tool result or observation "
+                                        "(its text is cut to fit).")
+    tool_timeout_s: float = Field(10.0, gt=0.0, le=600.0, description="Seconds one tool call may run.")
+    tool_parallelism: int = Field(4, ge=1, le=64, description="Tool calls and environment steps run at once.")
+
     # Memory of the loss step (worker/runtime/memory_plan.py).
     micro_batch_size: int | None = Field(
         None, ge=1, le=262_144,
@@ -210,6 +224,13 @@ class GRPOConfig(OptimizerConfig):
         return self.gradient_checkpointing
 
     @property
+    def episode_len(self) -> int:
+        """Tokens after the prompt (max_episode_len, or its default)."""
+        if self.max_episode_len is not None:
+            return self.max_episode_len
+        return self.max_completion_len + (self.max_turns - 1) * (self.max_tool_output_tokens + 32)
+
+    @property
     def epsilon_low(self) -> float:
         return self.clip_ratio
 
@@ -259,8 +280,22 @@ class JobCreate(BaseModel):
         description="Reward sources, summed with their weights. Default: config.reward_endpoint if set, else length in characters.",
     )
     init_adapter: InitAdapter | None = Field(None, description="Start from this adapter instead of a fresh LoRA.")
+    tools: list[PythonTool] | None = Field(None, min_length=1, max_length=32,
+                                           description="Python functions the model may call (docs/agentic.md).")
+    environment: OpenEnvEnvironment | None = Field(None, description="An OpenEnv server that drives the episodes.")
 
     _json_values = model_validator(mode="before")(check_json_values)
+
+    @model_validator(mode="after")
+    def _turns(self):
+        cfg = self.config
+        if self.tools and cfg.max_turns < 2:
+            raise ValueError("tools answer the model's turns: set config.max_turns to 2 or more")
+        if cfg.max_turns > 1 and not (self.tools or self.environment):
+            raise ValueError("config.max_turns > 1 needs tools or an environment to answer the model's turns")
+        if self.tools and len({t.function.rpartition(":")[2] for t in self.tools}) < len(self.tools):
+            raise ValueError("tools: two tools have the same function name")
+        return self
 
     @model_validator(mode="after")
     def _no_empty_prompt(self):

@@ -45,6 +45,7 @@ class Settings:
     tokens_file: Path | None = None
     # Operator allow-lists: python reward modules (prefixes) and directories models may be loaded from.
     reward_modules: tuple[str, ...] = ()
+    tool_modules: tuple[str, ...] = ()  # modules whose functions GRPO jobs may give the model as tools (MTQ_TOOL_MODULES)
     # OpenAI's python graders (shared/grader_sandbox.py): code sent with a request, so off unless turned on.
     python_graders: bool = False
     python_grader_timeout_s: float = 10.0  # wall time per sample (CPU time too)
@@ -119,6 +120,7 @@ def load_settings() -> Settings:
         redis_timeout_s=_float("MTQ_REDIS_TIMEOUT_S", Settings.redis_timeout_s),
         tokens_file=Path(tokens_file).expanduser() if tokens_file else None,
         reward_modules=_list("MTQ_REWARD_MODULES"),
+        tool_modules=_list("MTQ_TOOL_MODULES"),
         python_graders=os.environ.get("MTQ_PYTHON_GRADERS") == "1",
         python_grader_timeout_s=_float("MTQ_PYTHON_GRADER_TIMEOUT_S", Settings.python_grader_timeout_s),
         model_roots=tuple(Path(p).expanduser().resolve() for p in _list("MTQ_MODEL_ROOTS", sep=os.pathsep)),
