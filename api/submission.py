@@ -86,11 +86,12 @@ def spec_errors(r, spec: JobCreate, settings: Settings, who: Principal) -> list[
     # the model's context before the first step.
     cfg = spec.config
     rows = cfg.batch_size * cfg.group_size
-    step_tokens = rows * (max(lengths) + cfg.max_completion_len)
+    after = cfg.episode_len if cfg.max_turns > 1 or spec.environment is not None else cfg.max_completion_len
+    step_tokens = rows * (max(lengths) + after)
     if step_tokens > settings.max_step_tokens:
         errors.append(
             f"a step would hold about {step_tokens} tokens (batch_size x group_size rows x (longest prompt + "
-            f"max_completion_len)); the limit is {settings.max_step_tokens} (MTQ_MAX_STEP_TOKENS)"
+            f"max_completion_len, or a multi-turn job's max_episode_len)); the limit is {settings.max_step_tokens} (MTQ_MAX_STEP_TOKENS)"
         )
     return errors
 

@@ -129,13 +129,17 @@ def step_of(spec) -> dict[str, Any]:
     """What the memory estimate reads of a job: the rows a step holds, their width in tokens,
     and whether its loss step recomputes activations. GRPO: B*G rows of the longest prompt
     (CHARS_PER_TOKEN characters a token, plus a chat template's tokens) and max_completion_len
-    (checkpointing unless the job turns it off: the plan may turn it on). Supervised kinds:
+    (a multi-turn job's: its episode_len; checkpointing unless the job turns it off: the plan may
+    turn it on). Supervised kinds:
     batch_size x rows_per_example rows of max_seq_length."""
     kind, cfg = kinds.KINDS[spec.kind], spec.config
     if kind.family == "grpo":
         chars = max(prompt_chars(p) for p in spec.prompts)
         chat = cfg.use_chat_template or any(isinstance(p, list) for p in spec.prompts)
-        width = math.ceil(chars / CHARS_PER_TOKEN) + (CHAT_TEMPLATE_TOKENS if chat else 0) + cfg.max_completion_len
+        multi_turn = cfg.max_turns > 1 or getattr(spec, "environment", None) is not None  # tokens after the prompt: the episode's
+        chat = chat or multi_turn
+        width = (math.ceil(chars / CHARS_PER_TOKEN) + (CHAT_TEMPLATE_TOKENS if chat else 0)
+                 + (cfg.episode_len if multi_turn else cfg.max_completion_len))
         return {"rows": cfg.batch_size * cfg.group_size, "width": width,
                 "checkpointing": cfg.use_gradient_checkpointing is not False}
     return {"rows": cfg.batch_size * kind.rows_per_example, "width": cfg.max_seq_length,

@@ -293,6 +293,8 @@ class JobCreate(BaseModel):
             raise ValueError("tools answer the model's turns: set config.max_turns to 2 or more")
         if cfg.max_turns > 1 and not (self.tools or self.environment):
             raise ValueError("config.max_turns > 1 needs tools or an environment to answer the model's turns")
+        if cfg.max_turns > 1 and cfg.stop:
+            raise ValueError("config.stop: stop strings are not supported with max_turns > 1 (a turn ends at EOS)")
         if self.tools and len({t.function.rpartition(":")[2] for t in self.tools}) < len(self.tools):
             raise ValueError("tools: two tools have the same function name")
         return self

@@ -71,3 +71,26 @@ class StaticKVCache:
 
     def make_mask(self, n: int, return_array: bool = False, window_size=None) -> mx.array:
         return self.slots.mask
+
+
+class EpisodeSlots:
+    """Slots of a multi-turn decode (worker/decode/episodes.py): a row's tokens need not be one
+    run of slots after its left padding, since rows wait while others decode and turns are
+    appended at the same slot for all rows. `valid` (rows, capacity) marks the slots before
+    write_pos holding a token of the row; the n new tokens of a row are the last n - chunk_pad
+    of the pass (left-padded within it); positions (rows,) is the RoPE position of each row's
+    first new token. No attention kernel: the mask is an array like any other."""
+
+    kernel, pending, attended = False, None, 0
+
+    def __init__(self, capacity: int, write_pos: mx.array, positions: mx.array, valid: mx.array, n: int,
+                 chunk_pad: mx.array | None = None):
+        self.write_pos = write_pos
+        chunk_pad = mx.zeros_like(positions) if chunk_pad is None else chunk_pad
+        self.offset = positions - chunk_pad  # the padding before a row's new tokens takes the positions before them
+        s = mx.arange(capacity)[None, None, :]
+        q = (write_pos + mx.arange(n))[None, :, None]
+        before = valid[:, None, :] & (s < write_pos)
+        new = (s >= write_pos + chunk_pad[:, None, None]) & (s <= q)  # causal within the pass, after its padding
+        self.mask = (before | new | (s == q))[:, None]  # a padding query sees itself: no NaN (attention_mask)
+        self.one = (mx.arange(capacity) == write_pos)[None, None, :, None] if n == 1 else None

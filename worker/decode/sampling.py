@@ -61,6 +61,30 @@ def make_decode_step(
     key, lora_args(model), and draw's rows (None: the rows are the whole batch). It gives the
     next tokens, their log-probs and entropies, whether each token belongs to its completion
     (its row had not finished), the rows finished after it, and the new KV buffers."""
+    kernels = attention_kernel.cuda() if kernel is None else kernel
+    kernel = kernel_fits(model) if kernel is None else kernel
+    forward, constant = make_decode_forward(model, dense, kernels)
+
+    def step(tokens, keys, values, write_pos, left_pad, finished, key, lora, rows):
+        capacity = keys[0].shape[2]
+        slots = Slots(capacity, write_pos, left_pad, 1, kernel)
+        caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
+        logits = forward(tokens, caches, slots, lora, queries)
+        nxt, logp, ent = draw(logits, key, params, rows)
+        nxt = mx.where(finished, pad_id, nxt)
+        valid = ~finished
+        finished = finished | is_eos(nxt, eos_ids)
+        return nxt, logp, ent, valid, finished, [c.keys for c in caches], [c.values for c in caches]
+
+    return mx.compile(step) if constant else mx.compile(step, inputs=[model.state])
+
+
+def make_decode_forward(model: nn.Module, dense: bool, kernels: bool) -> tuple[Callable, bool]:
+    """The traced part of a decode step that every decode shares (make_decode_step's and
+    worker/decode/episodes.py's): forward(tokens, caches, slots, lora, queries) -> the logits of
+    each row's one new token, under the decode's attention, blocks and projections. Also
+    whether the model's weights can be constants of the compiled step (all its trainable
+    weights are LoRA weights passed as `lora`)."""
     groups = decode_groups(model)
     copies = dequantized(decode_projections(model, groups)) if dense else {}
     embed = model.model.embed_tokens
@@ -70,27 +94,17 @@ def make_decode_step(
         dense_head = lambda h: h @ w  # noqa: E731
     passed = {id(a) for g in groups if g.lora for m in g.modules for a in (m.lora_a, m.lora_b)}
     constant = all(id(a) in passed for _, a in tree_flatten(model.trainable_parameters()))
-    kernels = attention_kernel.cuda() if kernel is None else kernel
-    kernel = kernel_fits(model) if kernel is None else kernel
 
-    def step(tokens, keys, values, write_pos, left_pad, finished, key, lora, rows):
-        capacity = keys[0].shape[2]
-        slots = Slots(capacity, write_pos, left_pad, 1, kernel)
-        caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
+    def forward(tokens, caches, slots, lora, queries):
         # The function runs only while traced: what the contexts change is in the graph.
         handoff = Handoff()
-        with (decode_attention(slots, queries or fused_queries(keys[0])), decode_blocks(slots, kernels, handoff),
+        with (decode_attention(slots, queries or fused_queries(caches[0].keys)), decode_blocks(slots, kernels, handoff),
               grouped_projections(groups, lora, copies, kernels, handoff)):
             hidden = model.model(tokens[:, None], cache=caches)
             head = dense_head or lm_head(model)  # looked up while traced: grouped_projections' as_linear
-            logits = head(hidden if hidden.ndim == 2 else hidden[:, 0])  # decode_blocks' rows may be 2-D
-        nxt, logp, ent = draw(logits, key, params, rows)
-        nxt = mx.where(finished, pad_id, nxt)
-        valid = ~finished
-        finished = finished | is_eos(nxt, eos_ids)
-        return nxt, logp, ent, valid, finished, [c.keys for c in caches], [c.values for c in caches]
+            return head(hidden if hidden.ndim == 2 else hidden[:, 0])  # decode_blocks' rows may be 2-D
 
-    return mx.compile(step) if constant else mx.compile(step, inputs=[model.state])
+    return forward, constant
 
 
 def kernel_fits(model: nn.Module) -> bool:

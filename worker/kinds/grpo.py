@@ -55,7 +55,7 @@ before clipping: the update is one worker's for the same B prompts.
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
@@ -65,7 +65,10 @@ import numpy as np
 from mlx.utils import tree_map
 
 from shared.schemas import GRPOConfig, JobCreate, PromptItem
+from worker.agentic.answering import Answerer, RowEpisode
+from worker.agentic.conversation import as_messages
 from worker.decode.draw import Samples, SamplingParams
+from worker.decode.episodes import Limits, make_episode_step, sample_episodes
 from worker.decode.sampling import make_decode_step, sample
 from worker.rewards.batch import RewardStopped
 from worker.runtime.adapter_layers import lora_disabled
@@ -251,17 +254,18 @@ class JobDoesNotFitModel(ValueError):
     """The job asks for more than the model has: its context or its vocabulary."""
 
 
-def check_fits_model(model: nn.Module, prompt_ids: list[list[int]], cfg: GRPOConfig) -> None:
-    """Before the first step: every prompt (tokenised) plus max_completion_len fits the
-    model's context, and top_k is within its vocabulary. (The API could only estimate from
-    characters.)"""
+def check_fits_model(model: nn.Module, prompt_ids: list[list[int]], cfg: GRPOConfig, multi_turn: bool = False) -> None:
+    """Before the first step: every prompt (tokenised) plus max_completion_len (a multi-turn
+    job's: max_episode_len) fits the model's context, and top_k is within its vocabulary. (The
+    API could only estimate from characters.)"""
     args = getattr(model, "args", None)
     context = getattr(args, "max_position_embeddings", None)
     longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-    if context and len(prompt_ids[longest]) + cfg.max_completion_len > context:
+    after, what = (cfg.episode_len, "max_episode_len") if multi_turn else (cfg.max_completion_len, "max_completion_len")
+    if context and len(prompt_ids[longest]) + after > context:
         raise JobDoesNotFitModel(
-            f"prompts[{longest}] is {len(prompt_ids[longest])} tokens; with max_completion_len "
-            f"{cfg.max_completion_len} that exceeds the model's context of {context} tokens"
+            f"prompts[{longest}] is {len(prompt_ids[longest])} tokens; with {what} "
+            f"{after} that exceeds the model's context of {context} tokens"
         )
     vocab = getattr(args, "vocab_size", None)
     if vocab and cfg.top_k > vocab:
@@ -280,9 +284,11 @@ class Rollout:
     texts: list[str]  # each completion's text for the rewards (cut before a stop string)
     lengths: list[int]  # each completion's tokens in the loss (its EOS, or the stop string's last token, included)
     ended: list[bool]  # ended by EOS or a stop string (not cut at max_completion_len)
-    mask: mx.array  # (rows, L) bool: the completion tokens
+    mask: mx.array  # (rows, L) bool: the completion tokens (of a multi-turn row: the model's)
     seconds: float  # of sampling
     width: int  # the prompts' padded width: the longest of the whole step's (a gang's too)
+    rows_per_prompt: int = 0  # rows each of prompt_ids stands for: G, or 1 where each row has its own (multi-turn)
+    episodes: list[RowEpisode] = field(default_factory=list)  # a multi-turn step's, row by row
 
     def groups(self, per_row: list) -> list[list]:
         """A per-row list as B groups of G."""
@@ -293,29 +299,39 @@ class Rollout:
 class GRPOTrainer:
     """Runs the steps of one job on a model with LoRA attached (worker/runtime/adapter_layers.py)."""
 
-    def __init__(self, model: nn.Module, tokenizer, spec: JobCreate, scorer, gang: Gang = SOLO):
+    def __init__(self, model: nn.Module, tokenizer, spec: JobCreate, scorer, gang: Gang = SOLO,
+                 answerer: Answerer | None = None):
         self.model, self.tokenizer, self.spec, self.cfg, self.scorer = model, tokenizer, spec, spec.config, scorer
         cfg = self.cfg
+        self.answerer = answerer  # a multi-turn job's tools and environment (docs/agentic.md)
         # A gang's rank (worker/runtime/gang_group.py) takes every size-th prompt of a step, and its groups' rows.
         self.gang = gang
         self.positions = gang.share(list(range(cfg.batch_size)))
         rows = tuple(b * cfg.group_size + g for b in self.positions for g in range(cfg.group_size))
         self.items = [as_item(p) for p in spec.prompts]
-        self.prompt_ids = [prompt_token_ids(tokenizer, it, cfg.use_chat_template) for it in self.items]
-        check_fits_model(model, self.prompt_ids, cfg)
+        if answerer is None:
+            self.prompt_ids = [prompt_token_ids(tokenizer, it, cfg.use_chat_template) for it in self.items]
+        else:  # with the tools' schemas; an environment's first observation comes on top, per episode
+            self.prompt_ids = [answerer.conversation(as_messages(it.prompt)).prompt_tokens() for it in self.items]
+        check_fits_model(model, self.prompt_ids, cfg, answerer is not None)
         eos = getattr(tokenizer, "eos_token_ids", None)
         self.eos_ids = sorted(eos) if eos is not None else [tokenizer.eos_token_id]
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                        *((rows, cfg.batch_size * cfg.group_size) if gang.size > 1 else ()))
         # Memory: fails here, before anything runs, when even one row cannot fit.
-        width = max(len(p) for p in self.prompt_ids) + cfg.max_completion_len
+        width = max(len(p) for p in self.prompt_ids) + (cfg.max_completion_len if answerer is None else cfg.episode_len)
         self.memory = plan_memory(
             model, cfg.batch_size * cfg.group_size, width, cfg.use_gradient_checkpointing,
             cfg.micro_batch_size, cfg.max_memory_gb,
         )
-        self.decode_step = make_decode_step(model, self.sampling, self.eos_ids, pad_id,
-                                            dense=self.memory.dense_decode_gb > 0)
+        self.pad_id = pad_id
+        if answerer is None:
+            self.decode_step = make_decode_step(model, self.sampling, self.eos_ids, pad_id,
+                                                dense=self.memory.dense_decode_gb > 0)
+        else:
+            self.decode_step = make_episode_step(model, self.sampling, self.eos_ids, pad_id,
+                                                 dense=self.memory.dense_decode_gb > 0)
         self.optimizer = make_optimizer(cfg, cfg.iters * cfg.num_iterations)
         self.optimizer.init(model.trainable_parameters())
         self.chunk_tokens = logits_chunk_tokens(model_shape(model).vocab)
@@ -396,7 +412,7 @@ class GRPOTrainer:
         advantages = advantages_from_rewards(every, self.cfg.scale_rewards)[self.positions]
         loss, stats, grad_norm = self.update(rollout, advantages, state.step, should_stop, on_finite_loss)
 
-        tokens = sum(rollout.lengths) + sum(len(p) for p in rollout.prompt_ids) * self.cfg.group_size
+        tokens = sum(rollout.lengths) + sum(len(p) for p in rollout.prompt_ids) * rollout.rows_per_prompt
         state.num_tokens += tokens if self.gang.size == 1 else int(self.gang.sum(mx.array(tokens)).item())
         metrics = step_metrics(rollout, every, reward_metrics, loss, stats, grad_norm, self.optimizer, state.num_tokens)
         metrics["step_time"] = time.perf_counter() - t0
@@ -414,7 +430,9 @@ class GRPOTrainer:
 
     def rollout(self, step: int, should_stop: Callable[[], bool]) -> Rollout:
         """Phase 1: sample G completions for each of the step's B prompts; their texts, with
-        stop strings ending a completion early (host side)."""
+        stop strings ending a completion early (host side). A multi-turn job's: G episodes."""
+        if self.answerer is not None:
+            return self.episodes_rollout(step, should_stop)
         cfg, tok = self.cfg, self.tokenizer
         every = batch_indices(len(self.items), cfg.batch_size, step, cfg.seed)
         width = max(len(self.prompt_ids[i]) for i in every)  # as the whole step pads them
@@ -450,16 +468,65 @@ class GRPOTrainer:
         else:
             texts = [completion_text(tok, body) for body in bodies]
         return Rollout(idx, [self.items[i] for i in idx], prompt_ids, samples, bodies, texts, lengths, ended, mask, seconds,
-                       width)
+                       width, cfg.group_size)
+
+    def episodes_rollout(self, step: int, should_stop: Callable[[], bool]) -> Rollout:
+        """Phase 1 of a multi-turn job: G episodes of each of the step's B prompts, decoded
+        together (worker/decode/episodes.py), their turns answered by the job's tools and
+        environment. An episode's environment is reset with the step's seed plus its prompt's
+        index: the G episodes of a prompt play the same game. Its completion, for the rewards,
+        is its last turn's text."""
+        cfg, tok, G = self.cfg, self.tokenizer, self.cfg.group_size
+        idx = self.gang.share(batch_indices(len(self.items), cfg.batch_size, step, cfg.seed))
+        seed = step_seed(cfg.seed, step)
+        mx.random.seed(seed)
+        self.model.eval()
+        episodes = [self.answerer.episode(as_messages(self.items[i].prompt), (seed + i) % 2**31) for i in idx for _ in range(G)]
+        pool = self.answerer.pool
+        t0 = time.perf_counter()
+        try:
+            prompt_ids = list(pool.map(RowEpisode.start, episodes))
+            decoded = sample_episodes(
+                self.model, self.decode_step, prompt_ids, self.sampling, Limits(cfg.max_turns, cfg.episode_len),
+                self.eos_ids, self.pad_id, mx.random.key(seed), lambda r, tokens: episodes[r].answer(tokens), pool,
+                should_stop)
+        finally:
+            for e in episodes:
+                e.close()
+        if decoded is None:
+            raise Cancelled()
+        seconds = time.perf_counter() - t0
+        samples = decoded.samples
+        for e, turns in zip(episodes, decoded.turns):
+            e.turns = len(turns)
+        rows = samples.tokens.tolist()
+        bodies = []
+        for r, turns in enumerate(decoded.turns):
+            start, end = turns[-1] if turns else (0, 0)
+            body = rows[r][start:end]
+            bodies.append(body[:-1] if body and body[-1] in self.eos_ids else body)
+        texts = [completion_text(tok, body) for body in bodies]
+        lengths = samples.mask.sum(axis=1).tolist()
+        return Rollout(idx, [self.items[i] for i in idx], prompt_ids, samples, bodies, texts, lengths,
+                       samples.ended.tolist(), samples.mask, seconds, max(len(p) for p in prompt_ids), 1, episodes)
 
     def score(self, rollout: Rollout, step: int, should_stop: Callable[[], bool]) -> tuple[np.ndarray, dict[str, float]]:
         """Phase 2: the completions' rewards, (B, G) with NaN where unscorable, and the reward
         sources' metrics (worker/rewards/scorer.py)."""
-        try:
-            return self.scorer.score(step, rollout.items, rollout.groups(rollout.texts),
-                                     token_counts=rollout.groups(rollout.lengths), should_stop=should_stop)
-        except RewardStopped:  # cancelled while waiting on a reward server
-            raise Cancelled() from None
+        env = self.spec.environment
+        if env is not None and self.spec.reward is None and not self.cfg.reward_endpoint:
+            rewards, metrics = np.full((len(rollout.items), self.cfg.group_size), np.nan), {}  # the environment's alone
+        else:
+            try:
+                rewards, metrics = self.scorer.score(step, rollout.items, rollout.groups(rollout.texts),
+                                                     token_counts=rollout.groups(rollout.lengths), should_stop=should_stop)
+            except RewardStopped:  # cancelled while waiting on a reward server
+                raise Cancelled() from None
+        if env is not None:  # its weighted reward added; NaN (unscorable) only where both are
+            weighted = env.reward_weight * np.array(rollout.groups([e.env_reward for e in rollout.episodes]))
+            both = np.isnan(rewards) & np.isnan(weighted)
+            rewards = np.where(both, np.nan, np.nan_to_num(rewards) + np.nan_to_num(weighted))
+        return rewards, metrics
 
     def update(self, rollout: Rollout, advantages: np.ndarray, step: int, should_stop: Callable[[], bool],
                on_finite_loss: Callable[[], None]) -> tuple[mx.array, dict, mx.array]:
@@ -468,7 +535,7 @@ class GRPOTrainer:
         when beta > 0. Returns the last update's loss, statistics and gradient norm."""
         cfg, model = self.cfg, self.model
         mask = rollout.mask & mx.array(rollout.ended)[:, None] if cfg.mask_truncated_completions else rollout.mask
-        batch = make_batch(rollout.prompt_ids, rollout.samples, mask, advantages, cfg.group_size, rollout.width)
+        batch = make_batch(rollout.prompt_ids, rollout.samples, mask, advantages, rollout.rows_per_prompt, rollout.width)
         if cfg.beta > 0:
             with lora_disabled(model):
                 batch.ref_logp = self.forward_logprobs(batch)
@@ -516,12 +583,30 @@ def step_metrics(rollout: Rollout, rewards: np.ndarray, reward_metrics: dict, lo
         "num_tokens": num_tokens,
         "grad_norm": float(grad_norm.item()),
         "learning_rate": float(optimizer.learning_rate.item()),
-        "tokens_per_second": samples.steps * len(rollout.texts) / max(rollout.seconds, 1e-9),
+        # Tokens the model drew per second (a multi-turn decode also prefills what answered its turns).
+        "tokens_per_second": (sum(rollout.lengths) if rollout.episodes else samples.steps * len(rollout.texts))
+        / max(rollout.seconds, 1e-9),
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "n_samples": len(rollout.texts),
         **reward_metrics,
     }
     metrics["mean_reward"] = metrics["reward"]
+    if rollout.episodes:
+        metrics.update(episode_metrics(rollout.episodes))
+    return metrics
+
+
+def episode_metrics(episodes: list[RowEpisode]) -> dict[str, float]:
+    """A multi-turn step's: model turns, tool calls and tool errors per episode, and the mean
+    environment reward (over the episodes it rewarded)."""
+    env = np.array([e.env_reward for e in episodes])
+    metrics = {
+        "turns/mean": float(np.mean([e.turns for e in episodes])),
+        "tool_calls/mean": float(np.mean([e.tool_calls for e in episodes])),
+        "tool_errors/mean": float(np.mean([e.tool_errors for e in episodes])),
+    }
+    if episodes[0].environment is not None:
+        metrics["env_reward"] = float(np.nan_to_num(nan_mean(env)))
     return metrics
 
 
@@ -531,11 +616,21 @@ def samples_event(rollout: Rollout, rewards: np.ndarray) -> dict:
     downstream trainer needs for its own ratios, and what the log-prob endpoint answers for the
     same prompt and completion text."""
     cut = min(SAMPLE_TEXT_CHARS, SAMPLES_EVENT_CHARS // len(rollout.texts))
-    text_tokens = [min(n, len(body)) for n, body in zip(rollout.lengths, rollout.bodies)]
     old_logp = np.array(rollout.samples.logprobs)
-    sums = [float(old_logp[i, :n].sum()) for i, n in enumerate(text_tokens)]
-    return {"prompt_indices": rollout.indices,
-            "completions": [[text[:cut] for text in group] for group in rollout.groups(rollout.texts)],
-            "rewards": [[None if np.isnan(r) else float(r) for r in group] for group in rewards],
-            "token_counts": rollout.groups(text_tokens),
-            "logprobs": rollout.groups(sums)}
+    if rollout.episodes:  # a multi-turn step's: every model token of the episode, and the conversation
+        text_tokens = rollout.lengths
+        sums = [float(row.sum()) for row in old_logp]  # 0 off the model's tokens
+    else:
+        text_tokens = [min(n, len(body)) for n, body in zip(rollout.lengths, rollout.bodies)]
+        sums = [float(old_logp[i, :n].sum()) for i, n in enumerate(text_tokens)]
+    event = {"prompt_indices": rollout.indices,
+             "completions": [[text[:cut] for text in group] for group in rollout.groups(rollout.texts)],
+             "rewards": [[None if np.isnan(r) else float(r) for r in group] for group in rewards],
+             "token_counts": rollout.groups(text_tokens),
+             "logprobs": rollout.groups(sums)}
+    if rollout.episodes:
+        conversations = [e.after_prompt() for e in rollout.episodes]
+        per_message = max(1, cut // max(1, max(len(c) for c in conversations)))
+        event["conversations"] = rollout.groups(
+            [[{"role": m["role"], "content": m["content"][:per_message]} for m in c] for c in conversations])
+    return event
