@@ -4,10 +4,12 @@ pool while the other rows go on decoding), the answer's tokens appended to the r
 
 Rows decode together in one compiled step, as in worker/decode/sampling.py, over KV buffers in
 which a row's tokens need not be contiguous (EpisodeSlots' `valid`): a row whose turn ended waits,
-its slots masked, while the others decode. Once no row decodes, the answers are in: each row's
-valid slots are packed to the right of the buffers (a gather: no token is recomputed), and the
-rows that go on get their last token and the appended tokens in one prefill pass of all rows,
-left-padded within it, that also gives the first token of their next turn.
+its slots masked, while the others decode. No row waits for another's turn: at each look (every
+CHUNK decode steps, sooner while answers are on their way) the rows whose answers are in get
+their last token and the appended tokens in one prefill pass of those rows only (left-padded
+within it), which also gives the first token of their next turn; the other rows skip its slots.
+When the buffers fill, each row's valid slots are packed to their end (a gather: no token is
+recomputed).
 
 A row ends at an EOS that nothing answers, when its answer does not fit the episode's tokens,
 at max_turns, or when its model tokens reach max_tokens (max_completion_len) or its episode's
@@ -121,19 +123,28 @@ class _Buffers:
             self.pack()
             self.grow(self.write_pos + n)
 
-    def prefill(self, model: nn.Module, tokens: mx.array, chunk_pad: mx.array) -> mx.array:
-        """Forward each row's new tokens (rows, n), left-padded by chunk_pad, at the write
-        slot; returns the last position's logits."""
+    def prefill(self, model: nn.Module, tokens: mx.array, chunk_pad: mx.array, rows: mx.array | None = None) -> mx.array:
+        """Forward new tokens (n a row, left-padded by chunk_pad) at the write slot: of every
+        row, or of the rows `rows` only (the others' slots of the pass stay invalid: a gap the
+        next pack drops). Returns the last position's logits of the rows forwarded."""
         n = tokens.shape[1]
         self.grow(self.write_pos + n)
-        slots = EpisodeSlots(self.capacity, mx.array(self.write_pos, dtype=mx.int32), self.positions, self.valid, n,
-                             chunk_pad)
-        caches = [StaticKVCache(self.capacity, slots, k, v) for k, v in zip(self.keys, self.values)]
+        part = (lambda a: a) if rows is None else (lambda a: a[rows])
+        valid, positions = part(self.valid), part(self.positions)
+        slots = EpisodeSlots(self.capacity, mx.array(self.write_pos, dtype=mx.int32), positions, valid, n, chunk_pad)
+        caches = [StaticKVCache(self.capacity, slots, part(k) if k is not None else None, part(v) if v is not None else None)
+                  for k, v in zip(self.keys, self.values)]
         logits = lm_head(model)(model.model(tokens, cache=caches)[:, -1, :])
-        self.keys, self.values = [c.keys for c in caches], [c.values for c in caches]
         s = mx.arange(self.capacity)[None, :]
-        self.valid = self.valid | ((s >= self.write_pos + chunk_pad[:, None]) & (s < self.write_pos + n))
-        self.positions = self.positions + (n - chunk_pad)
+        valid = valid | ((s >= self.write_pos + chunk_pad[:, None]) & (s < self.write_pos + n))
+        positions = positions + (n - chunk_pad)
+        if rows is None:
+            self.keys, self.values = [c.keys for c in caches], [c.values for c in caches]
+            self.valid, self.positions = valid, positions
+        else:
+            for layer, c in enumerate(caches):
+                self.keys[layer][rows], self.values[layer][rows] = c.keys, c.values
+            self.valid[rows], self.positions[rows] = valid, positions
         self.write_pos += n
         return logits
 
@@ -205,10 +216,8 @@ def sample_episodes(
     """Decode one episode per prompt (rows: the prompts as given, one row each). Returns None
     when should_stop() said so (the job was cancelled).
 
-    No row waits for another's turn: a turn that ends is answered on the pool while the other
-    rows decode, and at the next look (every CHUNK steps) the answered rows' tokens are
-    prefilled in one pass of all rows, in which each decoding row forwards its one next token
-    (its last, left-padded), so that the pass is also their decode step."""
+    A turn that ends is answered on the pool while the other rows decode; the answered rows'
+    tokens are prefilled at a later look (the module docstring)."""
     rows = len(prompts)
     prompt_tokens, pad = left_pad(prompts, pad_id=0)
     buffers = _Buffers(rows, len(model.layers), prompt_tokens.shape[1] + CHUNK + min(params.max_tokens, limits.episode_len))
@@ -228,20 +237,23 @@ def sample_episodes(
     decoding = np.zeros(rows, dtype=bool)  # the host's view of `live`
     steps, appended, pending = 0, 0, []
     while True:
-        if starting.any():  # the last pass's logits: the first token of these rows' turns, the next of the others'
+        if starting.any():  # the last pass's logits: the first token of these rows' turns
             budget = np.minimum(params.max_tokens - model_used, limits.episode_len - episode_used)
-            start = mx.array(starting)
-            drawing = start | live
-            remaining = mx.where(start, mx.array(budget.astype(np.int32)), remaining) - drawing
-            nxt, logp, ent = draw(logits, keys.next(), params, draw_rows)
-            tokens = mx.where(drawing, nxt, pad_id)
-            live = drawing & ~is_eos(tokens, eos_ids) & (remaining > 0)
-            pending.append((tokens, logp, ent, drawing))
+            sel = np.flatnonzero(starting)
+            at = mx.array(sel.astype(np.int32))
+            nxt, logp, ent = draw(logits, keys.next(), params, (params.batch_height or rows, mx.array(index[sel])))
+            tokens[at] = nxt
+            remaining[at] = mx.array(budget[sel].astype(np.int32) - 1)
+            live[at] = ~is_eos(nxt, eos_ids) & (remaining[at] > 0)
+            drew = mx.array(starting)
+            pending.append(tuple(mx.zeros((rows,), a.dtype).at[at].add(a) for a in (nxt, logp, ent)) + (drew,))
             decoding |= starting
             starting[:] = False
         if decoding.any():
-            buffers.make_room(CHUNK)
-            for _ in range(CHUNK):
+            # Answers on their way: look sooner, so the rows they answer wait fewer steps.
+            n = CHUNK // 4 if answers else CHUNK
+            buffers.make_room(n)
+            for _ in range(n):
                 tokens, logp, ent, drew, live, remaining, buffers.valid, buffers.positions, buffers.keys, buffers.values = step_fn(
                     tokens, buffers.keys, buffers.values, mx.array(buffers.write_pos, dtype=mx.int32), buffers.positions,
                     buffers.valid, live, remaining, keys.next(), lora, draw_rows)
@@ -283,18 +295,17 @@ def sample_episodes(
             if decoding.any() or answers:
                 continue
             break
-        # One pass: the answered rows' last token and answer, the decoding rows' next token.
-        current = np.array(tokens)
-        width = max(len(c) for c in chunks.values())
-        chunk = np.zeros((rows, width), dtype=np.int32)
-        chunk_pad = np.full(rows, width, dtype=np.int32)
-        for r, c in chunks.items():
-            chunk[r, width - len(c):], chunk_pad[r] = c, width - len(c)
-        chunk[decoding, -1], chunk_pad[decoding] = current[decoding], width - 1
+        # One pass of the answered rows: their last token and their answer.
+        sel = [int(r) for r in sorted(chunks)]
+        width = max(len(chunks[r]) for r in sel)
+        chunk = np.zeros((len(sel), width), dtype=np.int32)
+        chunk_pad = np.array([width - len(chunks[r]) for r in sel], dtype=np.int32)
+        for i, r in enumerate(sel):
+            chunk[i, chunk_pad[i]:] = chunks[r]
         appended += sum(len(c) for c in chunks.values())
         buffers.make_room(width)
-        logits = buffers.prefill(model, mx.array(chunk), mx.array(chunk_pad))
-        starting[list(chunks)] = True
+        logits = buffers.prefill(model, mx.array(chunk), mx.array(chunk_pad), mx.array(sel))
+        starting[sel] = True
 
     samples = out.samples(ended)
     mx.eval(samples.tokens, samples.logprobs, samples.entropy, samples.mask, samples.ended)
