@@ -127,6 +127,71 @@ def test_page_lists_every_kind_and_draws_each_kind_s_curves(stack, worker, brows
         browser.screenshot(ARTIFACTS / f"ui-{kind}-job.png")
 
 
+def test_page_shows_a_multi_turn_job_s_conversations_as_text(stack, browser):
+    """A samples event with `conversations` (a multi-turn GRPO job's episodes): each shown
+    completion's messages in order, each with its role, styled by role, their contents as text
+    (HTML in them is not markup), a long one scrolling; a samples event without them as before.
+    The episode metrics of the step events are drawn. The events are written into the stream of
+    a job no worker takes (a lane none serves), as the worker writes them (shared/events.py)."""
+    from shared import lifecycle
+    from shared.events import append_event
+
+    with stack.client() as api:
+        job_id = api.post(JOBS, json={"model_id": stack.tiny_model.name, "prompts": ["Find the answer."],
+                                      "config": {**CONFIG, "iters": 3, "queue": "ui-only"},
+                                      "reward": [{"type": "length"}]}).json()["job_id"]
+    hostile = '<img src=x onerror="window.injected = 1"><b>bold</b> & <script>window.injected = 2</script>'
+    long = "\n".join(f"line {i}" for i in range(200))
+    episode = [{"role": "assistant", "content": 'search("answer")'}, {"role": "tool", "content": hostile},
+               {"role": "user", "content": long}, {"role": "assistant", "content": "The answer is 4."}]
+    short = [{"role": "assistant", "content": "4"}]
+    append_event(stack.redis, job_id, {"type": "samples", "iter": 0, "prompt_indices": [0],
+                                       "completions": [["plain <i>text</i>", "two"]], "rewards": [[0.5, None]]})
+
+    browser.goto(stack.base_url + "/ui")
+    browser.eval(f"sessionStorage.setItem('mtq-token', {json.dumps(TOKEN)})")
+    browser.goto(f"{stack.base_url}/ui#/job/{job_id}")
+    browser.wait("document.getElementById('samples').textContent.startsWith('step 0')")
+    rows = "[...document.querySelectorAll('#samples table.samples tr')]"
+    # Without conversations: as before, a reward and the completion's text per row.
+    assert browser.eval(f"{rows}.map(r => [...r.querySelectorAll('td')].map(td => td.textContent))") == [
+        ["0.5", "plain <i>text</i>"], ["", "two"]]
+    assert browser.eval("document.querySelectorAll('#samples .conversation, #samples i').length") == 0
+
+    append_event(stack.redis, job_id, {"type": "grpo_step", "iter": 1, "total_iters": 3, "reward": 0.5, "loss": 0.1,
+                                       "turns/mean": 2.5, "tool_calls/mean": 1.5, "tool_errors/mean": 0.5,
+                                       "env_reward": 0.25})
+    append_event(stack.redis, job_id, {"type": "samples", "iter": 1, "prompt_indices": [0],
+                                       "completions": [["The answer is 4.", "4"]], "rewards": [[1.0, 0.0]],
+                                       "conversations": [[episode, short]]})
+    browser.wait("document.getElementById('samples').textContent.startsWith('step 1')")
+    messages = (f"{rows}.map(r => [...r.querySelectorAll('.conversation > .message')].map(m => "
+                "[m.dataset.role, m.querySelector('.role').textContent, m.querySelector('pre.content').textContent]))")
+    assert browser.eval(messages) == [[[m["role"], m["role"], m["content"]] for m in episode],
+                                      [["assistant", "assistant", "4"]]]
+    assert browser.eval(f"{rows}.map(r => r.querySelector('td').textContent)") == ["1", "0"]
+    # The tool's HTML is text: no element made of it, nothing of it ran.
+    assert browser.eval("document.querySelectorAll('#samples img, #samples b, #samples script').length") == 0
+    assert browser.eval("window.injected === undefined") is True
+    # Each role its own look; the long observation scrolls in its box.
+    looks = browser.eval("Object.fromEntries([...document.querySelectorAll('#samples .message')].map(m => "
+                         "[m.dataset.role, getComputedStyle(m).backgroundColor + getComputedStyle(m).borderLeftColor]))")
+    assert len(set(looks.values())) == 3, looks
+    user = "document.querySelector('#samples .message[data-role=\"user\"] pre.content')"
+    assert browser.eval(f"{user}.scrollHeight > {user}.clientHeight && getComputedStyle({user}).overflowY") == "auto"
+    # The step's episode metrics, drawn.
+    for title, series in (("turns and tool calls", "turns/mean tool_calls/mean tool_errors/mean"),
+                          ("environment reward", "env_reward")):
+        chart = f"document.querySelector('.chart[data-metric=\"{title}\"]')"
+        browser.wait(f"{chart} && !{chart}.hidden && {chart}.dataset.points === '1' "
+                     f"&& {chart}.querySelector('canvas') !== null")
+        assert browser.eval(f"{chart}.dataset.series") == series
+    browser.eval("document.getElementById('samples-box').scrollIntoView()")
+    browser.screenshot(ARTIFACTS / "ui-multi-turn-samples.png")
+    assert stack.get_job(job_id)["status"] == "queued"  # nothing but the events above wrote to it
+    lifecycle.cancel(stack.redis, job_id)
+
+
 def stack_events(stack, job_id: str) -> list[dict]:
     from conftest import read_events
 

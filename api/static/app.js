@@ -140,10 +140,25 @@ async function showJobs(signal) {
   }
 }
 
+// Multi-turn GRPO jobs' episode metrics (their step events only), drawn here while the kind's
+// charts (shared/kinds.py) do not draw them; hidden, as every chart, when a job has none.
+const EPISODE_CHARTS = [
+  { title: "turns and tool calls", metrics: ["turns/mean", "tool_calls/mean", "tool_errors/mean"] },
+  { title: "environment reward", metrics: ["env_reward"] },
+];
+
+function kindCharts(kind) {
+  if (kind.name !== "grpo") return kind.charts;
+  const drawn = new Set(kind.charts.flatMap((c) => c.metrics));
+  const extra = EPISODE_CHARTS.map((c) => ({ ...c, metrics: c.metrics.filter((m) => !drawn.has(m)) }))
+    .filter((c) => c.metrics.length);
+  return [...kind.charts, ...extra];
+}
+
 function makeCharts(kind) {
   const box = $("charts");
   box.replaceChildren();
-  return kind.charts.map(({ title, metrics }) => {
+  return kindCharts(kind).map(({ title, metrics }) => {
     const div = document.createElement("div");
     div.className = "chart";
     div.dataset.metric = title;
@@ -188,6 +203,32 @@ function drawCharts(charts, steps) {
   }
 }
 
+// A multi-turn job's episode: the messages that followed the prompt, in order, each with its
+// role (assistant: the model's turns; tool: tool results; user: the environment's
+// observations). Contents are text, never HTML; a long one scrolls in its box.
+const ROLES = ["assistant", "tool", "user"];
+
+function drawConversation(messages) {
+  const div = document.createElement("div");
+  div.className = "conversation";
+  for (const message of messages) {
+    const { role, content } = message && typeof message === "object" ? message : { content: message };
+    const known = ROLES.includes(role);
+    const item = document.createElement("div");
+    item.className = `message role-${known ? role : "other"}`;
+    item.dataset.role = typeof role === "string" ? role : "";
+    const label = document.createElement("span");
+    label.className = "role";
+    label.textContent = item.dataset.role || "?";
+    const pre = document.createElement("pre");
+    pre.className = "content";
+    pre.textContent = typeof content === "string" ? content : JSON.stringify(content ?? "");
+    item.append(label, pre);
+    div.appendChild(item);
+  }
+  return div;
+}
+
 function drawSamples(event) {
   $("samples-box").hidden = false;
   const box = $("samples");
@@ -197,6 +238,7 @@ function drawSamples(event) {
   box.appendChild(head);
   (event.completions || []).forEach((group, g) => {
     const rewards = (event.rewards || [])[g] || [];
+    const conversations = (event.conversations || [])[g] || [];  // multi-turn jobs only
     const table = document.createElement("table");
     table.className = "samples";
     const caption = document.createElement("caption");
@@ -205,9 +247,14 @@ function drawSamples(event) {
     group.forEach((text, k) => {
       const tr = document.createElement("tr");
       cell(tr, fmt(rewards[k]));
-      const pre = document.createElement("pre");
-      pre.textContent = text;
-      cell(tr, pre);
+      if (Array.isArray(conversations[k]) && conversations[k].length) {
+        tr.className = "episode";  // its last assistant turn is the completion's text
+        cell(tr, drawConversation(conversations[k]));
+      } else {
+        const pre = document.createElement("pre");
+        pre.textContent = text;
+        cell(tr, pre);
+      }
       table.appendChild(tr);
     });
     box.appendChild(table);
