@@ -63,6 +63,8 @@ def reward_model_error(r, source: RewardModelReward, settings: Settings, who: Pr
 def spec_errors(r, spec: JobCreate, settings: Settings, who: Principal) -> list[str]:
     errors = common_errors(spec, settings)
     errors += disallowed_endpoint_hosts(endpoint_urls(spec.reward, spec.config.reward_endpoint), settings.reward_hosts)
+    if spec.environment is not None:  # the worker connects to it as to a reward endpoint, under the same rules
+        errors += [f"environment: {e}" for e in disallowed_endpoint_hosts([spec.environment.url], settings.reward_hosts)]
     for source in spec.reward or []:
         if isinstance(source, PythonReward) and (error := python_reward_error(source.function, settings.reward_modules)):
             errors.append(error)
