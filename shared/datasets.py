@@ -9,7 +9,9 @@ A job's `dataset` (and `valid_dataset`) is one of:
 
 A kind's rows have a format (`RowFormat`), declared by its spec model (`row_format`): SFT's
 are mlx_lm's, `{"text"}`, `{"messages": [{role, content}], "tools"?}` or `{"prompt",
-"completion"}` (`SFT_ROWS`); the preference kinds' (DPO, ORPO, reward models) are `{"prompt",
+"completion"}` (`SFT_ROWS`; messages may be OpenAI's assistant `tool_calls` and `tool` results,
+with `weight` 0 or 1 on assistant messages; `assistant_only` says which rows train on their
+assistant messages only); the preference kinds' (DPO, ORPO, reward models) are `{"prompt",
 "chosen", "rejected"}` (`PREFERENCE_ROWS`); KTO's are `{"prompt", "completion", "label"}`
 (shared/train_specs.py `KTO_ROWS`). Errors name the row and the field.
 """
@@ -102,22 +104,113 @@ def _text(row: dict, name: str) -> str | None:
     return None if value else f"'{name}' is empty"
 
 
+def _name_error(value, where: str) -> str | None:
+    return None if isinstance(value, str) and value else f"'{where}' must be a non-empty string"
+
+
+def _tool_error(tool, where: str) -> str | None:
+    """Why `tools[i]` is not an OpenAI function schema {type: function, function: {name, description?, parameters?}}."""
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        return f"'{where}' must be {{type: \"function\", function: {{name, description?, parameters?}}}}"
+    function = tool["function"]
+    if error := _name_error(function.get("name"), f"{where}.function.name"):
+        return error
+    if "description" in function and not isinstance(function["description"], str):
+        return f"'{where}.function.description' must be a string"
+    if "parameters" in function and not isinstance(function["parameters"], dict):
+        return f"'{where}.function.parameters' must be an object (a JSON schema)"
+    return None
+
+
+def _tool_call_error(call, where: str) -> str | None:
+    """Why an assistant's tool call is not OpenAI's {type?: function, id?, function: {name, arguments}}."""
+    if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(call.get("function"), dict):
+        return f"'{where}' must be {{type: \"function\", function: {{name, arguments}}}}"
+    function = call["function"]
+    if error := _name_error(function.get("name"), f"{where}.function.name"):
+        return error
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return f"'{where}.function.arguments' is a string but not JSON"
+    if not isinstance(arguments, dict):
+        return f"'{where}.function.arguments' must be an object or a JSON string of one"
+    return None
+
+
+def _message_error(m, where: str) -> str | None:
+    """Why one message of an SFT row is not {role, content}, an assistant's {role, content?,
+    tool_calls} or a tool result {role: tool, content, tool_call_id?, name?}, with weight 0 or
+    1 on assistant messages only."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        return f"'{where}' must be {{role: {'|'.join(ROLES)}, content: string}}"
+    if "tool_calls" in m:
+        if m["role"] != "assistant":
+            return f"'{where}.tool_calls': only assistant messages call tools"
+        calls = m["tool_calls"]
+        if not isinstance(calls, list) or not calls:
+            return f"'{where}.tool_calls' must be a non-empty list"
+        if error := next((e for j, c in enumerate(calls) if (e := _tool_call_error(c, f"{where}.tool_calls[{j}]"))), None):
+            return error
+        if m.get("content") is not None and not isinstance(m["content"], str):
+            return f"'{where}.content' must be a string or null"
+    elif not isinstance(m.get("content"), str):
+        return f"'{where}' must be {{role: {'|'.join(ROLES)}, content: string}}"
+    if m["role"] == "tool":
+        for key in ("tool_call_id", "name"):
+            if key in m and (error := _name_error(m[key], f"{where}.{key}")):
+                return error
+    if "weight" in m and (m["role"] != "assistant" or m["weight"] not in (0, 1) or isinstance(m["weight"], bool)):
+        return f"'{where}.weight' must be 0 or 1, on an assistant message"
+    return None
+
+
 def sft_row_error(row: dict) -> str | None:
     if "messages" in row:
         messages = row["messages"]
         if not isinstance(messages, list) or not messages:
             return "'messages' must be a non-empty list"
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                return f"'messages[{i}]' must be {{role: {'|'.join(ROLES)}, content: string}}"
-        if "tools" in row and not isinstance(row["tools"], list):
-            return "'tools' must be a list"
+        if error := next((e for i, m in enumerate(messages) if (e := _message_error(m, f"messages[{i}]"))), None):
+            return error
+        if "tools" in row:
+            if not isinstance(row["tools"], list):
+                return "'tools' must be a list"
+            return next((e for i, t in enumerate(row["tools"]) if (e := _tool_error(t, f"tools[{i}]"))), None)
         return None
     if "prompt" in row or "completion" in row:
         return _text(row, "prompt") or _text(row, "completion")
     if "text" in row:
         return _text(row, "text")
     return "no 'text', 'messages' or 'prompt'/'completion' field (mlx_lm's formats)"
+
+
+def assistant_only(row: dict, assistant_only_loss: bool | None) -> bool:
+    """Whether a row's loss is on its assistant messages only: a messages row's, as
+    assistant_only_loss says (None: for the rows that have tools, tool calls or results,
+    weights or more than one assistant message; the others are mlx_lm's, as mask_prompt says)."""
+    if "messages" not in row or assistant_only_loss is False:
+        return False
+    messages = row["messages"]
+    return bool(assistant_only_loss or row.get("tools") or sum(m["role"] == "assistant" for m in messages) > 1
+                or any(m["role"] == "tool" or "tool_calls" in m or "weight" in m for m in messages))
+
+
+def sft_loss_error(row: dict, assistant_only_loss: bool | None) -> str | None:
+    """Why a (well-formed) SFT row cannot be trained with this assistant_only_loss."""
+    if assistant_only_loss and "messages" not in row:
+        return "assistant_only_loss needs messages rows (mask_prompt masks a prompt/completion row's prompt)"
+    messages = row.get("messages", [])
+    if not assistant_only(row, assistant_only_loss):
+        if any(m.get("weight") == 0 for m in messages):
+            return "weight 0 needs assistant_only_loss (false here: the message would be trained)"
+        return None
+    if messages[0]["role"] == "assistant":
+        return "the first message is the assistant's: its prompt would be an empty conversation, which chat templates refuse"
+    if not any(m["role"] == "assistant" and m.get("weight", 1) == 1 for m in messages):
+        return "no assistant message of weight 1: the row would train no token"
+    return None
 
 
 def sft_format(row: dict) -> str:

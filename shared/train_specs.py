@@ -24,6 +24,7 @@ from shared.datasets import (
     fields_error,
     rows_errors,
     sft_format,
+    sft_loss_error,
 )
 from shared.model_ids import MODEL_ID_RE
 from shared.schemas import (
@@ -99,7 +100,13 @@ class SFTConfig(TrainConfig):
     quant_bits: Literal[4, 8] = 4
     mxfp8: bool = Field(False, description="The seed server's field: MXFP8 training, which mlx_lm has not; a job "
                         "with it fails at start, as the seed's does.")
-    mask_prompt: bool = Field(False, description="Train only on completions / the last assistant message.")
+    mask_prompt: bool = Field(False, description="Train only on completions / the last assistant message "
+                              "(of the rows that assistant_only_loss leaves to mlx_lm).")
+    assistant_only_loss: bool | None = Field(None, description=(
+        "Train a messages row on its assistant messages of weight 1 only (content, tool calls, end of turn). "
+        "null: on for rows with tools, tool calls, tool messages, weights or several assistant messages; "
+        "the other rows as mlx_lm tokenises them (mask_prompt). true: every row (messages rows only); "
+        "false: none (weight 0 is then refused)."))
 
     @model_validator(mode="after")
     def _full_is_not_quantized(self):
@@ -197,6 +204,12 @@ class SFTJobCreate(_JobSpec):
         rows = [r for ref in (self.dataset, self.valid_dataset) if isinstance(ref, list) for r in ref]
         if self.config.mask_prompt and any(sft_format(r) == "text" for r in rows):
             raise ValueError("mask_prompt needs prompt/completion or messages rows (text rows have no prompt)")
+        for name in ("dataset", "valid_dataset"):
+            ref = getattr(self, name)
+            errors = [f"{name}[{i}]: {e}" for i, r in enumerate(ref if isinstance(ref, list) else [])
+                      if (e := sft_loss_error(r, self.config.assistant_only_loss))]
+            if errors:
+                raise ValueError("; ".join(errors[:5]))
         return self
 
 

@@ -104,6 +104,32 @@ def test_files_and_errors(stack):
     assert "cosine" in e.value.message and e.value.param.startswith("method.reinforcement.grader")
 
 
+def test_supervised_files_take_weight_0_on_assistant_messages_only(stack):
+    """An assistant message's weight 0 or 1 is accepted and reaches the job's SFT rows (whose loss
+    then leaves weight-0 messages out: tests/test_supervised_trainer.py); weight on another message
+    is a 400 naming the line (as are tool calls, which only the SFT routes' rows take), and a row
+    of only weight-0 assistant messages, which would train nothing, is refused when the job is created."""
+    client = sdk(stack)
+    rows = [{"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": f"Colour {i}?"},
+                          {"role": "assistant", "content": "blue", "weight": 0}, {"role": "user", "content": "Again?"},
+                          {"role": "assistant", "content": "red", "weight": 1}]} for i in range(2)]
+    job = client.fine_tuning.jobs.create(model="tiny", training_file=upload(client, rows).id)
+    spec = json.loads(stack.redis.hget(f"mtq:job:{job.id.removeprefix('ftjob-')}", "spec"))
+    assert spec["dataset"] == [{"messages": [{"role": "system", "content": "Be brief."}, *r["messages"][1:]]} for r in rows]
+    client.fine_tuning.jobs.cancel(job.id)
+    on_user = [rows[0], {"messages": [{"role": "user", "content": "Hi", "weight": 0}, {"role": "assistant", "content": "x"}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        upload(client, on_user)
+    assert "line 2: messages[0].weight must be 0 or 1, on an assistant message" in e.value.message and e.value.param == "file"
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}  # not yet: the SFT rows' tool calls
+    with pytest.raises(openai.BadRequestError, match="line 1: messages.1..content must be a string .content parts and tool calls"):
+        upload(client, [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]}])
+    nothing = upload(client, [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x", "weight": 0}]}])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.fine_tuning.jobs.create(model="tiny", training_file=nothing.id)
+    assert "no assistant message of weight 1" in e.value.message and e.value.param == "training_file"
+
+
 def test_supervised_and_dpo_jobs(stack, worker, tmp_path):
     client = sdk(stack)
     sft_file, dpo_file = upload(client, SFT_ROWS).id, upload(client, DPO_ROWS).id

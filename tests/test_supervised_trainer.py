@@ -17,7 +17,7 @@ from worker.kinds.sft_job import SFTTrainer
 from worker.runtime.adapter_layers import attach_adapter, lora_disabled, remove_adapter_layers
 from worker.runtime.logprobs import sequence_logps, token_logps
 from worker.runtime.models import gradient_checkpointing
-from worker.runtime.train_core import TrainState
+from worker.runtime.train_core import Rows, TrainState
 
 ROWS = [{"prompt": "Q0?", "completion": "red apple"}, {"prompt": "Q1?", "completion": "blue stone"}]
 BASE = dict(lora_layers=-1, lora_rank=4, lora_alpha=4, learning_rate=1e-2, batch_size=2, iters=3, mask_prompt=True)
@@ -85,6 +85,170 @@ def test_dora_trains_and_the_shared_model_is_left_without_adapters(lm):
     assert any(not np.allclose(before[k], v) for k, v in weights(model).items())
     remove_adapter_layers(model)  # what the job does at its end
     assert not any(isinstance(m, (LoRALinear, DoRALinear)) for _, m in model.named_modules())
+
+
+# --------------------------------------------------------------------------- SFT rows with tools and weights
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL = {"role": "assistant", "content": None,
+        "tool_calls": [{"type": "function", "id": "call_0", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+TOOL_ROW = {"tools": TOOLS, "messages": [
+    {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}, CALL,
+    {"role": "tool", "content": "sunny, 21C", "tool_call_id": "call_0"}, {"role": "assistant", "content": "Sunny, 21C."}]}
+USER, ANSWER = {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+
+
+def runs(tokenizer, tokens: list[int], mask: list[int]) -> tuple[list[str], list[str]]:
+    """The texts of the runs of trained tokens, and of the runs of the others."""
+    from itertools import groupby
+
+    out = ([], [])
+    for on, run in groupby(zip(tokens, mask), key=lambda p: p[1]):
+        out[1 - on].append(tokenizer.decode([t for t, _ in run]))
+    return out
+
+
+def test_a_tool_conversation_trains_exactly_its_assistant_messages(lm):
+    """Without mask_prompt, a row with tools trains on its assistant messages only: the tool
+    call and the answer, each with its end of turn; not the system turn with the tools' schemas,
+    the user's question, the tool's result or the assistant turns' headers. Its tokens are
+    mlx_lm's (the chat template with tools=), and the batch's mask is the row's."""
+    from worker.kinds.sft_job import tokenize_rows
+
+    _, tokenizer = lm
+    trainer = sft(lm, [TOOL_ROW], mask_prompt=False)
+    tokens, mask = trainer.train_tok.tokens[0], trainer.train_tok.masks[0]
+    assert tokens == tokenizer.apply_chat_template(TOOL_ROW["messages"], tools=TOOLS, return_dict=False)
+    trained, other = runs(tokenizer, tokens, mask)
+    assert trained == [CALL_TEXT, "Sunny, 21C.<|im_end|>\n"]
+    assert len(other) == 2 and '"name": "get_weather"' in other[0] and "Be brief." in other[0]
+    assert other[0].endswith("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n")
+    assert other[1] == "<|im_start|>user\n<tool_response>\nsunny, 21C\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    (_, _, batch_mask), n = trainer.arrays([0], trainer.train_rows)
+    assert np.array(batch_mask[0]).tolist()[:len(tokens) - 1] == mask[1:] and n == sum(mask)
+    assert trainer.step(TrainState())["loss"] > 0
+    as_object = {**CALL, "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    row = {**TOOL_ROW, "messages": [*TOOL_ROW["messages"][:2], as_object, *TOOL_ROW["messages"][3:]]}
+    assert tokenize_rows(tokenizer, [row], trainer.cfg, "dataset").tokens == [tokens]  # arguments as an object render alike
+
+
+@pytest.mark.parametrize("row,setting,on", [
+    ({"messages": [USER, ANSWER], "tools": TOOLS}, None, True),
+    ({"messages": [USER, CALL]}, None, True),
+    ({"messages": [USER, {"role": "tool", "content": "x"}, ANSWER]}, None, True),
+    ({"messages": [USER, {**ANSWER, "weight": 1}]}, None, True),
+    ({"messages": [USER, ANSWER, USER, ANSWER]}, None, True),
+    ({"messages": [USER, ANSWER], "tools": []}, None, False),
+    ({"messages": [USER, ANSWER]}, None, False),
+    ({"messages": [USER, ANSWER]}, True, True),
+    ({"messages": [USER, ANSWER], "tools": TOOLS}, False, False),
+    ({"prompt": "p", "completion": "c"}, None, False),
+])
+def test_which_rows_train_on_their_assistant_messages_only(row, setting, on):
+    """assistant_only_loss None (the default): the messages rows with tools, a tool call, a tool
+    message, a weight or several assistant messages; true: every messages row; false: none."""
+    from shared.datasets import assistant_only
+
+    assert assistant_only(row, setting) is on
+
+
+def test_weight_0_masks_an_assistant_message_and_several_turns_train_each_assistant(lm):
+    _, tokenizer = lm
+    weighted = {**TOOL_ROW, "messages": [*TOOL_ROW["messages"][:2], {**CALL, "weight": 0}, TOOL_ROW["messages"][3],
+                                         {**TOOL_ROW["messages"][4], "weight": 1}]}
+    two_turns = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                              {"role": "user", "content": "Colour?"}, {"role": "assistant", "content": "red"}]}
+    for mask_prompt in (False, True):  # mask_prompt: the last assistant message alone of mlx_lm's rows, not of these
+        tok = sft(lm, [weighted, two_turns], mask_prompt=mask_prompt).train_tok
+        assert runs(tokenizer, tok.tokens[0], tok.masks[0])[0] == ["Sunny, 21C.<|im_end|>\n"]
+        assert runs(tokenizer, tok.tokens[1], tok.masks[1])[0] == ["Hello.<|im_end|>\n", "red<|im_end|>\n"]
+    # assistant_only_loss false: every row as mlx_lm's ChatDataset (without mask_prompt: every token)
+    tok = sft(lm, [TOOL_ROW, {"messages": two_turns["messages"][:2]}], mask_prompt=False, assistant_only_loss=False).train_tok
+    assert tok.masks is None and tok.starts == [1, 1]
+    # true: a row of one turn too (as mask_prompt would)
+    tok = sft(lm, [{"messages": two_turns["messages"][:2]}], mask_prompt=False, assistant_only_loss=True).train_tok
+    assert runs(tokenizer, tok.tokens[0], tok.masks[0])[0] == ["Hello.<|im_end|>\n"]
+
+
+@pytest.mark.parametrize("mask_prompt", [False, True])
+def test_rows_without_tools_weights_or_turns_are_tokenised_by_mlx_lm_as_before(lm, mask_prompt):
+    """Rows of one assistant turn, without tools or weights, are mlx_lm's dataset classes' (no
+    per-token mask); next to a tool row they keep their tokens, and their mask is their start on."""
+    from mlx_lm.tuner.datasets import create_dataset
+
+    from worker.kinds.sft_job import tokenize_rows
+    from worker.runtime.train_core import pad_rows
+
+    _, tokenizer = lm
+    chat = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Q{i}?"},
+                          {"role": "assistant", "content": "red apple"}]} for i in range(2)]
+    for rows in (chat, ROWS):
+        spec = SFTJobCreate(model_id="tiny", dataset=rows, config={**BASE, "mask_prompt": mask_prompt})
+        dataset = create_dataset(rows, tokenizer, spec.config)
+        want = [dataset.process(dataset[i]) for i in range(len(rows))]
+        got = tokenize_rows(tokenizer, rows, spec.config, "dataset")
+        assert got.masks is None and got.tokens == [list(t) for t, _ in want] and got.starts == [max(o, 1) for _, o in want]
+    mixed = tokenize_rows(tokenizer, [chat[0], TOOL_ROW], spec.config, "dataset")
+    plain = tokenize_rows(tokenizer, chat[:1], spec.config, "dataset")
+    assert mixed.tokens[0] == plain.tokens[0] and mixed.starts[0] == plain.starts[0]
+    assert np.array_equal(np.array(pad_rows(Rows(mixed.tokens[:1], mixed.starts[:1], mixed.masks[:1])).mask),
+                          np.array(pad_rows(plain).mask))
+
+
+def test_rows_that_cannot_be_masked_fail_when_the_job_tokenises_them(tiny_model):
+    """The rows of files and paths, checked only there: one that would train no token, one that
+    the chat template does not render incrementally."""
+    from mlx_lm.utils import load_tokenizer
+
+    from shared.datasets import DatasetError
+    from shared.train_specs import SFTConfig
+    from worker.kinds.sft_job import tokenize_rows
+
+    tokenizer = load_tokenizer(tiny_model)
+    with pytest.raises(DatasetError, match=r"^valid_dataset\[1\]: no assistant message of weight 1"):
+        tokenize_rows(tokenizer, [TOOL_ROW, {"messages": [USER, {**ANSWER, "weight": 0}]}], SFTConfig(), "valid_dataset")
+    tokenizer._tokenizer.chat_template = (  # the count of messages first: no rendering is a prefix of a longer one's
+        "{{ messages | length }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(DatasetError, match=r"^dataset\[0\]: the chat template does not render this conversation "
+                                           r"incrementally \(messages\[:1\] with the generation prompt is not a prefix of messages\[:2\]\)"):
+        tokenize_rows(tokenizer, [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"},
+                                                {"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]}],
+                      SFTConfig(), "dataset")
+
+
+@pytest.mark.parametrize("row,config,error", [
+    ({"messages": [USER, {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{x"}}]}]},
+     {}, "dataset[0]: 'messages[1].tool_calls[0].function.arguments' is a string but not JSON"),
+    ({"messages": [USER, {"role": "assistant", "tool_calls": [{"function": {"name": "", "arguments": {}}}]}]},
+     {}, "dataset[0]: 'messages[1].tool_calls[0].function.name' must be a non-empty string"),
+    ({"messages": [USER, {"role": "assistant", "tool_calls": []}]}, {}, "dataset[0]: 'messages[1].tool_calls' must be a non-empty list"),
+    ({"messages": [{**USER, "tool_calls": CALL["tool_calls"]}]}, {}, "'messages[0].tool_calls': only assistant messages call tools"),
+    ({"messages": [USER, {"role": "assistant", "content": None}]}, {}, "'messages[1]' must be {role: system|user|assistant|tool, content: string}"),
+    ({"messages": [USER, {"role": "tool", "content": "x", "tool_call_id": 3}]}, {}, "'messages[1].tool_call_id' must be a non-empty string"),
+    ({"messages": [USER, {"role": "tool", "content": "x", "name": ""}]}, {}, "'messages[1].name' must be a non-empty string"),
+    ({"messages": [USER, {"role": "tool", "content": None}]}, {}, "'messages[1]' must be {role: system|user|assistant|tool, content"),
+    ({"messages": [{**USER, "weight": 0}]}, {}, "'messages[0].weight' must be 0 or 1, on an assistant message"),
+    ({"messages": [USER, {"role": "assistant", "content": "x", "weight": 0.5}]}, {}, "'messages[1].weight' must be 0 or 1"),
+    ({"messages": [USER], "tools": [{"name": "f"}]}, {}, "'tools[0]' must be {type: \"function\", function: {name"),
+    ({"messages": [USER, {"role": "assistant", "content": "x", "weight": 0}]}, {},
+     "dataset[0]: no assistant message of weight 1: the row would train no token"),
+    ({"messages": [USER, {"role": "tool", "content": "x"}]}, {}, "dataset[0]: no assistant message of weight 1"),
+    ({"messages": [{"role": "assistant", "content": "x"}, USER, {"role": "assistant", "content": "y"}]}, {},
+     "dataset[0]: the first message is the assistant's"),
+    ({"messages": [USER, {"role": "assistant", "content": "x", "weight": 0}, {"role": "assistant", "content": "y"}]},
+     {"assistant_only_loss": False}, "dataset[0]: weight 0 needs assistant_only_loss"),
+    ({"prompt": "p", "completion": "c"}, {"assistant_only_loss": True}, "dataset[0]: assistant_only_loss needs messages rows"),
+    ({"text": "t"}, {"assistant_only_loss": True}, "dataset[0]: assistant_only_loss needs messages rows"),
+])
+def test_tool_and_weight_rows_are_checked_with_clear_errors(row, config, error):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as e:
+        SFTJobCreate(model_id="tiny", dataset=[row], config=config)
+    assert error in str(e.value)
 
 
 def dpo(lm, pairs, **config) -> DPOTrainer:

@@ -2,6 +2,7 @@
 this project's rows when a job uses the file (api/openai_compat/jobs.py):
 
     supervised     {"messages": [{role, content, weight?}], "tools"?}       -> SFT rows {"messages", "tools"?}
+                   (weight 0 or 1 on assistant messages, kept: shared/datasets.py `assistant_only`)
     dpo            {"input": {"messages": [...]}, "preferred_output": [assistant message],
                     "non_preferred_output": [assistant message]}           -> preference rows {prompt, chosen, rejected}
     reinforcement  {"messages": [...], <any other keys>}                   -> GRPO prompt items {prompt: messages, <keys>}
@@ -24,8 +25,6 @@ def _message_error(m, where: str) -> str | None:
     if "weight" in m:
         if m["role"] != "assistant" or m["weight"] not in (0, 1) or isinstance(m["weight"], bool):
             return f"{where}.weight must be 0 or 1, on an assistant message"
-        if m["weight"] == 0:
-            return f"{where}.weight 0 is not supported here: every assistant message is trained on"
     return None
 
 
@@ -82,9 +81,10 @@ def check_file(content: bytes, filename: str) -> tuple[list[dict], str]:
 METHOD_FORMATS = {"supervised": "messages", "dpo": "preference", "reinforcement": "messages"}
 
 
-def _plain(messages: list[dict]) -> list[dict]:
-    """Messages as the chat template takes them: developer is system, no weight."""
-    return [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages]
+def _plain(messages: list[dict], weights: bool = False) -> list[dict]:
+    """Messages as the chat template takes them: developer is system; their weights if `weights`."""
+    return [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"],
+             **({"weight": m["weight"]} if weights and "weight" in m else {})} for m in messages]
 
 
 def _text(messages: list[dict]) -> str:
@@ -103,7 +103,7 @@ def to_rows(method: str, rows: list[dict], where: str) -> list[dict]:
         if method == "supervised":
             if not any(m["role"] == "assistant" for m in row["messages"]):
                 raise DatasetError(f"{where} row {i + 1}: a supervised row needs an assistant message")
-            out.append({"messages": _plain(row["messages"]), **({"tools": row["tools"]} if "tools" in row else {})})
+            out.append({"messages": _plain(row["messages"], weights=True), **({"tools": row["tools"]} if "tools" in row else {})})
         elif method == "dpo":
             out.append({"prompt": _text(row["input"]["messages"]), "chosen": row["preferred_output"][0]["content"],
                         "rejected": row["non_preferred_output"][0]["content"]})

@@ -1,15 +1,18 @@
 """The SFT job kind: supervised fine-tuning with LoRA, DoRA, QLoRA or of the weights themselves
 (full), as mlx_lm's trainer does, as a job.
 
-The loss, masked cross-entropy over the trained tokens (mask m: completion tokens, or every
-token of a text row; padding never):
+The loss, masked cross-entropy over the trained tokens (mask m: completion tokens, assistant
+messages' tokens, or every token of a text row; padding never):
 
     loss = sum_{i,t} m_it * -log p_theta(y_it | y_i,<t) / sum_{i,t} m_it
 
 Rows are tokenised by mlx_lm's own dataset classes (text, messages with tools, prompt/
-completion; `mask_prompt` trains only on the completion / last assistant message). The job
-around the steps is worker/kinds/supervised_trainer.py's `load` and the job loop
-(worker/runtime/job_loop.py).
+completion; `mask_prompt` trains only on the completion / last assistant message), except the
+messages rows that train on their assistant messages only (shared/datasets.py
+`assistant_only`: by default those with tools, tool calls or results, weights or several
+assistant messages): `assistant_tokens` renders them with the chat template and masks every
+token but those of their assistant messages of weight 1. The job around the steps is
+worker/kinds/supervised_trainer.py's `load` and the job loop (worker/runtime/job_loop.py).
 """
 
 import types
@@ -17,8 +20,8 @@ import types
 import mlx.core as mx
 from mlx_lm.tuner.datasets import create_dataset
 
-from shared.datasets import DatasetError
-from shared.train_specs import SFTJobCreate
+from shared.datasets import DatasetError, assistant_only, sft_loss_error
+from shared.train_specs import SFTConfig, SFTJobCreate
 from worker.kinds import supervised_trainer
 from worker.kinds.supervised_trainer import Trainer
 from worker.runtime.logprobs import token_logps
@@ -37,31 +40,75 @@ def sft_loss(logits: mx.array, targets: mx.array, mask: mx.array) -> mx.array:
 # --------------------------------------------------------------------------- the trainer
 
 
-def tokenize_rows(tokenizer, rows: list[dict], mask_prompt: bool, where: str) -> Rows:
+def assistant_tokens(tokenizer, row: dict) -> tuple[list[int], list[int]]:
+    """A messages row's tokens (as mlx_lm's ChatDataset makes them) and its mask: 1 for the
+    tokens of each assistant message of weight 1, 0 for the others. An assistant message
+    messages[i]'s tokens are those that messages[:i+1] renders past messages[:i] with the
+    generation prompt: its content, tool calls and end of turn, not the template's header of the
+    turn. DatasetError unless the first renders as a prefix of the second, and the second of the
+    whole conversation."""
+    messages, tools = row["messages"], row.get("tools")
+
+    def render(part: list[dict], generation_prompt: bool = False) -> list[int]:
+        return list(tokenizer.apply_chat_template(part, tools=tools, add_generation_prompt=generation_prompt,
+                                                  return_dict=False))
+
+    tokens = render(messages)
+    mask = [0] * len(tokens)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or m.get("weight", 1) == 0:
+            continue
+        begin, end = render(messages[:i], True), render(messages[:i + 1])
+        for part, name, whole, whole_name in ((begin, f"messages[:{i}] with the generation prompt", end, f"messages[:{i + 1}]"),
+                                              (end, f"messages[:{i + 1}]", tokens, "the whole conversation")):
+            if whole[:len(part)] != part:
+                raise DatasetError(f"the chat template does not render this conversation incrementally ({name} is not "
+                                   f"a prefix of {whole_name}), so its assistant tokens cannot be found; "
+                                   "assistant_only_loss false trains on every token")
+        mask[len(begin):len(end)] = [1] * (len(end) - len(begin))
+    return tokens, mask
+
+
+def tokenize_rows(tokenizer, rows: list[dict], cfg: SFTConfig, where: str) -> Rows:
     try:
-        dataset = create_dataset(rows, tokenizer, types.SimpleNamespace(mask_prompt=mask_prompt))
+        dataset = create_dataset(rows, tokenizer, types.SimpleNamespace(mask_prompt=cfg.mask_prompt))
     except ValueError as e:  # e.g. mask_prompt on text rows
         raise DatasetError(f"{where}: {e}") from None
-    tokens, starts = [], []
-    for i in range(len(dataset)):
-        ids, offset = dataset.process(dataset[i])
+    tokens, starts, masks = [], [], []
+    for i, row in enumerate(rows):
+        if error := sft_loss_error(row, cfg.assistant_only_loss):  # rows of files and paths, checked only here
+            raise DatasetError(f"{where}[{i}]: {error}")
+        if assistant_only(row, cfg.assistant_only_loss):
+            try:
+                ids, mask = assistant_tokens(tokenizer, row)
+            except DatasetError as e:
+                raise DatasetError(f"{where}[{i}]: {e}") from None
+            offset = next((t for t, on in enumerate(mask) if on), len(mask))
+        else:
+            ids, offset = dataset.process(dataset[i])
+            mask = None
         tokens.append(list(ids))
         starts.append(max(int(offset), 1))  # the first token is never a target
-    return Rows(tokens, starts)
+        masks.append(mask)
+    if all(m is None for m in masks):
+        return Rows(tokens, starts)
+    return Rows(tokens, starts, [m if m is not None else [0] * s + [1] * (len(t) - s)
+                                 for t, s, m in zip(tokens, starts, masks)])
 
 
 class SFTTrainer(Trainer):
     def __init__(self, model, tokenizer, spec: SFTJobCreate, train: list[dict], valid: list[dict] | None):
         cfg = spec.config
-        self.train_tok, n_cut = cut(tokenize_rows(tokenizer, train, cfg.mask_prompt, "dataset"), cfg.max_seq_length)
-        self.valid_tok, n_cut_valid = cut(tokenize_rows(tokenizer, valid, cfg.mask_prompt, "valid_dataset"),
+        self.train_tok, n_cut = cut(tokenize_rows(tokenizer, train, cfg, "dataset"), cfg.max_seq_length)
+        self.valid_tok, n_cut_valid = cut(tokenize_rows(tokenizer, valid, cfg, "valid_dataset"),
                                           cfg.max_seq_length) if valid else (None, 0)
         self.truncated = n_cut + n_cut_valid
         super().__init__(model, cfg, train, valid)
 
     def arrays(self, ids: list[int], rows: list[dict]):
         tok = self.train_tok if rows is self.train_rows else self.valid_tok
-        batch = pad_rows(Rows([tok.tokens[i] for i in ids], [tok.starts[i] for i in ids]))
+        batch = pad_rows(Rows([tok.tokens[i] for i in ids], [tok.starts[i] for i in ids],
+                              None if tok.masks is None else [tok.masks[i] for i in ids]))
         return (batch.inputs, batch.targets, batch.mask), int(batch.mask.sum().item())
 
     @staticmethod

@@ -84,10 +84,13 @@ def eval_batches(n_rows: int, batch_size: int, val_batches: int) -> list[list[in
 
 @dataclass
 class Rows:
-    """Token rows and where the trained part of each starts (prompt tokens before it)."""
+    """Token rows and where the trained part of each starts (prompt tokens before it); masks,
+    when a row's trained tokens are not all of those after its start (SFT's assistant messages):
+    per token, 1 where it is trained."""
 
     tokens: list[list[int]]
     starts: list[int]
+    masks: list[list[int]] | None = None
 
 
 @dataclass
@@ -108,13 +111,16 @@ def pad_rows(rows: Rows) -> PaddedBatch:
     lengths = mx.array([len(t) for t in rows.tokens], dtype=mx.int32)
     starts = mx.array(rows.starts, dtype=mx.int32)
     mask = (pos >= starts[:, None]) & (pos < lengths[:, None])
+    if rows.masks is not None:
+        mask = mask & mx.array([m + [0] * (width - len(m)) for m in rows.masks], dtype=mx.bool_)[:, 1:]
     return PaddedBatch(tokens[:, :-1], tokens[:, 1:], mask.astype(mx.float32), lengths)
 
 
 def cut(rows: Rows, max_len: int) -> tuple[Rows, int]:
     """Rows cut to max_len tokens, and how many were cut."""
     n_cut = sum(len(t) > max_len for t in rows.tokens)
-    return Rows([t[:max_len] for t in rows.tokens], [min(s, max_len) for s in rows.starts]), n_cut
+    masks = None if rows.masks is None else [m[:max_len] for m in rows.masks]
+    return Rows([t[:max_len] for t in rows.tokens], [min(s, max_len) for s in rows.starts], masks), n_cut
 
 
 # --------------------------------------------------------------------------- the optimizer
