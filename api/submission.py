@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from api.auth import Principal
 from shared import adapters, graders
 from shared.adapters import CONFIG_FILE, adapter_shape, shape_mismatches
+from shared.agentic_specs import tool_error
 from shared.datasets import FileRef, load_rows, path_error, visible_file
 from shared.keys import adapter_key, job_key
 from shared.kinds import KINDS
@@ -77,6 +78,7 @@ def spec_errors(r, spec: JobCreate, settings: Settings, who: Principal) -> list[
                 if error := reward_model_error(r, RewardModelReward(model_id=model_id, adapter_name=adapter_name),
                                                settings, who):
                     errors.append(error)
+    errors += [error for tool in spec.tools or [] if (error := tool_error(tool.function, settings.tool_modules))]
     if len(spec.prompts) > settings.max_prompts:
         errors.append(f"{len(spec.prompts)} prompts; the limit is {settings.max_prompts} (MTQ_MAX_PROMPTS)")
     lengths = [prompt_chars(p) for p in spec.prompts]

@@ -6,9 +6,21 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.reward_specs import parse_reward_url
+from shared.reward_specs import allow_listed, parse_reward_url
 
 TOOL_ENTRY_POINT_GROUP = "mtq.tools"
+
+
+def tool_error(function: str, allowed_modules: tuple[str, ...]) -> str | None:
+    """Why this 'module:function' may not be a tool (None if it may): it must be an `mtq.tools`
+    entry point of an installed package, or in a module of MTQ_TOOL_MODULES (a module name or a
+    package prefix). Nothing is imported to decide."""
+    if allow_listed(function, allowed_modules, TOOL_ENTRY_POINT_GROUP):
+        return None
+    return (
+        f"tool {function!r}: module {function.partition(':')[0]!r} is not allowed (register the function under "
+        f"the '{TOOL_ENTRY_POINT_GROUP}' entry point group, or add the module to MTQ_TOOL_MODULES)"
+    )
 
 
 class PythonTool(BaseModel):

@@ -11,37 +11,26 @@ scores 0, as OpenAI scores it; the reason is returned for graders/run's metadata
 """
 
 import functools
+import inspect
 import json
 import math
-import os
 import resource
 import signal
 import subprocess
 import sys
 import tempfile
 
+from shared import sandbox
+
 MEMORY_BYTES = 1 << 30
 FILE_BYTES = 1 << 20
 MAX_OUTPUT = 1 << 16
 
-CHILD = r"""
-import json, os, sys
-here = os.path.realpath(os.getcwd())
-BLOCKED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.kill",
-           "ctypes.", "pty.", "_posixsubprocess")
-def hook(event, args):
-    if event == "import" and args[0] in ("ctypes", "_ctypes", "socket", "_socket"):
-        raise PermissionError(f"importing {args[0]} is not allowed in a python grader")
-    if event.startswith(BLOCKED):
-        raise PermissionError(f"{event} is not allowed in a python grader")
-    if event == "open":
-        path, mode, flags = args
-        writes = (any(c in mode for c in "wax+") if isinstance(mode, str)
-                  else bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC)))
-        if writes and not isinstance(path, int) and not os.path.realpath(os.fspath(path)).startswith(here + os.sep):
-            raise PermissionError(f"a python grader may write only inside its directory, not {path!r}")
+# The child runs shared/sandbox.py's source first: it is `python -I`, without this repository on its path.
+CHILD = inspect.getsource(sandbox) + r"""
+import json
 task = json.loads(sys.stdin.read())
-sys.addaudithook(hook)
+install_audit_hook("a python grader")
 namespace = {}
 exec(compile(task["source"], "<grader>", "exec"), namespace)
 value = namespace["grade"](task["sample"], task["item"])
@@ -50,15 +39,10 @@ sys.stdout.write("\n" + json.dumps(float(value)))
 
 
 def _limits(cpu: int) -> None:
-    limits = [(resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, MEMORY_BYTES), (resource.RLIMIT_FSIZE, FILE_BYTES),
-              (resource.RLIMIT_NOFILE, 64)]
-    if os.geteuid() != 0:  # root ignores RLIMIT_NPROC; the audit hook refuses new processes anyway
-        limits.append((resource.RLIMIT_NPROC, 0))
-    for which, value in limits:
-        try:
-            resource.setrlimit(which, (value, value))
-        except (ValueError, OSError):  # macOS refuses to lower RLIMIT_AS; the wall time still bounds the child
-            pass
+    for which, value in [(resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, MEMORY_BYTES),
+                         (resource.RLIMIT_FSIZE, FILE_BYTES), (resource.RLIMIT_NOFILE, 64)]:
+        sandbox.set_limit(which, value)
+    sandbox.forbid_processes()
 
 
 def run_grader(source: str, sample: dict, item: dict, limit: float) -> tuple[float, str | None]:

@@ -387,16 +387,22 @@ def disallowed_endpoint_hosts(urls: list[str], allowed_hosts: tuple[str, ...]) -
     return errors
 
 
-def python_reward_error(function: str, allowed_modules: tuple[str, ...]) -> str | None:
-    """Why this 'module:function' may not run (None if it may): it must be the value of an
-    `mtq.rewards` entry point of an installed package, or in a module of MTQ_REWARD_MODULES
-    (a module name or a package prefix). Nothing is imported to decide."""
+def allow_listed(function: str, allowed_modules: tuple[str, ...], group: str) -> bool:
+    """May this 'module:function' run: is it the value of an entry point of `group` of an
+    installed package, or in a module of allowed_modules (module names or package prefixes)?
+    Nothing is imported to decide."""
     module = function.partition(":")[0]
     if any(module == prefix or module.startswith(prefix + ".") for prefix in allowed_modules):
-        return None
-    if any(ep.value.replace(" ", "") == function for ep in entry_points(group=REWARD_ENTRY_POINT_GROUP)):
+        return True
+    return any(ep.value.replace(" ", "") == function for ep in entry_points(group=group))
+
+
+def python_reward_error(function: str, allowed_modules: tuple[str, ...]) -> str | None:
+    """Why this 'module:function' may not run as a reward (None if it may): it must be an
+    `mtq.rewards` entry point or in a module of MTQ_REWARD_MODULES."""
+    if allow_listed(function, allowed_modules, REWARD_ENTRY_POINT_GROUP):
         return None
     return (
-        f"python reward {function!r}: module {module!r} is not allowed (register the function under the "
-        f"'{REWARD_ENTRY_POINT_GROUP}' entry point group, or add the module to MTQ_REWARD_MODULES)"
+        f"python reward {function!r}: module {function.partition(':')[0]!r} is not allowed (register the function "
+        f"under the '{REWARD_ENTRY_POINT_GROUP}' entry point group, or add the module to MTQ_REWARD_MODULES)"
     )
