@@ -4,7 +4,7 @@ assistant turn. The model's own tokens are never re-tokenised: the template rend
 conversation with and without the new messages, and only the difference is tokenised, so the
 row's tokens stay those the model drew."""
 
-from worker.agentic.episode import EpisodeFailed
+from worker.agentic.episode import CHARS_PER_TOKEN, EpisodeFailed
 
 
 class TemplateMisfit(EpisodeFailed):
@@ -50,5 +50,6 @@ class Conversation:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def cut(self, text: str, tokens: int) -> str:
+        text = text[:tokens * CHARS_PER_TOKEN]  # the tools and environment cut already; no huge text is tokenised
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return text if len(ids) <= tokens else self.tokenizer.decode(ids[:tokens]) + " [cut]"

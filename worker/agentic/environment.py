@@ -32,14 +32,13 @@ from shared.agentic_specs import OpenEnvEnvironment
 from shared.reward_specs import parse_reward_url, url_port
 from shared.schemas import GRPOConfig
 from shared.settings import Settings
-from worker.agentic.episode import EpisodeFailed, Reply
+from worker.agentic.episode import CHARS_PER_TOKEN, EpisodeFailed, Reply
 from worker.rewards.batch import RewardError
 from worker.rewards.guard import CallGuard, Resolver, resolve_host
 
 # An observation's text is cut to max_tool_output_tokens times this many characters: there is
 # no tokenizer here, so the bound is generous (the decode counts the real tokens); it keeps a
 # server's megabytes of observation out of the conversation.
-CHARS_PER_TOKEN = 8
 # How long closing a session waits for the server's close frame: a server that never sends it
 # must not hold up the end of a step for a whole timeout_s.
 CLOSE_TIMEOUT_S = 2.0

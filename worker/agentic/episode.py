@@ -9,6 +9,8 @@ called once the step's rollout ends, also when it is cancelled or fails.
 from dataclasses import dataclass, field
 from typing import Protocol
 
+CHARS_PER_TOKEN = 8  # what a tool's output or an observation is cut to before it is tokenised: max_tool_output_tokens of these
+
 
 @dataclass
 class Reply:

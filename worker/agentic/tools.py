@@ -26,12 +26,11 @@ from mlx_lm.tool_parsers import json_tools
 from shared.agentic_specs import PythonTool, tool_error
 from shared.schemas import GRPOConfig
 from shared.settings import Settings
-from worker.agentic.episode import EpisodeFailed, Reply
+from worker.agentic.episode import CHARS_PER_TOKEN, EpisodeFailed, Reply
 from worker.agentic.tool_sandbox import ToolProcess, short
 
 # A result's text is cut to max_tool_output_tokens times this many characters (there is no
 # tokenizer in the child; the conversation cuts to the real token count).
-CHARS_PER_TOKEN = 8
 NAME_CHARS = 64  # of a name the model wrote, in an error message
 
 

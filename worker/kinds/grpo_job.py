@@ -15,6 +15,9 @@ import mlx.core as mx
 from shared.adapters import init_adapter_dir
 from shared.metrics import recorder
 from shared.schemas import JobCreate
+from worker.agentic.answering import Answerer
+from worker.agentic.environment import Environment
+from worker.agentic.tools import Toolbox
 from worker.kinds.grpo import HISTORY_METRICS, GRPOTrainer
 from worker.rewards.scorer import build_scorer
 from worker.runtime import score_requests
@@ -33,11 +36,11 @@ def load(job, spec: JobCreate, settings) -> Iterator[Run]:
     init = init_adapter_dir(job.lease.r, settings, spec.init_adapter)
     job.write(event={"type": "model_ready", "cached": cached, "load_s": time.perf_counter() - t0, **started_from(spec)})
     reward_model = functools.partial(score_requests.reward_model_rewards, tenant=job.tenant)  # its owner's reward models
-    with build_scorer(spec, job.job_id, reward_model=reward_model) as scorer:
+    with build_scorer(spec, job.job_id, reward_model=reward_model) as scorer, answerer(spec, settings, tokenizer) as answers:
         mx.random.seed(cfg.seed)  # LoRA init and dropout
         attach_adapter(model, cfg, init=init)
         try:
-            trainer = GRPOTrainer(model, tokenizer, spec, MarkedScorer(scorer, job), job.gang)
+            trainer = GRPOTrainer(model, tokenizer, spec, MarkedScorer(scorer, job), job.gang, answers)
             job.write(memory_plan=json.dumps(trainer.memory.as_record()))  # GET on the job shows it
 
             def step(state, should_stop, on_finite_loss):
@@ -51,6 +54,28 @@ def load(job, spec: JobCreate, settings) -> Iterator[Run]:
                       history_metrics=HISTORY_METRICS, steps_per_save=cfg.checkpoint_every)
         finally:
             remove_adapter_layers(model)  # the process keeps the model for the next job
+
+
+@contextlib.contextmanager
+def answerer(spec: JobCreate, settings, tokenizer) -> Iterator[Answerer | None]:
+    """A multi-turn job's tools and environment (None for a job of one turn), closed with the job."""
+    if spec.config.max_turns == 1 and spec.environment is None:
+        yield None
+        return
+    toolbox = environment = None
+    try:
+        toolbox = Toolbox(spec.tools, settings, spec.config, tokenizer) if spec.tools else None
+        environment = Environment(spec.environment, settings, spec.config) if spec.environment else None
+        answers = Answerer(tokenizer, spec.config, toolbox, environment)
+    except BaseException:
+        for part in (toolbox, environment):
+            if part is not None:
+                part.close()
+        raise
+    try:
+        yield answers
+    finally:
+        answers.close()
 
 
 class MarkedScorer:

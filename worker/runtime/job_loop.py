@@ -35,6 +35,7 @@ from shared.datasets import DatasetError
 from shared.kinds import Kind
 from shared.metrics import recorder
 from shared.settings import Settings, load_settings
+from worker.agentic.episode import EpisodeFailed
 from worker.rewards.batch import RewardError
 from worker.runtime import checkpoints
 from worker.runtime.adapter_layers import AdapterMismatch
@@ -45,7 +46,7 @@ from worker.runtime.train_core import Cancelled, NonFiniteLoss, Run, TrainState
 
 log = logging.getLogger(__name__)
 USER_ERRORS = (ModelNotFound, UnsupportedBase, DatasetError, RewardError, NonFiniteLoss, MemoryEstimateError,
-               checkpoints.CheckpointMismatch, AdapterFileError, AdapterMismatch)
+               checkpoints.CheckpointMismatch, AdapterFileError, AdapterMismatch, EpisodeFailed)
 
 
 def run(job, kind: Kind, spec, load: Callable) -> dict:

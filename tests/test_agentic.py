@@ -1,0 +1,155 @@
+"""Multi-turn GRPO jobs through the real stack (docs/agentic.md): SFT on tool-call transcripts
+teaches the call format, GRPO jobs from that adapter call a python tool and an OpenEnv server,
+and hostile tools and servers end as bounded, clear outcomes with the worker free afterwards.
+
+The tool is examples/agentic/lookup_tools.py (the docs' example), allowed by MTQ_TOOL_MODULES;
+the environment server is tests/openenv_server.py (openenv-core's server classes).
+"""
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, Stack, running, wait_done, wait_for
+from transformers.utils import get_json_schema
+
+from examples.agentic import lookup_tools
+
+GRPO = "/admin/api/fine-tune/grpo/jobs"
+SFT = "/admin/api/fine-tune/sft/jobs"
+SCHEMA = get_json_schema(lookup_tools.lookup)
+PHRASES = ["What color is the {}?", "Tell me the color of {}.", "Which color has the {}?", "Color of {}?"]
+THINGS = list(lookup_tools.COLORS)
+TOOLS = [{"type": "python", "function": "examples.agentic.lookup_tools:lookup"}]
+
+
+def transcript(phrase: str, thing: str) -> dict:
+    color = lookup_tools.COLORS[thing]
+    return {"tools": [SCHEMA], "messages": [
+        {"role": "user", "content": phrase.format(thing)},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "lookup", "arguments": {"key": thing}}}]},
+        {"role": "tool", "content": color},
+        {"role": "assistant", "content": f"It is {color}."}]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def env_server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "openenv_server.py"), "--port", str(port), "--mode", "lookup"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def up():
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+    wait_for(up, 60, "the OpenEnv server")
+    yield f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model, env_server):
+    s = Stack(tmp_path_factory.mktemp("agentic"), tiny_model)
+    port = env_server.rsplit(":", 1)[1]
+    s.env.update(MTQ_TOOL_MODULES="examples.agentic.lookup_tools,hostile_lookup,noisy_lookup", MTQ_REWARD_HOSTS=f"127.0.0.1:{port}",
+                 PYTHONPATH=f"{ROOT}{':'}{ROOT / 'tests'}{':'}{s.env['PYTHONPATH']}")
+    yield from running(s)
+
+
+def grpo_spec(**config) -> dict:
+    prompts = [{"prompt": PHRASES[i % 4].format(t), "answer": lookup_tools.COLORS[t]} for i, t in enumerate(THINGS)]
+    return {"model_id": "tiny", "prompts": prompts, "tools": TOOLS, "reward": [{"type": "contains", "field": "answer"}],
+            "config": {"max_turns": 3, "group_size": 4, "batch_size": 2, "iters": 2, "max_completion_len": 48,
+                       "max_tool_output_tokens": 16, "lora_layers": -1, "lora_rank": 16, "lora_alpha": 4, **config}}
+
+
+def steps_of(stack, job_id, kind="grpo_step"):
+    return [e for _, e in stack.events(job_id) if e.get("type") == kind]
+
+
+@pytest.fixture(scope="module")
+def sft_adapter(stack, worker) -> dict:
+    """An SFT job on tool-call transcripts (assistant-only loss): its init_adapter."""
+    rows = [transcript(p, t) for p in PHRASES for t in THINGS]
+    with stack.client() as c:
+        res = c.post(SFT, json={"model_id": "tiny", "dataset": rows, "adapter_name": "tool-sft",
+                                "config": {"lora_layers": -1, "lora_rank": 16, "lora_alpha": 4, "learning_rate": 1e-2,
+                                           "batch_size": 4, "iters": 150, "steps_per_report": 50}})
+    assert res.status_code == 200, res.text
+    return {"init_adapter": {"job_id": wait_done(stack, SFT, res.json()["job_id"], timeout=400)["job_id"]}}
+
+
+def test_sft_teaches_the_call_format_and_grpo_episodes_call_the_tool(stack, worker, sft_adapter):
+    init = sft_adapter
+    with stack.client():
+        learned = stack.submit({**grpo_spec(iters=4, learning_rate=1e-3), **init, "adapter_name": "tool-grpo"})
+        control = stack.submit({**grpo_spec(iters=4, learning_rate=0.0), **init, "adapter_name": "tool-grpo-lr0"})
+    for job_id in (learned, control):
+        wait_done(stack, GRPO, job_id, timeout=400)
+    steps = steps_of(stack, learned)
+    print("\nlearned:", [(round(s["reward"], 3), s["tool_calls/mean"], s["turns/mean"]) for s in steps])
+    print("lr 0:", [(round(s["reward"], 3), s["tool_calls/mean"]) for s in steps_of(stack, control)])
+    assert len(steps) == 4 and {"turns/mean", "tool_calls/mean", "tool_errors/mean"} <= set(steps[0])
+    # After SFT the model calls the tool in most episodes, and so has a second turn.
+    assert steps[0]["tool_calls/mean"] > 0.5 and steps[0]["turns/mean"] > 1.5
+    samples = [e for _, e in stack.events(learned) if e.get("type") == "samples"][-1]
+    conversation = samples["conversations"][0][0]
+    assert conversation[0]["role"] == "assistant" and "<tool_call>" in conversation[0]["content"]
+    assert any(m["role"] == "tool" and m["content"] in lookup_tools.COLORS.values() for m in conversation)
+
+
+def test_an_openenv_environment_drives_episodes_and_rewards_them(stack, worker, env_server):
+    spec = {"model_id": "tiny", "prompts": ["Play the game."], "environment": {"type": "openenv", "url": env_server},
+            "config": {"group_size": 4, "batch_size": 1, "iters": 2, "max_completion_len": 16, "max_turns": 1}}
+    job = wait_done(stack, GRPO, stack.submit(spec), timeout=300)
+    steps = steps_of(stack, job["job_id"])
+    assert len(steps) == 2 and "env_reward" in steps[0]
+    samples = [e for _, e in stack.events(job["job_id"]) if e.get("type") == "samples"][-1]
+    assert all(r is not None for group in samples["rewards"] for r in group)  # the environment rewarded each episode
+
+
+def test_an_environment_on_a_host_not_allowed_is_refused(stack):
+    url = f"http://127.0.0.1:{free_port()}"
+    with stack.client() as c:  # allowed host:port, nothing listening
+        spec = {"model_id": "tiny", "prompts": ["Play."], "environment": {"type": "openenv", "url": url, "timeout_s": 2},
+                "config": {"group_size": 2, "batch_size": 1, "iters": 1, "max_completion_len": 8}}
+        res = c.post(GRPO, json=spec)
+    assert res.status_code == 400 and "MTQ_REWARD_HOSTS" in res.text  # refused before it is queued
+
+
+@pytest.mark.parametrize("tool, expect", [("hostile_lookup:lookup", "timed out"), ("noisy_lookup:lookup", "red")])
+def test_a_hostile_tool_is_a_message_to_the_model_and_the_worker_takes_the_next_job(stack, worker, sft_adapter, tool,
+                                                                                   expect):
+    spec = {**grpo_spec(iters=1, tool_timeout_s=1.0, max_tool_calls=2), **sft_adapter}
+    spec["tools"] = [{"type": "python", "function": tool}]
+    t0 = time.monotonic()
+    job = wait_done(stack, GRPO, stack.submit(spec), timeout=300)
+    samples = [e for _, e in stack.events(job["job_id"]) if e.get("type") == "samples"][-1]
+    answers = [m["content"] for group in samples["conversations"] for c in group for m in c if m["role"] == "tool"]
+    assert answers and any(expect in a for a in answers), answers
+    assert all(len(a) <= 16 * 8 + 64 for a in answers)  # cut to max_tool_output_tokens
+    print(f"\n{tool}: job took {time.monotonic() - t0:.1f} s; a tool answer: {answers[0][:80]!r}")
+    plain = stack.submit({"model_id": "tiny", "prompts": ["hi"], "config": {"iters": 1, "group_size": 2, "batch_size": 1,
+                                                                              "max_completion_len": 4}})
+    wait_done(stack, GRPO, plain, timeout=120)
+
+
+def test_tools_not_allowed_and_bad_episode_configs_are_clear_400s(stack):
+    with stack.client() as c:
+        for spec, words in [
+            ({**grpo_spec(), "tools": [{"type": "python", "function": "os:system"}]}, "MTQ_TOOL_MODULES"),
+            ({**grpo_spec(), "tools": None}, "needs tools or an environment"),
+            ({**grpo_spec(max_turns=1)}, "max_turns to 2 or more"),
+            ({**grpo_spec(stop=["x"])}, "stop strings"),
+        ]:
+            res = c.post(GRPO, json=spec)
+            assert res.status_code in (400, 422) and words in res.text, res.text
