@@ -9,8 +9,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from shared.model_ids import MODEL_ID_RE
 from shared.agentic_specs import OpenEnvEnvironment, PythonTool
+from shared.model_ids import MODEL_ID_RE
 from shared.reward_specs import RewardSource
 
 SEED_MAX = 2**32 - 1

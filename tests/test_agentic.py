@@ -18,7 +18,7 @@ from transformers.utils import get_json_schema
 from examples.agentic import lookup_tools
 
 GRPO = "/admin/api/fine-tune/grpo/jobs"
-SFT = "/admin/api/fine-tune/sft/jobs"
+SFT = "/admin/api/fine-tune/jobs"
 SCHEMA = get_json_schema(lookup_tools.lookup)
 PHRASES = ["What color is the {}?", "Tell me the color of {}.", "Which color has the {}?", "Color of {}?"]
 THINGS = list(lookup_tools.COLORS)
@@ -44,8 +44,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def env_server():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "openenv_server.py"), "--port", str(port), "--mode", "lookup"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = [sys.executable, str(ROOT / "tests" / "openenv_server.py"), "--port", str(port), "--mode", "lookup"]
+    proc = subprocess.Popen(server, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def up():
         with socket.socket() as s:
@@ -60,8 +60,8 @@ def env_server():
 def stack(tmp_path_factory, tiny_model, env_server):
     s = Stack(tmp_path_factory.mktemp("agentic"), tiny_model)
     port = env_server.rsplit(":", 1)[1]
-    s.env.update(MTQ_TOOL_MODULES="examples.agentic.lookup_tools,hostile_lookup,noisy_lookup", MTQ_REWARD_HOSTS=f"127.0.0.1:{port}",
-                 PYTHONPATH=f"{ROOT}{':'}{ROOT / 'tests'}{':'}{s.env['PYTHONPATH']}")
+    s.env.update(MTQ_TOOL_MODULES="examples.agentic.lookup_tools,hostile_lookup,noisy_lookup",
+                 MTQ_REWARD_HOSTS=f"127.0.0.1:{port}", PYTHONPATH=f"{ROOT}{':'}{ROOT / 'tests'}{':'}{s.env['PYTHONPATH']}")
     yield from running(s)
 
 
@@ -69,7 +69,7 @@ def grpo_spec(**config) -> dict:
     prompts = [{"prompt": PHRASES[i % 4].format(t), "answer": lookup_tools.COLORS[t]} for i, t in enumerate(THINGS)]
     return {"model_id": "tiny", "prompts": prompts, "tools": TOOLS, "reward": [{"type": "contains", "field": "answer"}],
             "config": {"max_turns": 3, "group_size": 4, "batch_size": 2, "iters": 2, "max_completion_len": 48,
-                       "max_tool_output_tokens": 16, "lora_layers": -1, "lora_rank": 16, "lora_alpha": 4, **config}}
+                       "max_tool_output_tokens": 16, "temperature": 0.0, "lora_layers": -1, "lora_rank": 16, "lora_alpha": 4, **config}}
 
 
 def steps_of(stack, job_id, kind="grpo_step"):
@@ -83,7 +83,7 @@ def sft_adapter(stack, worker) -> dict:
     with stack.client() as c:
         res = c.post(SFT, json={"model_id": "tiny", "dataset": rows, "adapter_name": "tool-sft",
                                 "config": {"lora_layers": -1, "lora_rank": 16, "lora_alpha": 4, "learning_rate": 1e-2,
-                                           "batch_size": 4, "iters": 150, "steps_per_report": 50}})
+                                           "batch_size": 8, "iters": 300, "steps_per_report": 100}})
     assert res.status_code == 200, res.text
     return {"init_adapter": {"job_id": wait_done(stack, SFT, res.json()["job_id"], timeout=400)["job_id"]}}
 
@@ -91,14 +91,14 @@ def sft_adapter(stack, worker) -> dict:
 def test_sft_teaches_the_call_format_and_grpo_episodes_call_the_tool(stack, worker, sft_adapter):
     init = sft_adapter
     with stack.client():
-        learned = stack.submit({**grpo_spec(iters=4, learning_rate=1e-3), **init, "adapter_name": "tool-grpo"})
-        control = stack.submit({**grpo_spec(iters=4, learning_rate=0.0), **init, "adapter_name": "tool-grpo-lr0"})
+        learned = stack.submit({**grpo_spec(iters=2, learning_rate=1e-3), **init, "adapter_name": "tool-grpo"})
+        control = stack.submit({**grpo_spec(iters=2, learning_rate=0.0), **init, "adapter_name": "tool-grpo-lr0"})
     for job_id in (learned, control):
         wait_done(stack, GRPO, job_id, timeout=400)
     steps = steps_of(stack, learned)
     print("\nlearned:", [(round(s["reward"], 3), s["tool_calls/mean"], s["turns/mean"]) for s in steps])
     print("lr 0:", [(round(s["reward"], 3), s["tool_calls/mean"]) for s in steps_of(stack, control)])
-    assert len(steps) == 4 and {"turns/mean", "tool_calls/mean", "tool_errors/mean"} <= set(steps[0])
+    assert len(steps) == 2 and {"turns/mean", "tool_calls/mean", "tool_errors/mean"} <= set(steps[0])
     # After SFT the model calls the tool in most episodes, and so has a second turn.
     assert steps[0]["tool_calls/mean"] > 0.5 and steps[0]["turns/mean"] > 1.5
     samples = [e for _, e in stack.events(learned) if e.get("type") == "samples"][-1]

@@ -45,7 +45,6 @@ def scripted(lengths):
     calls = {}
 
     def answer(row, tokens):
-        assert tokens[-1] in EOS  # only turns that ended at EOS are answered
         k = calls[row] = calls.get(row, 0) + 1
         n = lengths[(row + k) % len(lengths)]
         return None if n == 0 else [(100 + 13 * row + 7 * k + i) % 1000 + 1 for i in range(n)]
@@ -79,7 +78,6 @@ def test_recorded_logprobs_are_a_teacher_forced_rescore_of_the_conversation(mode
     assert len(set(turns)) > 1 or lengths == [6]  # rows of different turn counts (the waits, the holes)
     np.testing.assert_allclose(np.where(mask, rescore(model, episodes), 0), np.array(s.logprobs), atol=3e-5, rtol=1e-5)
     # The appended tokens are in the rows, unmasked for the decode, masked for the loss.
-    tokens = np.array(s.tokens)
     for r, row_turns in enumerate(episodes.turns):
         for (start, end), (nxt, _) in zip(row_turns, row_turns[1:]):
             assert mask[r, start:end].all() and not mask[r, end:nxt].any() and nxt > end

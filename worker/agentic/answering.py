@@ -19,6 +19,8 @@ class Answerer:
         Environment (either None)."""
         self.tokenizer, self.cfg, self.toolbox, self.environment = tokenizer, cfg, toolbox, environment
         self.tools = toolbox.schemas if toolbox is not None else None
+        eos = getattr(tokenizer, "eos_token_ids", None)
+        self.eos_ids = set(eos) if eos is not None else {tokenizer.eos_token_id}
         # Episodes' starts and answers run here: tool calls and environment steps block on I/O.
         self.pool = ThreadPoolExecutor(cfg.tool_parallelism, thread_name_prefix="mtq-answer")
 
@@ -56,7 +58,8 @@ class RowEpisode:
     def answer(self, turn_tokens: list[int]) -> list[int] | None:
         """The tokens that answer the model's turn (which ends with its EOS), or None: the episode is done."""
         tok = self.answerer.tokenizer
-        text = tok.decode(turn_tokens[:-1], skip_special_tokens=False)
+        eos = turn_tokens[-1:] if turn_tokens[-1] in self.answerer.eos_ids else []  # none where a bound cut the turn
+        text = tok.decode(turn_tokens[:len(turn_tokens) - len(eos)], skip_special_tokens=False)
         reply = self.tools.after_turn(text) if self.tools is not None else None
         if reply is not None and reply.tool_calls:
             self.tool_calls += reply.tool_calls
@@ -65,10 +68,10 @@ class RowEpisode:
             reply = self.environment.after_turn(text)
             if reply.reward is not None:
                 self.env_reward = (0.0 if math.isnan(self.env_reward) else self.env_reward) + float(reply.reward)
-        if reply is None or reply.done or not reply.messages:
+        if reply is None or reply.done or not reply.messages or not eos:  # not eos: a bound cut the turn, the episode ends
             self.conversation.messages.append({"role": "assistant", "content": text})
             return None
-        eos_text = tok.decode(turn_tokens[-1:], skip_special_tokens=False)
+        eos_text = tok.decode(eos, skip_special_tokens=False)
         return self.conversation.answer_tokens(text, eos_text, reply.messages, self.answerer.cfg.max_tool_output_tokens)
 
     def after_prompt(self) -> list[dict]:

@@ -34,7 +34,8 @@ from worker.runtime.logprobs import left_pad, lm_head
 
 CAPACITY_BUCKET = 256  # KV buffers grow by this many slots, so that the step compiles for few shapes
 
-# answer(row, its turn's tokens, EOS included) -> tokens to append, or None: the episode is done.
+# answer(row, its turn's tokens, EOS included unless a bound cut the turn) -> tokens to append,
+# or None: the episode is done.
 Answer = Callable[[int, list[int]], list[int] | None]
 
 
@@ -254,9 +255,10 @@ def sample_episodes(
             n = CHUNK // 4 if answers else CHUNK
             buffers.make_room(n)
             for _ in range(n):
-                tokens, logp, ent, drew, live, remaining, buffers.valid, buffers.positions, buffers.keys, buffers.values = step_fn(
-                    tokens, buffers.keys, buffers.values, mx.array(buffers.write_pos, dtype=mx.int32), buffers.positions,
-                    buffers.valid, live, remaining, keys.next(), lora, draw_rows)
+                b = buffers
+                tokens, logp, ent, drew, live, remaining, b.valid, b.positions, b.keys, b.values = step_fn(
+                    tokens, b.keys, b.values, mx.array(b.write_pos, dtype=mx.int32), b.positions, b.valid, live, remaining,
+                    keys.next(), lora, draw_rows)
                 mx.async_eval(tokens, logp, ent, drew, live)
                 pending.append((tokens, logp, ent, drew))
                 buffers.write_pos += 1
@@ -272,8 +274,8 @@ def sample_episodes(
             turn_tokens = out.end_turn(r)
             model_used[r] += len(turn_tokens)
             episode_used[r] += len(turn_tokens)
-            if turn_tokens[-1] in eos_ids:
-                answers[r] = pool.submit(answer, int(r), turn_tokens)
+            # A turn cut by a bound is answered too (an environment scores its action), but ends the episode.
+            answers[r] = pool.submit(answer, int(r), turn_tokens)
         decoding = live_now
         if should_stop():
             return None
@@ -284,7 +286,9 @@ def sample_episodes(
         chunks: dict[int, list[int]] = {}
         for r in [r for r, f in answers.items() if f.done()]:
             suffix = answers.pop(r).result()  # EpisodeFailed propagates: the job fails naming it
-            if suffix is None:
+            if out.tokens[r][-1] not in eos_ids:
+                pass  # cut: ended stays False
+            elif suffix is None:
                 ended[r] = True
             elif len(out.turns[r]) < limits.max_turns and model_used[r] < params.max_tokens and \
                     episode_used[r] + len(suffix) < limits.episode_len:
