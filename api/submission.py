@@ -90,7 +90,7 @@ def spec_errors(r, spec: JobCreate, settings: Settings, who: Principal) -> list[
     # the model's context before the first step.
     cfg = spec.config
     rows = cfg.batch_size * cfg.group_size
-    after = cfg.episode_len if cfg.max_turns > 1 or spec.environment is not None else cfg.max_completion_len
+    after = cfg.episode_len if spec.multi_turn else cfg.max_completion_len
     step_tokens = rows * (max(lengths) + after)
     if step_tokens > settings.max_step_tokens:
         errors.append(

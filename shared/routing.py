@@ -136,10 +136,9 @@ def step_of(spec) -> dict[str, Any]:
     if kind.family == "grpo":
         chars = max(prompt_chars(p) for p in spec.prompts)
         chat = cfg.use_chat_template or any(isinstance(p, list) for p in spec.prompts)
-        multi_turn = cfg.max_turns > 1 or getattr(spec, "environment", None) is not None  # tokens after the prompt: the episode's
-        chat = chat or multi_turn
+        chat = chat or spec.multi_turn
         width = (math.ceil(chars / CHARS_PER_TOKEN) + (CHAT_TEMPLATE_TOKENS if chat else 0)
-                 + (cfg.episode_len if multi_turn else cfg.max_completion_len))
+                 + (cfg.episode_len if spec.multi_turn else cfg.max_completion_len))
         return {"rows": cfg.batch_size * cfg.group_size, "width": width,
                 "checkpointing": cfg.use_gradient_checkpointing is not False}
     return {"rows": cfg.batch_size * kind.rows_per_example, "width": cfg.max_seq_length,

@@ -286,6 +286,11 @@ class JobCreate(BaseModel):
 
     _json_values = model_validator(mode="before")(check_json_values)
 
+    @property
+    def multi_turn(self) -> bool:
+        """Its rows are episodes (docs/agentic.md): tokens after the prompt count to episode_len."""
+        return self.config.max_turns > 1 or self.environment is not None
+
     @model_validator(mode="after")
     def _turns(self):
         cfg = self.config

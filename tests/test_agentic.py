@@ -89,10 +89,8 @@ def sft_adapter(stack, worker) -> dict:
 
 
 def test_sft_teaches_the_call_format_and_grpo_episodes_call_the_tool(stack, worker, sft_adapter):
-    init = sft_adapter
-    with stack.client():
-        learned = stack.submit({**grpo_spec(iters=2, learning_rate=1e-3), **init, "adapter_name": "tool-grpo"})
-        control = stack.submit({**grpo_spec(iters=2, learning_rate=0.0), **init, "adapter_name": "tool-grpo-lr0"})
+    learned = stack.submit({**grpo_spec(iters=2, learning_rate=1e-3), **sft_adapter, "adapter_name": "tool-grpo"})
+    control = stack.submit({**grpo_spec(iters=2, learning_rate=0.0), **sft_adapter, "adapter_name": "tool-grpo-lr0"})
     for job_id in (learned, control):
         wait_done(stack, GRPO, job_id, timeout=400)
     steps = steps_of(stack, learned)

@@ -15,6 +15,8 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
+from worker.agentic.conversation import Conversation
+from worker.agentic.episode import EpisodeFailed
 from worker.decode.draw import SamplingParams
 from worker.decode.episodes import Limits, make_episode_step, sample_episodes
 from worker.kinds.grpo import grpo_loss
@@ -128,3 +130,11 @@ def test_masked_tokens_add_nothing_to_the_loss_or_its_gradients(loss_type, level
     for g, g2 in zip(grad(logp, old, ref), grad(*changed)):
         np.testing.assert_allclose(np.array(g), np.array(g2), atol=1e-6)
         assert not np.array(g)[~np.array(mask)].any()  # no gradient reaches a masked token
+
+
+def test_a_tokenizer_without_a_chat_template_cannot_hold_a_conversation(tiny_model):
+    tokenizer = mlx_lm.load(str(tiny_model))[1]
+    assert Conversation(tokenizer, [{"role": "user", "content": "hi"}], None).prompt_tokens()
+    tokenizer._tokenizer.chat_template = None
+    with pytest.raises(EpisodeFailed, match="chat template"):
+        Conversation(tokenizer, [{"role": "user", "content": "hi"}], None)

@@ -9,6 +9,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 
 from worker.agentic.conversation import Conversation
+from worker.runtime.logprobs import eos_token_ids
 
 
 class Answerer:
@@ -19,8 +20,7 @@ class Answerer:
         Environment (either None)."""
         self.tokenizer, self.cfg, self.toolbox, self.environment = tokenizer, cfg, toolbox, environment
         self.tools = toolbox.schemas if toolbox is not None else None
-        eos = getattr(tokenizer, "eos_token_ids", None)
-        self.eos_ids = set(eos) if eos is not None else {tokenizer.eos_token_id}
+        self.eos_ids = set(eos_token_ids(tokenizer))
         # Episodes' starts and answers run here: tool calls and environment steps block on I/O.
         self.pool = ThreadPoolExecutor(cfg.tool_parallelism, thread_name_prefix="mtq-answer")
 

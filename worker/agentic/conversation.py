@@ -11,13 +11,6 @@ class TemplateMisfit(EpisodeFailed):
     """The chat template does not render a conversation as a prefix of its continuation."""
 
 
-def as_messages(prompt) -> list[dict]:
-    """A prompt (text, or chat messages) as chat messages."""
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return [m if isinstance(m, dict) else m.model_dump() for m in prompt]
-
-
 class Conversation:
     def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None):
         if not getattr(tokenizer, "chat_template", None):

@@ -33,6 +33,7 @@ from worker.decode.sampling import CHUNK, is_eos, make_decode_forward
 from worker.runtime.logprobs import left_pad, lm_head
 
 CAPACITY_BUCKET = 256  # KV buffers grow by this many slots, so that the step compiles for few shapes
+KEYS_BLOCK = 256  # random keys split off at a time (_Keys)
 
 # answer(row, its turn's tokens, EOS included unless a bound cut the turn) -> tokens to append,
 # or None: the episode is done.
@@ -199,12 +200,12 @@ class _Keys:
     """The random keys of a decode's draws, one per draw, split off in blocks as they are needed."""
 
     def __init__(self, key: mx.array):
-        self.key, self.block, self.used = key, None, CAPACITY_BUCKET
+        self.key, self.block, self.used = key, None, KEYS_BLOCK
 
     def next(self) -> mx.array:
-        if self.used == CAPACITY_BUCKET:
+        if self.used == KEYS_BLOCK:
             self.key, sub = mx.random.split(self.key)
-            self.block, self.used = mx.random.split(sub, CAPACITY_BUCKET), 0
+            self.block, self.used = mx.random.split(sub, KEYS_BLOCK), 0
         self.used += 1
         return self.block[self.used - 1]
 
@@ -253,15 +254,15 @@ def sample_episodes(
         if decoding.any():
             # Answers on their way: look sooner, so the rows they answer wait fewer steps.
             n = CHUNK // 4 if answers else CHUNK
-            buffers.make_room(n)
+            b = buffers
+            b.make_room(n)
             for _ in range(n):
-                b = buffers
                 tokens, logp, ent, drew, live, remaining, b.valid, b.positions, b.keys, b.values = step_fn(
                     tokens, b.keys, b.values, mx.array(b.write_pos, dtype=mx.int32), b.positions, b.valid, live, remaining,
                     keys.next(), lora, draw_rows)
                 mx.async_eval(tokens, logp, ent, drew, live)
                 pending.append((tokens, logp, ent, drew))
-                buffers.write_pos += 1
+                b.write_pos += 1
                 steps += 1
 
         # The look: what was drawn, the turns that ended, the answers that are in.
@@ -301,14 +302,10 @@ def sample_episodes(
             break
         # One pass of the answered rows: their last token and their answer.
         sel = [int(r) for r in sorted(chunks)]
-        width = max(len(chunks[r]) for r in sel)
-        chunk = np.zeros((len(sel), width), dtype=np.int32)
-        chunk_pad = np.array([width - len(chunks[r]) for r in sel], dtype=np.int32)
-        for i, r in enumerate(sel):
-            chunk[i, chunk_pad[i]:] = chunks[r]
+        chunk, chunk_pad = left_pad([chunks[r] for r in sel], pad_id=0)
         appended += sum(len(c) for c in chunks.values())
-        buffers.make_room(width)
-        logits = buffers.prefill(model, mx.array(chunk), mx.array(chunk_pad), mx.array(sel))
+        buffers.make_room(chunk.shape[1])
+        logits = buffers.prefill(model, chunk, chunk_pad, mx.array(sel))
         starting[sel] = True
 
     samples = out.samples(ended)

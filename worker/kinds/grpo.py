@@ -66,14 +66,13 @@ from mlx.utils import tree_map
 
 from shared.schemas import GRPOConfig, JobCreate, PromptItem
 from worker.agentic.answering import Answerer, RowEpisode
-from worker.agentic.conversation import as_messages
 from worker.decode.draw import Samples, SamplingParams
 from worker.decode.episodes import Limits, make_episode_step, sample_episodes
 from worker.decode.sampling import make_decode_step, sample
 from worker.rewards.batch import RewardStopped
 from worker.runtime.adapter_layers import lora_disabled
 from worker.runtime.gang_group import SOLO, Gang
-from worker.runtime.logprobs import as_item, completion_logprobs, left_pad, prompt_token_ids
+from worker.runtime.logprobs import as_item, completion_logprobs, eos_token_ids, left_pad, prompt_messages, prompt_token_ids
 from worker.runtime.memory_plan import GB, logits_chunk_tokens, model_shape, plan_memory
 from worker.runtime.train_core import Cancelled, TrainState, batch_indices, check_finite, clipped, make_optimizer, step_seed
 
@@ -287,7 +286,7 @@ class Rollout:
     mask: mx.array  # (rows, L) bool: the completion tokens (of a multi-turn row: the model's)
     seconds: float  # of sampling
     width: int  # the prompts' padded width: the longest of the whole step's (a gang's too)
-    rows_per_prompt: int = 0  # rows each of prompt_ids stands for: G, or 1 where each row has its own (multi-turn)
+    rows_per_prompt: int  # rows each of prompt_ids stands for: G, or 1 where each row has its own (multi-turn)
     episodes: list[RowEpisode] = field(default_factory=list)  # a multi-turn step's, row by row
 
     def groups(self, per_row: list) -> list[list]:
@@ -312,10 +311,9 @@ class GRPOTrainer:
         if answerer is None:
             self.prompt_ids = [prompt_token_ids(tokenizer, it, cfg.use_chat_template) for it in self.items]
         else:  # with the tools' schemas; an environment's first observation comes on top, per episode
-            self.prompt_ids = [answerer.conversation(as_messages(it.prompt)).prompt_tokens() for it in self.items]
+            self.prompt_ids = [answerer.conversation(prompt_messages(it.prompt)).prompt_tokens() for it in self.items]
         check_fits_model(model, self.prompt_ids, cfg, answerer is not None)
-        eos = getattr(tokenizer, "eos_token_ids", None)
-        self.eos_ids = sorted(eos) if eos is not None else [tokenizer.eos_token_id]
+        self.eos_ids = eos_token_ids(tokenizer)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                        *((rows, cfg.batch_size * cfg.group_size) if gang.size > 1 else ()))
@@ -481,7 +479,8 @@ class GRPOTrainer:
         seed = step_seed(cfg.seed, step)
         mx.random.seed(seed)
         self.model.eval()
-        episodes = [self.answerer.episode(as_messages(self.items[i].prompt), (seed + i) % 2**31) for i in idx for _ in range(G)]
+        episodes = [self.answerer.episode(prompt_messages(self.items[i].prompt), (seed + i) % 2**31)
+                    for i in idx for _ in range(G)]
         pool = self.answerer.pool
         t0 = time.perf_counter()
         try:

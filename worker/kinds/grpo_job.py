@@ -59,7 +59,7 @@ def load(job, spec: JobCreate, settings) -> Iterator[Run]:
 @contextlib.contextmanager
 def answerer(spec: JobCreate, settings, tokenizer) -> Iterator[Answerer | None]:
     """A multi-turn job's tools and environment (None for a job of one turn), closed with the job."""
-    if spec.config.max_turns == 1 and spec.environment is None:
+    if not spec.multi_turn:
         yield None
         return
     toolbox = environment = None

@@ -125,12 +125,23 @@ def prompt_token_ids(tokenizer, item: PromptItem, use_chat_template: bool) -> li
     (a list of messages has no text of its own)."""
     chat = use_chat_template or isinstance(item.prompt, list)
     if chat and getattr(tokenizer, "chat_template", None):
-        messages = item.prompt if isinstance(item.prompt, list) else [{"role": "user", "content": item.prompt}]
-        messages = [m if isinstance(m, dict) else m.model_dump() for m in messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(prompt_messages(item.prompt), add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     text = item.prompt if isinstance(item.prompt, str) else "\n".join(m.content for m in item.prompt)
     return list(tokenizer.encode(text))
+
+
+def prompt_messages(prompt) -> list[dict]:
+    """A prompt (text, or chat messages) as the chat messages a chat template takes."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [m if isinstance(m, dict) else m.model_dump() for m in prompt]
+
+
+def eos_token_ids(tokenizer) -> list[int]:
+    """The tokens that end a completion (mlx_lm's TokenizerWrapper may name several), sorted."""
+    eos = getattr(tokenizer, "eos_token_ids", None)
+    return sorted(eos) if eos is not None else [tokenizer.eos_token_id]
 
 
 def completion_token_ids(tokenizer, completion: str) -> list[int]:
