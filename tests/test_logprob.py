@@ -1,6 +1,7 @@
 """Log-prob scoring (POST /admin/api/fine-tune/logprob) against the real stack: the answers
-equal a direct mlx_lm computation, match the GRPO job's own sampling log-probs, come with
-an adapter or without, from an idle worker or one busy training (without disturbing it)."""
+equal a direct mlx_lm computation (conversations' at their assistant tokens too), match the
+GRPO job's own sampling log-probs, come with an adapter or without, from an idle worker or one
+busy training (without disturbing it)."""
 
 
 import mlx.core as mx
@@ -91,6 +92,129 @@ def test_chat_prompts_are_tokenised_with_the_template_on_request(stack, worker, 
     assert resp.status_code == 200, resp.text
     prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     assert_close(resp.json()["results"][0], direct(model, tokenizer, prompt_ids, "4<|im_end|>"))
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def conversation(reply: str = "sunny, 21C") -> list[dict]:
+    """docs/agentic.md's tool conversation: a call, the tool's reply, the answer."""
+    call = {"type": "function", "id": "c0", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": reply, "tool_call_id": "c0"}, {"role": "assistant", "content": "Sunny, 21C."}]
+
+
+def assistant_turns(tokenizer, ids: list[int]) -> list[list[int]]:
+    """The positions of each assistant turn's own tokens in ChatML: after its
+    '<|im_start|>assistant\n', up to and with its '<|im_end|>\n'."""
+    header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    end = tokenizer.encode("<|im_end|>\n", add_special_tokens=False)
+    turns, i = [], 0
+    while i < len(ids):
+        if ids[i:i + len(header)] == header:
+            j = i + len(header)
+            while ids[j:j + len(end)] != end:
+                j += 1
+            turns.append(list(range(i + len(header), j + len(end))))
+            i = j + len(end)
+        else:
+            i += 1
+    return turns
+
+
+def direct_conversation(model, tokenizer, messages, tools, temperature=1.0) -> list[float]:
+    """log p of every assistant token given all before it, from one forward over the conversation
+    as the chat template renders it."""
+    ids = list(tokenizer.apply_chat_template(messages, tools=tools, tokenize=True))
+    logits = model(mx.array([ids]))[0].astype(mx.float32) / temperature
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return [logp[t - 1, ids[t]].item() for turn in assistant_turns(tokenizer, ids) for t in turn]
+
+
+def test_a_conversation_is_scored_at_its_assistant_tokens(stack, worker, tiny):
+    """Mixed with a prompt/completion item, at two temperatures, and in the single form: the
+    assistant turns' tokens (tool call, answer, each end of turn) as a direct computation gives them."""
+    model, tokenizer = tiny
+    for temperature in (None, 2.0):
+        body = {"model_id": stack.tiny_model.name, "items": [{"messages": conversation(), "tools": TOOLS},
+                                                             {"prompt": PROMPTS[0], "completion": COMPLETIONS[0]}]}
+        resp = post(stack, {**body, "temperature": temperature} if temperature else body)
+        assert resp.status_code == 200, resp.text
+        chat, plain = resp.json()["results"]
+        expected = direct_conversation(model, tokenizer, conversation(), TOOLS, temperature or 1.0)
+        assert len(expected) > 40 and chat["token_count"] == len(expected)
+        assert max(abs(a - b) for a, b in zip(chat["per_token"], expected)) < 1e-5
+        assert abs(chat["logprob"] - sum(expected)) < 1e-4
+        assert_close(plain, direct(model, tokenizer, list(tokenizer.encode(PROMPTS[0])), COMPLETIONS[0], temperature or 1.0))
+    single = post(stack, {"model_id": stack.tiny_model.name, "messages": conversation(), "tools": TOOLS})
+    assert single.status_code == 200, single.text
+    assert_close(single.json(), direct_conversation(model, tokenizer, conversation(), TOOLS))
+
+
+def test_a_tool_reply_changes_the_scores_after_it_not_the_tokens_scored(stack, worker, tiny):
+    _, tokenizer = tiny
+    resp = post(stack, {"model_id": stack.tiny_model.name, "items": [
+        {"messages": conversation(), "tools": TOOLS}, {"messages": conversation("rain, 9C and wind"), "tools": TOOLS}]})
+    assert resp.status_code == 200, resp.text
+    a, b = resp.json()["results"]
+    ids = list(tokenizer.apply_chat_template(conversation(), tools=TOOLS, tokenize=True))
+    call = len(assistant_turns(tokenizer, ids)[0])  # the first assistant turn, before the reply
+    assert a["token_count"] == b["token_count"]
+    assert a["per_token"][:call] == b["per_token"][:call]
+    assert all(abs(x - y) > 1e-6 for x, y in zip(a["per_token"][call:], b["per_token"][call:]))
+
+
+def test_a_grpo_episode_masks_the_newline_after_a_turns_eos(tiny):
+    """Where the route's tokens (SFT's) and an episode's differ: the template's newline after the
+    model's <|im_end|> comes with the tools' reply, which the episode masks."""
+    from worker.agentic.conversation import Conversation
+
+    _, tokenizer = tiny
+    chat = Conversation(tokenizer, conversation()[:2], TOOLS)
+    appended = chat.answer_tokens("<tool_call>x</tool_call>", "<|im_end|>", [{"role": "tool", "content": "sunny"}], 16)
+    assert tokenizer.decode(appended).startswith("\n<|im_start|>user\n<tool_response>")
+
+
+def test_conversations_that_cannot_be_scored_are_400s(stack):
+    """Checked by the API as SFT rows are (shared/datasets.py), before any worker sees them."""
+    user, answer = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}
+    cases = [
+        ({"messages": [user]}, "body: Value error, no assistant message of weight 1"),
+        ({"items": [{"messages": [user, {**answer, "weight": 0}]}]}, "items.0: Value error, no assistant message of weight 1"),
+        ({"messages": [answer]}, "the first message is the assistant's"),
+        ({"messages": [{**user, "tool_calls": []}, answer]}, "'messages[0].tool_calls': only assistant messages call tools"),
+        ({"messages": [user, answer], "tools": [{"name": "f"}]}, "'tools[0]' must be {type: \"function\""),
+        ({"items": [{"messages": [user, answer], "completion": "x"}]}, "items.0.completion: Extra inputs are not permitted"),
+        ({"messages": [{**user, "content": "x" * 262_145}, answer]}, "MTQ_MAX_STEP_TOKENS"),
+    ]
+    for body, detail in cases:
+        resp = post(stack, {"model_id": stack.tiny_model.name, **body})
+        assert resp.status_code == 400 and detail in resp.json()["detail"], (body, resp.text[:300])
+
+
+def test_a_template_that_cannot_render_the_conversation_is_refused(stack):
+    """The worker's side (400s, as multi-turn GRPO fails its job): no chat template, one that
+    does not render turn by turn, one that raises on the messages."""
+    import types
+
+    from mlx_lm.utils import load_tokenizer
+
+    from worker.runtime.score_requests import Refused, conversation_row
+
+    item = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
+    with pytest.raises(Refused, match="chat template, and this model's tokenizer has none") as e:
+        conversation_row(types.SimpleNamespace(chat_template=None), item)
+    assert e.value.status == 400
+    tokenizer = load_tokenizer(stack.tiny_model)
+    for template, error in [("{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                             "does not render this conversation incrementally"),
+                            ("{{ raise_exception('no such role') }}", "no such role")]:
+        tokenizer._tokenizer.chat_template = template
+        with pytest.raises(Refused, match=error) as e:
+            conversation_row(tokenizer, item)
+        assert e.value.status == 400
 
 
 def test_errors_as_the_seed_server(stack, worker):

@@ -1,7 +1,8 @@
 """Log-prob scoring: POST /admin/api/fine-tune/logprob (the seed server's route and answers).
 
     {model_id, prompt, completion, adapter_name?}          -> {logprob, token_count, per_token}
-    {model_id, adapter_name?, items: [{prompt, completion}], temperature?}
+    {model_id, messages, tools?, adapter_name?}            -> the same, over the assistant messages' tokens
+    {model_id, adapter_name?, items: [{prompt, completion} or {messages, tools?}], temperature?}
                                                            -> {results: [{logprob, token_count, per_token}]}
 
 The API never scores: it queues the request (shared/scoring.py) for the workers' training
@@ -14,11 +15,11 @@ admin). A model no live worker offers is a 404 at once: it never waits in a queu
 import json
 import re
 import time
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import Principal
@@ -27,6 +28,7 @@ from api.json_body import JSONBodyRoute
 from api.openai_compat import jobs as openai_jobs
 from shared import scoring
 from shared.adapters import adapter_ref
+from shared.datasets import sft_loss_error, sft_row_error
 from shared.keys import ADAPTERS_INDEX, job_key
 from shared.model_ids import job_id_of, model_id_error
 from shared.routing import is_hub_id
@@ -50,10 +52,43 @@ MAX_ITEMS = 256
 REQUEST_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
-class ScoreItem(BaseModel):
+class CompletionItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt: str | list[ChatMessage] = Field(..., min_length=1)
     completion: str
+
+    def chars(self) -> int:
+        return len(str(self.prompt)) + len(self.completion)
+
+
+class ConversationItem(BaseModel):
+    """A conversation scored at the tokens SFT's assistant_only_loss trains: its assistant
+    messages of weight 1. Its messages and tools are checked as an SFT row's."""
+
+    model_config = ConfigDict(extra="forbid")
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _an_sft_row(self):
+        row = self.model_dump(exclude_none=True)
+        if error := sft_row_error(row) or sft_loss_error(row, True):
+            raise ValueError(error)
+        return self
+
+    def chars(self) -> int:
+        return len(str(self.messages)) + len(str(self.tools or ""))
+
+
+FORMS = ("completion", "conversation")  # ScoreItem's tags, which pydantic puts in its errors' locations
+
+
+def item_form(item: Any) -> str:
+    return FORMS[1] if isinstance(item, dict) and "messages" in item else FORMS[0]
+
+
+ScoreItem = Annotated[Annotated[CompletionItem, Tag(FORMS[0])] | Annotated[ConversationItem, Tag(FORMS[1])],
+                      Discriminator(item_form)]
 
 
 class ScoreRequest(BaseModel):
@@ -65,13 +100,15 @@ class ScoreRequest(BaseModel):
     items: list[ScoreItem] = Field(..., min_length=1, max_length=MAX_ITEMS)
     temperature: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False,
                                       description="Divide the logits by this (default: raw logits).")
-    use_chat_template: bool = Field(False, description="Tokenise prompts as a GRPO job with use_chat_template does.")
+    use_chat_template: bool = Field(False, description="Tokenise prompts as a GRPO job with use_chat_template does "
+                                    "(conversations always are).")
 
     _json_values = model_validator(mode="before")(check_json_values)
 
 
 class TokenScores(BaseModel):
-    logprob: float = Field(description="Sum of the completion tokens' log-probabilities.")
+    logprob: float = Field(description="Sum of the completion's (a conversation's: its assistant messages') "
+                           "tokens' log-probabilities.")
     token_count: int
     per_token: list[float]
 
@@ -96,17 +133,23 @@ def parse_request(body: Any) -> tuple[ScoreRequest, bool]:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, "model_id is required")
     single = "items" not in body
     if single:
-        if not body.get("completion"):
+        if item_form(body) == "completion" and not body.get("completion"):
             raise HTTPException(status.HTTP_400_BAD_REQUEST, "completion is required")
-        body = {**{k: v for k, v in body.items() if k not in ("prompt", "completion")},
-                "items": [{"prompt": body.get("prompt"), "completion": body["completion"]}]}
+        fields = ("prompt", "completion", "messages", "tools")
+        body = {**{k: v for k, v in body.items() if k not in fields}, "items": [{k: body[k] for k in fields if k in body}]}
     try:
         return ScoreRequest.model_validate(body), single
     except ValidationError as e:
         first = e.errors()[0]
-        loc = first["loc"][2:] if single and first["loc"][:1] == ("items",) else first["loc"]
-        where = ".".join(str(p) for p in loc) or "body"
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"Invalid request: {where}: {first['msg']}") from None
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"Invalid request: {where(first['loc'], single)}: "
+                            f"{first['msg']}") from None
+
+
+def where(loc: tuple, single: bool) -> str:
+    """An error's location as the body names it: without the item's form, nor items.0 in the single form."""
+    if loc[:1] == ("items",) and loc[2:3] and loc[2] in FORMS:
+        loc = loc[:2] + loc[3:]
+    return ".".join(str(p) for p in (loc[2:] if single and loc[:1] == ("items",) else loc)) or "body"
 
 
 def check_chars(chars: int, settings) -> None:
@@ -186,7 +229,8 @@ def _answer(record: dict, request_id: str, single: bool) -> Any:
         if single else BatchScores.model_validate(result)
 
 
-@router.post("", summary="Log-probabilities of completions given prompts (teacher forcing), on the workers",
+@router.post("", summary="Log-probabilities of completions given prompts, or of conversations' assistant messages "
+             "(teacher forcing), on the workers",
              responses={200: {"model": TokenScores | BatchScores}, 202: {"model": Pending}})
 async def score(request: Request, r: RedisDep, ar: AsyncRedisDep, settings: SettingsDep, who: WriterDep):
     req, single = parse_request(await request.json())
@@ -194,7 +238,7 @@ async def score(request: Request, r: RedisDep, ar: AsyncRedisDep, settings: Sett
         req = await fine_tuned(ar, req)
     if error := model_id_error(req.model_id, settings):
         raise HTTPException(status.HTTP_400_BAD_REQUEST, error)
-    check_chars(sum(len(str(it.prompt)) + len(it.completion) for it in req.items), settings)
+    check_chars(sum(it.chars() for it in req.items), settings)
     if req.adapter_name:
         await check_adapter(ar, who, req.model_id, req.adapter_name)
     request_id, record = await submit_and_wait(r, ar, settings, who, {**req.model_dump(mode="json"), "single": single})

@@ -63,8 +63,7 @@ def assistant_tokens(tokenizer, row: dict) -> tuple[list[int], list[int]]:
                                               (end, f"messages[:{i + 1}]", tokens, "the whole conversation")):
             if whole[:len(part)] != part:
                 raise DatasetError(f"the chat template does not render this conversation incrementally ({name} is not "
-                                   f"a prefix of {whole_name}), so its assistant tokens cannot be found; "
-                                   "assistant_only_loss false trains on every token")
+                                   f"a prefix of {whole_name}), so its assistant tokens cannot be found")
         mask[len(begin):len(end)] = [1] * (len(end) - len(begin))
     return tokens, mask
 
@@ -81,8 +80,8 @@ def tokenize_rows(tokenizer, rows: list[dict], cfg: SFTConfig, where: str) -> Ro
         if assistant_only(row, cfg.assistant_only_loss):
             try:
                 ids, mask = assistant_tokens(tokenizer, row)
-            except DatasetError as e:
-                raise DatasetError(f"{where}[{i}]: {e}") from None
+            except DatasetError as e:  # log-prob scoring says the same without this hint
+                raise DatasetError(f"{where}[{i}]: {e}; assistant_only_loss false trains on every token") from None
             offset = next((t for t, on in enumerate(mask) if on), len(mask))
         else:
             ids, offset = dataset.process(dataset[i])

@@ -11,6 +11,11 @@ completion with `tokenizer.encode` without special tokens, and rows are scored i
 batches with the trainer's own forward (worker/runtime/logprobs.py completion_logprobs). A row longer
 than the model's context is refused (400) before anything is scored.
 
+A conversation item ({messages, tools?}) is the whole conversation as the chat template renders
+it with tools=, scored at the tokens an SFT job with assistant_only_loss trains (its assistant
+messages of weight 1: worker/kinds/sft_job.py assistant_tokens, the one function for that mask);
+as a row, its prompt is the tokens before the first of them.
+
 A worker busy with a training job answers between optimizer steps, on the model it holds,
 for at most BUDGET_BETWEEN_STEPS_S, and any one request for at most SLICE_S a turn: rows are
 scored CHUNK_TOKENS at a time, and a request with rows left keeps what it has (its parts) and
@@ -32,9 +37,11 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from jinja2 import TemplateError
 
 from shared import scoring
 from shared.adapters import HEAD_FILE, WEIGHTS_FILE, adapter_ref, cached_copy
+from shared.datasets import DatasetError
 from shared.jobstore import connect
 from shared.keys import ADAPTERS_INDEX, adapter_key, job_key
 from shared.metrics import recorder
@@ -42,6 +49,7 @@ from shared.routing import model_key, served_models
 from shared.settings import Settings
 from shared.workers import get_worker
 from worker.kinds.reward_head import load_head, score_completions
+from worker.kinds.sft_job import assistant_tokens
 from worker.rewards.batch import RewardError
 from worker.runtime.adapter_layers import adapter_swapped
 from worker.runtime.logprobs import as_item, completion_logprobs, completion_token_ids, left_pad, pair_tokens, prompt_token_ids
@@ -83,12 +91,15 @@ def adapter_files(r, settings: Settings, model_id: str, adapter_name: str, tenan
     return cached_copy(settings, f"adapters/{job_id.decode()}", {k.decode(): v for k, v in blobs.items()})
 
 
-def score_rows(model: nn.Module, tokenizer, rows: list[tuple[list[int], list[int]]], temperature: float) -> list[dict]:
-    """{logprob, token_count, per_token} for each (prompt ids, completion ids) row."""
+Row = tuple[list[int], list[int], list[int]]  # prompt ids, completion ids, 1 where a completion token is scored
+
+
+def score_rows(model: nn.Module, tokenizer, rows: list[Row], temperature: float) -> list[dict]:
+    """{logprob, token_count, per_token} for each row, over its scored completion tokens."""
     results: list[dict | None] = [None] * len(rows)
     vocab = model_shape(model).vocab
-    todo = [i for i, (_, c) in enumerate(rows) if c]
-    for i, (_, c) in enumerate(rows):
+    todo = [i for i, (_, c, _) in enumerate(rows) if c]
+    for i, (_, c, _) in enumerate(rows):
         if not c:  # an empty completion has nothing to score
             results[i] = {"logprob": 0.0, "token_count": 0, "per_token": []}
     for start in range(0, len(todo), ROWS_PER_BATCH):
@@ -100,13 +111,32 @@ def score_rows(model: nn.Module, tokenizer, rows: list[tuple[list[int], list[int
         logp = completion_logprobs(model, inputs, pad, completion, temperature, logits_chunk_tokens(vocab))
         logp = np.array(logp.astype(mx.float32))
         for k, i in enumerate(chunk):
-            per_token = logp[k, : len(rows[i][1])].tolist()
+            per_token = [x for x, scored in zip(logp[k, : len(rows[i][1])].tolist(), rows[i][2]) if scored]
             results[i] = {"logprob": float(sum(per_token)), "token_count": len(per_token), "per_token": per_token}
     return results  # type: ignore[return-value]
 
 
-def tokenize(tokenizer, prompt, completion: str, use_chat_template: bool) -> tuple[list[int], list[int]]:
-    return prompt_token_ids(tokenizer, as_item(prompt), use_chat_template), completion_token_ids(tokenizer, completion)
+def tokenize(tokenizer, item: dict, use_chat_template: bool) -> Row:
+    if "messages" in item:
+        return conversation_row(tokenizer, item)
+    completion = completion_token_ids(tokenizer, item["completion"])
+    return prompt_token_ids(tokenizer, as_item(item["prompt"]), use_chat_template), completion, [1] * len(completion)
+
+
+def conversation_row(tokenizer, item: dict) -> Row:
+    """A conversation's tokens as a row: the prompt up to its first scored token. Refused (400)
+    when the tokenizer has no chat template (as multi-turn GRPO jobs fail then:
+    worker/agentic/conversation.py), or its template does not render the conversation turn by
+    turn or refuses the messages."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise Refused("conversations are rendered with the tokenizer's chat template, and this model's tokenizer "
+                      "has none", 400)
+    try:
+        tokens, mask = assistant_tokens(tokenizer, item)
+    except (DatasetError, TemplateError) as e:  # TemplateError: the template refused the messages (raise_exception)
+        raise Refused(f"conversation: {e}", 400) from None
+    start = next((t for t, on in enumerate(mask) if on), len(mask))
+    return tokens[:start], tokens[start:], mask[start:]
 
 
 def reward_model_rewards(settings: Settings, model_id: str, adapter_name: str, prompts: list[str],
@@ -167,10 +197,9 @@ def prepare(r, settings: Settings, request: dict) -> Work:
         what = "completions"
     else:
         adapter = adapter_files(r, settings, model_id, name, request.get("tenant")) if name else None
-        rows = [tokenize(tokenizer, it["prompt"], it["completion"], request.get("use_chat_template", False))
-                for it in request["items"]]
+        rows = [tokenize(tokenizer, it, request.get("use_chat_template", False)) for it in request["items"]]
         temperature = request.get("temperature") or 1.0
-        work = Work(model, adapter, [len(p) + len(c) for p, c in rows],
+        work = Work(model, adapter, [len(p) + len(c) for p, c, _ in rows],
                     lambda a, b: score_rows(model, tokenizer, rows[a:b], temperature),
                     lambda results: {"results": results, "model_id": model_id, "adapter_name": name})
         what = "items"
