@@ -72,7 +72,8 @@ def test_workers_is_bounded_and_refused_where_a_gang_would_change_the_loss():
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model):
     s = Stack(tmp_path_factory.mktemp("gang"), tiny_model)
-    s.env.update(MTQ_LEASE_TTL="2", MTQ_GANG_JOIN_S="60")
+    # The multi-turn test's tool (conftest puts the repository's root on PYTHONPATH).
+    s.env.update(MTQ_LEASE_TTL="2", MTQ_GANG_JOIN_S="60", MTQ_TOOL_MODULES="examples.agentic.lookup_tools")
     yield from running(s)
 
 
@@ -163,6 +164,66 @@ def test_grpo_on_a_gang_of_two_equals_one_worker(stack, client, pair):
           f"differences: losses {loss_diff:.1e} (absolute), grad norms {norm_diff:.2e}, adapter {weight_diff:.2e}")
     assert rewards[0] == rewards[1]  # the same completions were sampled
     assert loss_diff < 1e-6 and norm_diff < LOSS_TOLERANCE and weight_diff < ADAPTER_TOLERANCE
+
+
+TOOL_PROMPTS = ["What color is the apple?", "Color of snow?", "Color of sky?", "hi"]
+GREETINGS = ["hi", "hello", "hey there", "good morning"]
+TOOL_CONFIG = {"batch_size": 4, "group_size": 2, "max_turns": 2, "max_completion_len": 32, "max_tool_output_tokens": 8,
+               "temperature": 0.0, "beta": 0.1, "iters": 2, "learning_rate": 5e-3, "lora_layers": -1, "lora_rank": 8,
+               "lora_alpha": 4, "seed": 5}
+
+
+def opens_a_call(question: str, answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+def test_multi_turn_grpo_with_a_tool_on_a_gang_of_two_equals_one_worker(stack, client, pair):
+    """Episodes with a tool (max_turns 2) on a gang of two against one worker.
+
+    The tiny random model never writes a tool call by itself, and learns the whole call format
+    only slowly (tests/test_agentic.py: 300 SFT steps). So a short SFT job teaches it to open a
+    `<tool_call>` block and end its turn: both GRPO jobs start from that adapter,
+    their first step's episodes call the tool, get an error answer (a block left open) appended
+    to the row, and decode a second turn. Greedy decoding samples the same text on a rank as on
+    one worker (a temperature above 0 would not: the decode's keys follow the schedule of the
+    whole decode, worker/decode/episodes.py). The G greedy episodes of a prompt are alike, so
+    every advantage is 0; beta > 0 gives the loss its KL term over the model's tokens only,
+    which a rank that trained on the appended tokens (a lost mask) would change. The episode
+    metrics are the whole step's (every rank's episodes summed); with this model a step's
+    episodes all behave alike, so rank 0's share alone would read the same: the test cannot
+    tell that case apart."""
+    t0 = time.monotonic()
+    questions = [q.format(t) for q in ("What color is the {}?", "Color of {}?") for t in ("apple", "snow", "sky", "coal")]
+    rows = [opens_a_call(q, "<tool_call>") for q in questions] + [opens_a_call(q, "Hello!") for q in GREETINGS]
+    sft = submit(client, SFT, {"model_id": "tiny", "dataset": rows, "adapter_name": "tool-sft", "config": {
+        "lora_layers": -1, "lora_rank": 8, "lora_alpha": 4, "learning_rate": 1e-2, "batch_size": 12, "iters": 200,
+        "mask_prompt": True, "steps_per_report": 40}})
+    wait_done(stack, SFT, sft)
+    body = {"model_id": "tiny", "prompts": TOOL_PROMPTS, "init_adapter": {"job_id": sft},
+            "tools": [{"type": "python", "function": "examples.agentic.lookup_tools:lookup"}]}
+    solo = submit(client, GRPO, {**body, "adapter_name": "tools-solo", "config": TOOL_CONFIG})
+    wait_done(stack, GRPO, solo)
+    gang = submit(client, GRPO, {**body, "adapter_name": "tools-gang", "config": {**TOOL_CONFIG, "workers": 2}})
+    wait_done(stack, GRPO, gang)
+    steps = {j: [e for _, e in stack.events(j) if e["type"] == "grpo_step"] for j in (gang, solo)}
+    assert len(steps[gang]) == len(steps[solo]) == TOOL_CONFIG["iters"]
+    seen = {k: [[e[k] for e in steps[j]] for j in (gang, solo)]
+            for k in ("reward", "turns/mean", "tool_calls/mean", "tool_errors/mean", "loss", "grad_norm")}
+    loss_diff, norm_diff = rel_diff(*seen["loss"]), rel_diff(*seen["grad_norm"])
+    weight_diff = adapter_diff(adapter(client, "tools-gang"), adapter(client, "tools-solo"))
+    print(f"\nmulti-turn GRPO gang of 2 vs 1 worker: {seen}; differences: losses {loss_diff:.2e}, "
+          f"grad norms {norm_diff:.2e}, adapter {weight_diff:.2e}; {time.monotonic() - t0:.1f} s")
+    # The multi-turn path ran: episodes called the tool (a block left open: an error answer) and
+    # had a second turn; the metrics count the episodes' turns (the solo job's conversations).
+    assert max(seen["tool_calls/mean"][1]) > 0 and max(seen["tool_errors/mean"][1]) > 0
+    conversations = [e["conversations"] for _, e in stack.events(solo) if e["type"] == "samples"]
+    turns = [float(np.mean([sum(m["role"] == "assistant" for m in c) for group in step for c in group]))
+             for step in conversations]
+    assert turns == seen["turns/mean"][1] and max(turns) == 2
+    for k in ("reward", "turns/mean", "tool_calls/mean", "tool_errors/mean"):
+        assert seen[k][0] == seen[k][1], k  # the same episodes were sampled, and counted on every rank
+    assert min(seen["loss"][1]) > 0 and min(seen["grad_norm"][1]) > 0  # the KL term: not a comparison of zeros
+    assert loss_diff < LOSS_TOLERANCE and norm_diff < LOSS_TOLERANCE and weight_diff < ADAPTER_TOLERANCE
 
 
 def training_pid(supervisor_pid: int) -> int | None:

@@ -412,7 +412,8 @@ class GRPOTrainer:
 
         tokens = sum(rollout.lengths) + sum(len(p) for p in rollout.prompt_ids) * rollout.rows_per_prompt
         state.num_tokens += tokens if self.gang.size == 1 else int(self.gang.sum(mx.array(tokens)).item())
-        metrics = step_metrics(rollout, every, reward_metrics, loss, stats, grad_norm, self.optimizer, state.num_tokens)
+        metrics = step_metrics(rollout, every, reward_metrics, loss, stats, grad_norm, self.optimizer, state.num_tokens,
+                               self.gang)
         metrics["step_time"] = time.perf_counter() - t0
         state.step += 1
         return metrics, samples_event(rollout, rewards)
@@ -561,8 +562,8 @@ class GRPOTrainer:
 
 
 def step_metrics(rollout: Rollout, rewards: np.ndarray, reward_metrics: dict, loss: mx.array, stats: dict,
-                 grad_norm: mx.array, optimizer: optim.Optimizer, num_tokens: int) -> dict[str, float]:
-    """A step's metrics, named as TRL users know them."""
+                 grad_norm: mx.array, optimizer: optim.Optimizer, num_tokens: int, gang: Gang = SOLO) -> dict[str, float]:
+    """A step's metrics, named as TRL users know them. On a gang, the episodes' are every rank's."""
     samples = rollout.samples
     group_std = nan_std(rewards, axis=1)  # NaN where a group has fewer than 2 scorable completions
     defined = ~np.isnan(group_std)
@@ -591,21 +592,23 @@ def step_metrics(rollout: Rollout, rewards: np.ndarray, reward_metrics: dict, lo
     }
     metrics["mean_reward"] = metrics["reward"]
     if rollout.episodes:
-        metrics.update(episode_metrics(rollout.episodes))
+        metrics.update(episode_metrics(rollout.episodes, gang))
     return metrics
 
 
-def episode_metrics(episodes: list[RowEpisode]) -> dict[str, float]:
+def episode_metrics(episodes: list[RowEpisode], gang: Gang = SOLO) -> dict[str, float]:
     """A multi-turn step's: model turns, tool calls and tool errors per episode, and the mean
-    environment reward (over the episodes it rewarded)."""
-    env = np.array([e.env_reward for e in episodes])
-    metrics = {
-        "turns/mean": float(np.mean([e.turns for e in episodes])),
-        "tool_calls/mean": float(np.mean([e.tool_calls for e in episodes])),
-        "tool_errors/mean": float(np.mean([e.tool_errors for e in episodes])),
-    }
+    environment reward (over the episodes it rewarded), of the whole step: a gang's ranks' summed."""
+    env = np.array([e.env_reward for e in episodes], dtype=np.float64)
+    rewarded = ~np.isnan(env)
+    totals = np.array([len(episodes), sum(e.turns for e in episodes), sum(e.tool_calls for e in episodes),
+                       sum(e.tool_errors for e in episodes), env[rewarded].sum(), rewarded.sum()], dtype=np.float64)
+    if gang.size > 1:
+        totals = np.array(gang.sum(mx.array(totals, dtype=mx.float32)), dtype=np.float64)
+    n, turns, calls, errors, env_sum, env_n = totals
+    metrics = {"turns/mean": float(turns / n), "tool_calls/mean": float(calls / n), "tool_errors/mean": float(errors / n)}
     if episodes[0].environment is not None:
-        metrics["env_reward"] = float(np.nan_to_num(nan_mean(env)))
+        metrics["env_reward"] = float(env_sum / env_n) if env_n else 0.0
     return metrics
 
 
