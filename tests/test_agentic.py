@@ -1,9 +1,12 @@
 """Multi-turn GRPO jobs through the real stack (docs/agentic.md): SFT on tool-call transcripts
-teaches the call format, GRPO jobs from that adapter call a python tool and an OpenEnv server,
-and hostile tools and servers end as bounded, clear outcomes with the worker free afterwards.
+teaches the call format, a GRPO job from that adapter learns to call a python tool (its reward
+rises against an lr-0 control), an OpenEnv server drives and rewards episodes, and hostile
+tools and servers end as bounded, clear outcomes with the worker free afterwards.
 
 The tool is examples/agentic/lookup_tools.py (the docs' example), allowed by MTQ_TOOL_MODULES;
-the environment server is tests/openenv_server.py (openenv-core's server classes).
+the environment server is tests/openenv_server.py (openenv-core's server classes). The module's
+tiny model has a final norm of 16 (make_model's docstring says why: at 1 no adapter can make
+its samples confident, so a group has no well-formed episodes to learn from).
 """
 
 import socket
@@ -11,11 +14,13 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from conftest import ROOT, Stack, running, wait_done, wait_for
 from transformers.utils import get_json_schema
 
 from examples.agentic import lookup_tools
+from worker.runtime.make_model import make_model
 
 GRPO = "/admin/api/fine-tune/grpo/jobs"
 SFT = "/admin/api/fine-tune/jobs"
@@ -33,6 +38,12 @@ def transcript(phrase: str, thing: str) -> dict:
             {"type": "function", "function": {"name": "lookup", "arguments": {"key": thing}}}]},
         {"role": "tool", "content": color},
         {"role": "assistant", "content": f"It is {color}."}]}
+
+
+def guess(phrase: str, thing: str) -> dict:
+    """The other half of the SFT rows: no call and no color, so GRPO has a choice to learn."""
+    return {"tools": [SCHEMA], "messages": [{"role": "user", "content": phrase.format(thing)},
+                                            {"role": "assistant", "content": "I do not know."}]}
 
 
 def free_port() -> int:
@@ -57,8 +68,8 @@ def env_server():
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model, env_server):
-    s = Stack(tmp_path_factory.mktemp("agentic"), tiny_model)
+def stack(tmp_path_factory, env_server):
+    s = Stack(tmp_path_factory.mktemp("agentic"), make_model(tmp_path_factory.mktemp("sharp") / "tiny", final_norm=16.0))
     port = env_server.rsplit(":", 1)[1]
     s.env.update(MTQ_TOOL_MODULES="examples.agentic.lookup_tools,hostile_lookup,noisy_lookup",
                  MTQ_REWARD_HOSTS=f"127.0.0.1:{port}", PYTHONPATH=f"{ROOT}{':'}{ROOT / 'tests'}{':'}{s.env['PYTHONPATH']}")
@@ -68,8 +79,8 @@ def stack(tmp_path_factory, tiny_model, env_server):
 def grpo_spec(**config) -> dict:
     prompts = [{"prompt": PHRASES[i % 4].format(t), "answer": lookup_tools.COLORS[t]} for i, t in enumerate(THINGS)]
     return {"model_id": "tiny", "prompts": prompts, "tools": TOOLS, "reward": [{"type": "contains", "field": "answer"}],
-            "config": {"max_turns": 3, "group_size": 4, "batch_size": 2, "iters": 2, "max_completion_len": 48,
-                       "max_tool_output_tokens": 16, "temperature": 0.0, "lora_layers": -1, "lora_rank": 16, "lora_alpha": 4, **config}}
+            "config": {"max_turns": 3, "group_size": 4, "batch_size": 6, "iters": 2, "max_completion_len": 96,
+                       "max_tool_output_tokens": 16, "temperature": 0.7, "lora_layers": -1, "lora_rank": 16, "lora_alpha": 4, **config}}
 
 
 def steps_of(stack, job_id, kind="grpo_step"):
@@ -78,31 +89,37 @@ def steps_of(stack, job_id, kind="grpo_step"):
 
 @pytest.fixture(scope="module")
 def sft_adapter(stack, worker) -> dict:
-    """An SFT job on tool-call transcripts (assistant-only loss): its init_adapter."""
-    rows = [transcript(p, t) for p in PHRASES for t in THINGS]
+    """An SFT job on tool-call transcripts and as many guesses (assistant-only loss): its init_adapter."""
+    rows = [row(p, t) for p in PHRASES for t in THINGS for row in (transcript, guess)]
     with stack.client() as c:
         res = c.post(SFT, json={"model_id": "tiny", "dataset": rows, "adapter_name": "tool-sft",
                                 "config": {"lora_layers": -1, "lora_rank": 16, "lora_alpha": 4, "learning_rate": 1e-2,
-                                           "batch_size": 8, "iters": 300, "steps_per_report": 100}})
+                                           "batch_size": 8, "iters": 200, "steps_per_report": 50}})
     assert res.status_code == 200, res.text
     return {"init_adapter": {"job_id": wait_done(stack, SFT, res.json()["job_id"], timeout=400)["job_id"]}}
 
 
-def test_sft_teaches_the_call_format_and_grpo_episodes_call_the_tool(stack, worker, sft_adapter):
-    learned = stack.submit({**grpo_spec(iters=2, learning_rate=1e-3), **sft_adapter, "adapter_name": "tool-grpo"})
-    control = stack.submit({**grpo_spec(iters=2, learning_rate=0.0), **sft_adapter, "adapter_name": "tool-grpo-lr0"})
+def test_sft_teaches_the_call_format_and_grpo_learns_to_call_the_tool(stack, worker, sft_adapter):
+    """After SFT about half the episodes call the tool, and only those can name the color.
+    GRPO at lr 3e-4 raises both the calls and the reward; at lr 0 both stay where they were."""
+    spec = {**grpo_spec(iters=10), **sft_adapter}
+    learned = stack.submit({**spec, "config": {**spec["config"], "learning_rate": 3e-4}, "adapter_name": "tool-grpo"})
+    control = stack.submit({**spec, "config": {**spec["config"], "learning_rate": 0.0}, "adapter_name": "tool-grpo-lr0"})
     for job_id in (learned, control):
-        wait_done(stack, GRPO, job_id, timeout=400)
-    steps = steps_of(stack, learned)
-    print("\nlearned:", [(round(s["reward"], 3), s["tool_calls/mean"], s["turns/mean"]) for s in steps])
-    print("lr 0:", [(round(s["reward"], 3), s["tool_calls/mean"]) for s in steps_of(stack, control)])
-    assert len(steps) == 2 and {"turns/mean", "tool_calls/mean", "tool_errors/mean"} <= set(steps[0])
-    # After SFT the model calls the tool in most episodes, and so has a second turn.
-    assert steps[0]["tool_calls/mean"] > 0.5 and steps[0]["turns/mean"] > 1.5
+        wait_done(stack, GRPO, job_id, timeout=600)
+    steps, flat = steps_of(stack, learned), steps_of(stack, control)
+    for name, run in (("lr 3e-4", steps), ("lr 0", flat)):
+        print(f"\n{name}: rewards {[round(s['reward'], 3) for s in run]}; "
+              f"tool calls {[round(s['tool_calls/mean'], 2) for s in run]}")
+    assert len(steps) == 10 and {"turns/mean", "tool_calls/mean", "tool_errors/mean"} <= set(steps[0])
+    late = {k: (np.mean([s[k] for s in steps[5:]]), np.mean([s[k] for s in flat[5:]])) for k in ("reward", "tool_calls/mean")}
+    print("last 5 steps' means, lr 3e-4 vs lr 0:", {k: tuple(round(float(x), 3) for x in v) for k, v in late.items()})
+    assert late["reward"][0] > late["reward"][1] + 0.05 and late["tool_calls/mean"][0] > late["tool_calls/mean"][1] + 0.15
+    assert late["reward"][1] < 0.15 and abs(late["tool_calls/mean"][1] - flat[0]["tool_calls/mean"]) < 0.2
     samples = [e for _, e in stack.events(learned) if e.get("type") == "samples"][-1]
-    conversation = samples["conversations"][0][0]
-    assert conversation[0]["role"] == "assistant" and "<tool_call>" in conversation[0]["content"]
-    assert any(m["role"] == "tool" and m["content"] in lookup_tools.COLORS.values() for m in conversation)
+    called = [c for group in samples["conversations"] for c in group if any(m["role"] == "tool" for m in c)]
+    assert called and "<tool_call>" in called[0][0]["content"]
+    assert any(m["role"] == "tool" and m["content"] in lookup_tools.COLORS.values() for c in called for m in c)
 
 
 def test_an_openenv_environment_drives_episodes_and_rewards_them(stack, worker, env_server):

@@ -319,8 +319,16 @@ def quantize_weights(model, config: dict, bits: int):
 
 # ---------------------------------------------------------------------------- write
 
-def make_model(out_dir: str | Path, size: str = "tiny", quantize: int | None = None, seed: int = 0) -> Path:
-    """Write a random-weight Qwen3 model directory for mlx_lm.load; returns its path."""
+def make_model(out_dir: str | Path, size: str = "tiny", quantize: int | None = None, seed: int = 0,
+               final_norm: float = 1.0) -> Path:
+    """Write a random-weight Qwen3 model directory for mlx_lm.load; returns its path.
+
+    final_norm: the last RMSNorm's scale. At 1, tied Normal(0, 0.02) embeddings keep a tiny
+    model's logits within about +-1.3 (sqrt(64) * 0.02 * sqrt(64)), and no adapter can widen
+    that (LoRA leaves norms and embeddings alone): its SFT loss stops near 5.7 nats and every
+    sample is near-uniform. A pretrained model's logits span far more; tests that need an
+    adapter to make sampling confident (tests/test_agentic.py) use 16.
+    """
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {sorted(SIZES)}")
     out = Path(out_dir)
@@ -333,6 +341,7 @@ def make_model(out_dir: str | Path, size: str = "tiny", quantize: int | None = N
 
     config = model_config(size, vocab_size, token_ids)
     model = build_model(config, seed)
+    model.model.norm.weight = model.model.norm.weight * final_norm
     if quantize:
         model, config = quantize_weights(model, config, quantize)
 
