@@ -102,9 +102,8 @@ def sft_adapter(stack, worker) -> dict:
 def test_sft_teaches_the_call_format_and_grpo_learns_to_call_the_tool(stack, worker, sft_adapter):
     """After SFT about half the episodes call the tool, and only those can name the color.
     GRPO at lr 3e-4 raises both the calls and the reward; at lr 0 both stay where they were."""
-    spec = {**grpo_spec(iters=10), **sft_adapter}
-    learned = stack.submit({**spec, "config": {**spec["config"], "learning_rate": 3e-4}, "adapter_name": "tool-grpo"})
-    control = stack.submit({**spec, "config": {**spec["config"], "learning_rate": 0.0}, "adapter_name": "tool-grpo-lr0"})
+    learned = stack.submit({**grpo_spec(iters=10, learning_rate=3e-4), **sft_adapter, "adapter_name": "tool-grpo"})
+    control = stack.submit({**grpo_spec(iters=10, learning_rate=0.0), **sft_adapter, "adapter_name": "tool-grpo-lr0"})
     for job_id in (learned, control):
         wait_done(stack, GRPO, job_id, timeout=600)
     steps, flat = steps_of(stack, learned), steps_of(stack, control)

@@ -180,8 +180,9 @@ def opens_a_call(question: str, answer: str) -> dict:
 def test_multi_turn_grpo_with_a_tool_on_a_gang_of_two_equals_one_worker(stack, client, pair):
     """Episodes with a tool (max_turns 2) on a gang of two against one worker.
 
-    The tiny random model never writes a tool call by itself, and learns the whole call format
-    only slowly (tests/test_agentic.py: 300 SFT steps). So a short SFT job teaches it to open a
+    The tiny random model never writes a tool call by itself, and with a final norm of 1 no
+    adapter makes it write the whole call format (worker/runtime/make_model.py says why;
+    tests/test_agentic.py uses a model made with final_norm 16). So a short SFT job teaches it to open a
     `<tool_call>` block and end its turn: both GRPO jobs start from that adapter,
     their first step's episodes call the tool, get an error answer (a block left open) appended
     to the row, and decode a second turn. Greedy decoding samples the same text on a rank as on

@@ -4,11 +4,16 @@ GRPO job's own sampling log-probs, come with an adapter or without, from an idle
 busy training (without disturbing it)."""
 
 
+import types
+
 import mlx.core as mx
 import mlx_lm
 import pytest
+from mlx_lm.utils import load_tokenizer
 
 from conftest import Stack, read_events, running, wait_for
+from worker.agentic.conversation import Conversation
+from worker.runtime.score_requests import Refused, conversation_row
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 LOGPROB = "/admin/api/fine-tune/logprob"
@@ -169,8 +174,6 @@ def test_a_tool_reply_changes_the_scores_after_it_not_the_tokens_scored(stack, w
 def test_a_grpo_episode_masks_the_newline_after_a_turns_eos(tiny):
     """Where the route's tokens (SFT's) and an episode's differ: the template's newline after the
     model's <|im_end|> comes with the tools' reply, which the episode masks."""
-    from worker.agentic.conversation import Conversation
-
     _, tokenizer = tiny
     chat = Conversation(tokenizer, conversation()[:2], TOOLS)
     appended = chat.answer_tokens("<tool_call>x</tool_call>", "<|im_end|>", [{"role": "tool", "content": "sunny"}], 16)
@@ -197,12 +200,6 @@ def test_conversations_that_cannot_be_scored_are_400s(stack):
 def test_a_template_that_cannot_render_the_conversation_is_refused(stack):
     """The worker's side (400s, as multi-turn GRPO fails its job): no chat template, one that
     does not render turn by turn, one that raises on the messages."""
-    import types
-
-    from mlx_lm.utils import load_tokenizer
-
-    from worker.runtime.score_requests import Refused, conversation_row
-
     item = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
     with pytest.raises(Refused, match="chat template, and this model's tokenizer has none") as e:
         conversation_row(types.SimpleNamespace(chat_template=None), item)
