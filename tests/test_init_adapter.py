@@ -83,7 +83,7 @@ def test_sft_then_dpo_then_grpo_each_start_where_the_previous_ended(stack, clien
     _, tokenizer = mlx_lm.load(str(tiny_model))
     prompts = ["Say something about red.", "Say something about tree."]
     grpo = ok(client.post(GRPO, json={"model_id": "tiny", "prompts": prompts, "init_adapter": {"job_id": dpo["job_id"]},
-                                      "config": {**SHAPE, "iters": 1, "group_size": 8, "batch_size": 2, "learning_rate": 0.0,
+                                      "config": {**SHAPE, "iters": 1, "group_size": 16, "batch_size": 2, "learning_rate": 0.0,
                                                  "max_completion_len": 6}}))
     completed(stack, client, GRPO, grpo["job_id"])
     [samples] = events(stack, grpo["job_id"], "samples")
