@@ -4,6 +4,7 @@ Each test module gets its own redis-server and API (module-scoped `stack`); work
 started per test with `stack.start_worker()` and stopped when the test ends.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -60,6 +61,34 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+@contextlib.contextmanager
+def openenv_servers(modes, logs: Path):
+    """{mode: port}: a tests/openenv_server.py of each mode, started together (each takes seconds
+    to import openenv-core), with the repository's root on its path (its colors mode reads examples/)."""
+    ports = {mode: free_port() for mode in modes}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    procs = {mode: subprocess.Popen([sys.executable, str(ROOT / "tests" / "openenv_server.py"), "--port", str(port),
+                                     "--mode", mode], stdout=(logs / f"{mode}.log").open("w"), stderr=subprocess.STDOUT,
+                                    env=env)
+             for mode, port in ports.items()}
+
+    def up(port: int) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).is_success
+        except httpx.TransportError:
+            return False
+
+    try:
+        for mode, port in ports.items():
+            wait_for(lambda: procs[mode].poll() is not None or up(port), 60, f"the {mode} server")
+            assert procs[mode].poll() is None, (logs / f"{mode}.log").read_text()
+        yield ports
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
 
 
 class RedisServer:

@@ -1,14 +1,14 @@
-"""`lookup` tools that misbehave, named as the real one (examples/agentic/lookup_tools.py) so
-that a model taught to call `lookup` calls them (tests/test_agentic.py)."""
+"""A `lookup` tool that never answers, described as the real one (examples/agentic/lookup_tools.py):
+the same schema, so the prompt is the one SFT taught the model to call it in (tests/test_agentic.py)."""
 
 import time
 
+from examples.agentic.lookup_tools import lookup as described
+
 
 def lookup(key: str) -> str:
-    """Look up the color of a thing, never answering.
-
-    Args:
-        key: The thing whose color to look up.
-    """
     while True:
         time.sleep(1)
+
+
+lookup.__doc__ = described.__doc__

@@ -6,6 +6,10 @@ Modes:
   the observation's `prompt` shows the table and asks for the word for that key. The episode
   is one action: reward 1.0 if its `message` contains the key's word, else 0.0, and done.
   reset(padding=n) adds n characters to the prompt (an observation too large to show whole).
+- colors: reset(seed, things) draws one of `things` (default: all of examples/agentic/lookup_tools.COLORS)
+  and asks its color ("What color is the apple?"); one action: reward 1.0 if its `message` names
+  the color, done.
+  (The model can know it only from the lookup tool: tests/test_agentic.py's learning test.)
 - slow: the lookup game whose steps sleep SLOW_S first (past any test's timeout_s).
 - nonsense: no OpenEnv environment but a /ws route of its own, speaking the protocol wrong:
   it answers each step with the nonsense NONSENSE[answer] names, `answer` from the reset's
@@ -21,6 +25,8 @@ import uvicorn
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
 from pydantic import Field
+
+from examples.agentic.lookup_tools import COLORS
 
 KEYS = ("red", "blue", "green", "gold", "grey", "pink")
 WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle")
@@ -76,6 +82,14 @@ class LookupEnvironment(Environment):
         return self._state
 
 
+class ColorsEnvironment(LookupEnvironment):
+    def reset(self, seed=None, episode_id=None, things: list[str] | None = None, **kwargs) -> LookupObservation:
+        thing = random.Random(seed).choice(sorted(things or COLORS))
+        self.word = COLORS[thing]
+        self._state = State(episode_id=episode_id, step_count=0)
+        return LookupObservation(prompt=f"What color is the {thing}?")
+
+
 class SlowEnvironment(LookupEnvironment):
     step_sleep_s = SLOW_S
 
@@ -107,12 +121,12 @@ def nonsense_app() -> FastAPI:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--mode", choices=("lookup", "slow", "nonsense"), default="lookup")
+    parser.add_argument("--mode", choices=("lookup", "colors", "slow", "nonsense"), default="lookup")
     args = parser.parse_args()
     if args.mode == "nonsense":
         app = nonsense_app()
     else:
-        env = SlowEnvironment if args.mode == "slow" else LookupEnvironment
+        env = {"lookup": LookupEnvironment, "colors": ColorsEnvironment, "slow": SlowEnvironment}[args.mode]
         app = create_fastapi_app(env, LookupAction, LookupObservation, max_concurrent_envs=256)
     # No lifespan wait at exit: the tests stop it with SIGTERM, sessions still open in slow mode.
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", timeout_graceful_shutdown=1)

@@ -7,17 +7,14 @@ import dataclasses
 import os
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from api.submission import spec_errors
-from conftest import ROOT, free_port, wait_for
+from conftest import free_port, openenv_servers
 from shared.agentic_specs import OpenEnvEnvironment
 from shared.schemas import GRPOConfig, JobCreate
 from shared.settings import load_settings
@@ -29,28 +26,9 @@ MODES = ("lookup", "slow", "nonsense")
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """{mode: port}: one server of each mode, started together (each takes seconds to import openenv-core)."""
-    logs = tmp_path_factory.mktemp("openenv")
-    ports = {mode: free_port() for mode in MODES}
-    procs = {mode: subprocess.Popen([sys.executable, str(ROOT / "tests" / "openenv_server.py"), "--port", str(port),
-                                     "--mode", mode], stdout=(logs / f"{mode}.log").open("w"), stderr=subprocess.STDOUT)
-             for mode, port in ports.items()}
-
-    def up(port: int) -> bool:
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).is_success
-        except httpx.TransportError:
-            return False
-
-    try:
-        for mode, port in ports.items():
-            wait_for(lambda: procs[mode].poll() is not None or up(port), 60, f"the {mode} server")
-            assert procs[mode].poll() is None, (logs / f"{mode}.log").read_text()
+    """{mode: port}: one server of each mode."""
+    with openenv_servers(MODES, tmp_path_factory.mktemp("openenv")) as ports:
         yield ports
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.wait()
 
 
 def open_env(port: int, *, hosts: tuple[str, ...] | None = None, tokens: int = 256, max_bytes: int | None = None,
