@@ -167,18 +167,24 @@ def _message_error(m, where: str) -> str | None:
     return None
 
 
+def messages_row_error(row: dict) -> str | None:
+    """Why a {messages, tools?} row is not a conversation an SFT job trains on (OpenAI's
+    supervised files' rows too: api/openai_compat/files.py)."""
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list"
+    if error := next((e for i, m in enumerate(messages) if (e := _message_error(m, f"messages[{i}]"))), None):
+        return error
+    if "tools" in row:
+        if not isinstance(row["tools"], list):
+            return "'tools' must be a list"
+        return next((e for i, t in enumerate(row["tools"]) if (e := _tool_error(t, f"tools[{i}]"))), None)
+    return None
+
+
 def sft_row_error(row: dict) -> str | None:
     if "messages" in row:
-        messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            return "'messages' must be a non-empty list"
-        if error := next((e for i, m in enumerate(messages) if (e := _message_error(m, f"messages[{i}]"))), None):
-            return error
-        if "tools" in row:
-            if not isinstance(row["tools"], list):
-                return "'tools' must be a list"
-            return next((e for i, t in enumerate(row["tools"]) if (e := _tool_error(t, f"tools[{i}]"))), None)
-        return None
+        return messages_row_error(row)
     if "prompt" in row or "completion" in row:
         return _text(row, "prompt") or _text(row, "completion")
     if "text" in row:

@@ -107,8 +107,9 @@ def test_files_and_errors(stack):
 def test_supervised_files_take_weight_0_on_assistant_messages_only(stack):
     """An assistant message's weight 0 or 1 is accepted and reaches the job's SFT rows (whose loss
     then leaves weight-0 messages out: tests/test_supervised_trainer.py); weight on another message
-    is a 400 naming the line (as are tool calls, which only the SFT routes' rows take), and a row
-    of only weight-0 assistant messages, which would train nothing, is refused when the job is created."""
+    is a 400 naming the line, and a row of only weight-0 assistant messages, which would train
+    nothing, is refused when the job is created. Tool calls and results are taken as the SFT
+    routes' rows take them (a malformed call is a 400 naming the line), not in reinforcement prompts."""
     client = sdk(stack)
     rows = [{"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": f"Colour {i}?"},
                           {"role": "assistant", "content": "blue", "weight": 0}, {"role": "user", "content": "Again?"},
@@ -120,10 +121,23 @@ def test_supervised_files_take_weight_0_on_assistant_messages_only(stack):
     on_user = [rows[0], {"messages": [{"role": "user", "content": "Hi", "weight": 0}, {"role": "assistant", "content": "x"}]}]
     with pytest.raises(openai.BadRequestError) as e:
         upload(client, on_user)
-    assert "line 2: messages[0].weight must be 0 or 1, on an assistant message" in e.value.message and e.value.param == "file"
-    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}  # not yet: the SFT rows' tool calls
-    with pytest.raises(openai.BadRequestError, match="line 1: messages.1..content must be a string .content parts and tool calls"):
-        upload(client, [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]}])
+    assert "line 2: 'messages[0].weight' must be 0 or 1, on an assistant message" in e.value.message and e.value.param == "file"
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "sky"}'}}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+    calling = [{"messages": [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": "call_1", "content": "blue"},
+                             {"role": "assistant", "content": "blue", "weight": 1}], "tools": tools}]
+    job = client.fine_tuning.jobs.create(model="tiny", training_file=upload(client, calling).id)
+    assert json.loads(stack.redis.hget(f"mtq:job:{job.id.removeprefix('ftjob-')}", "spec"))["dataset"] == calling
+    client.fine_tuning.jobs.cancel(job.id)
+    with pytest.raises(openai.BadRequestError) as e:  # a tool call in a reinforcement prompt
+        client.fine_tuning.jobs.create(model="tiny", training_file=upload(client, calling).id, method={
+            "type": "reinforcement", "reinforcement": {"grader": {"type": "string_check", "name": "s", "input": "a",
+                                                                  "reference": "a", "operation": "eq"}}})
+    assert "without tool calls" in e.value.message and e.value.param == "training_file"
+    bad = {**call, "function": {"name": "lookup", "arguments": "{not json"}}
+    with pytest.raises(openai.BadRequestError, match=r"line 1: 'messages\[1\].tool_calls\[0\].function.arguments' is a string but not JSON"):
+        upload(client, [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [bad]}]}])
     nothing = upload(client, [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x", "weight": 0}]}])
     with pytest.raises(openai.BadRequestError) as e:
         client.fine_tuning.jobs.create(model="tiny", training_file=nothing.id)

@@ -2,16 +2,18 @@
 this project's rows when a job uses the file (api/openai_compat/jobs.py):
 
     supervised     {"messages": [{role, content, weight?}], "tools"?}       -> SFT rows {"messages", "tools"?}
-                   (weight 0 or 1 on assistant messages, kept: shared/datasets.py `assistant_only`)
+                   (weight 0 or 1 on assistant messages, kept: shared/datasets.py `assistant_only`;
+                   assistant `tool_calls` and `tool` results as an SFT row has them)
     dpo            {"input": {"messages": [...]}, "preferred_output": [assistant message],
                     "non_preferred_output": [assistant message]}           -> preference rows {prompt, chosen, rejected}
     reinforcement  {"messages": [...], <any other keys>}                   -> GRPO prompt items {prompt: messages, <keys>}
 
 A `messages` file serves supervised and reinforcement jobs alike (which one is the job's
-method: a supervised job needs an assistant message in each row). Errors name the line.
+method: a supervised job needs an assistant message in each row, a reinforcement job's prompts
+have no tool calls). Errors name the line.
 """
 
-from shared.datasets import DatasetError, parse_jsonl
+from shared.datasets import DatasetError, messages_row_error, parse_jsonl
 
 PURPOSES = ("fine-tune",)  # what can be uploaded; `fine-tune-results` files are the jobs' own (result_files)
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -54,9 +56,9 @@ def row_format(row: dict) -> tuple[str, str | None]:
                 error = _message_error(out[0], f"{name}[0]")
         return "preference", error
     if "messages" in row:
-        error = _messages_error(row["messages"], "messages")
-        if error is None and "tools" in row and not isinstance(row["tools"], list):
-            error = "'tools' must be a list"
+        messages = row["messages"]
+        roles = isinstance(messages, list) and all(isinstance(m, dict) and m.get("role") in ROLES for m in messages)
+        error = messages_row_error({**row, "messages": _plain(messages, weights=True)} if roles else row)
         if error is None and "prompt" in row:
             error = "'prompt' is a reserved key (graders read the row's other keys as item.<key>)"
         return "messages", error
@@ -83,8 +85,8 @@ METHOD_FORMATS = {"supervised": "messages", "dpo": "preference", "reinforcement"
 
 def _plain(messages: list[dict], weights: bool = False) -> list[dict]:
     """Messages as the chat template takes them: developer is system; their weights if `weights`."""
-    return [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"],
-             **({"weight": m["weight"]} if weights and "weight" in m else {})} for m in messages]
+    return [{**{k: v for k, v in m.items() if weights or k != "weight"},
+             "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
 
 
 def _text(messages: list[dict]) -> str:
@@ -109,9 +111,9 @@ def to_rows(method: str, rows: list[dict], where: str) -> list[dict]:
                         "rejected": row["non_preferred_output"][0]["content"]})
         else:
             roles = {m["role"] for m in row["messages"]}
-            if roles - {"system", "developer", "user", "assistant"}:
+            if roles - {"system", "developer", "user", "assistant"} or any("tool_calls" in m for m in row["messages"]):
                 raise DatasetError(f"{where} row {i + 1}: reinforcement prompts take system, developer, user and "
-                                   "assistant messages")
+                                   "assistant messages, without tool calls")
             extra = {k: v for k, v in row.items() if k != "messages"}
             out.append({"prompt": _plain(row["messages"]), **extra})
     return out
