@@ -16,7 +16,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.deps import get_settings, get_tokens, redis_trouble
 from api.routes import (adapters, files, health, logprob, metrics, models, openai_files, openai_graders, openai_jobs,
-                        reward_score, ui)
+                        reward_score, tinker_futures, tinker_runs, tinker_sampling, tinker_sessions, tinker_training, ui)
 from api.routes.job_routes import ROUTERS as JOB_ROUTERS
 
 get_tokens()  # a broken MTQ_TOKENS_FILE stops the API at start, not at its first request
@@ -65,6 +65,10 @@ app.include_router(reward_score.router)
 app.include_router(openai_files.router)
 app.include_router(openai_jobs.router)
 app.include_router(openai_graders.router)
+# The Tinker API under /api/v1 (docs/sessions.md).
+for router in (tinker_sessions.router, tinker_training.router, tinker_sampling.router, tinker_futures.router,
+               tinker_runs.router):
+    app.include_router(router)
 # One per job kind (shared/kinds.py), last: SFT's /admin/api/fine-tune/jobs/{job_id} would take
 # the fixed paths below it (e.g. /admin/api/fine-tune/jobs/models) for job ids.
 for router in JOB_ROUTERS:

@@ -146,6 +146,14 @@ def check_datasets(r, spec, settings: Settings, who: Principal, loc: tuple = ("b
 # --------------------------------------------------------------------------- preparing a new spec
 
 
+def refuse_resume(r, spec, settings: Settings, who: Principal, loc: tuple = ("body",)) -> None:
+    """A session's job (shared/session_specs.py) is not resumed: its clients' state was in its
+    worker's memory. The client loads its last save_state in a new one (docs/sessions.md)."""
+    raise RequestValidationError([{"loc": loc, "msg": "a training session's job does not resume: its clients' state "
+                                   "was in its worker's memory; load the last save_state in a new session",
+                                   "type": "value_error"}])
+
+
 def prepared(r, spec, who: Principal, request: Request):
     """The spec as it is stored: init_adapter resolved, this service's reward/score as a reward model."""
     if spec.init_adapter is not None:

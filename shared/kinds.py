@@ -8,13 +8,17 @@ the lifecycle, routing and the worker read it; everything else is the same for e
     orpo    /admin/api/fine-tune/orpo/jobs    ORPOJobCreate    worker.kinds.dpo_job           supervised
     kto     /admin/api/fine-tune/kto/jobs     KTOJobCreate     worker.kinds.kto_job           supervised
     reward  /admin/api/fine-tune/reward/jobs  RewardJobCreate  worker.kinds.reward_model_job  supervised
+    session /admin/api/fine-tune/session/jobs SessionJobCreate worker.kinds.session_job       session
 
 A job record without a `kind` (written before there were kinds) is GRPO's (`of_record`).
 
 The family says how a kind's jobs are checked, estimated and answered: GRPO samples its own
 completions from prompts (its memory estimate reads the prompts and group_size; its invalid
 input gets the seed server's GRPO messages); the supervised kinds train on rows given as
-datasets (the estimate reads batch_size x rows_per_example rows of max_seq_length).
+datasets (the estimate reads batch_size x rows_per_example rows of max_seq_length); a session
+(shared/session_specs.py) is made by the Tinker API, not posted, and serves its client's calls
+until the session ends, in a loop of its own (worker/kinds/session_job.py), never resumed (the
+estimate reads one row of max_seq_len).
 
 A kind's step events are `<kind>_step`; their `iter` counts from `first_step`: the seed
 server's GRPO, DPO, ORPO and reward jobs number a step's event by its 0-based index, mlx_lm
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from shared.schemas import Job, JobCreate
+from shared.session_specs import SessionJob, SessionJobCreate
 from shared.train_specs import (
     DPOJobCreate,
     KTOJobCreate,
@@ -78,6 +83,8 @@ ORPO_CHARTS = (*DPO_CHARTS[:4], Chart("log odds ratio", ("log_odds_ratio", "log_
 KTO_CHARTS = (LOSS, MARGINS, REWARDS, Chart("KL estimate", ("kl", "val_kl")), LOGPS, *OPTIMIZER)
 REWARD_MODEL_CHARTS = (LOSS, Chart("accuracy", ("accuracy", "val_accuracy")), Chart("margin", ("margin", "val_margin")),
                        *OPTIMIZER)
+# A session's steps are its clients' optim_steps (the loss: of the forward_backward calls before each).
+SESSION_CHARTS = (Chart("loss", ("loss",)), *OPTIMIZER)
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,7 @@ class Kind:
     job_model: type[BaseModel]  # the job object the API answers with
     shape_fields: tuple[str, ...]  # config fields that fix the adapter's shape: a resume cannot change them
     worker_module: str  # where its `load` is (worker/runtime/job_loop.py)
-    family: str  # "grpo" or "supervised" (above)
+    family: str  # "grpo", "supervised" or "session" (above)
     charts: tuple[Chart, ...]  # its curves (above)
     rows_per_example: int = 1  # supervised: token rows a training example takes in a step (a pair: 2)
     first_step: int = 1  # the `iter` of its first step event
@@ -142,6 +149,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     _supervised(RewardJobCreate, "/admin/api/fine-tune/reward/jobs", "Reward-model jobs", "a reward-model job",
                 "worker.kinds.reward_model_job", REWARD_MODEL_CHARTS, 2, first_step=0,
                 seed_aliases=(("reward_margin", "margin"), ("acc_chosen", "accuracy"), ("n_pairs", "examples"))),
+    Kind(SessionJobCreate.kind, "/admin/api/fine-tune/session/jobs", "Training sessions", "a training session",
+         SessionJobCreate, SessionJob, (), "worker.kinds.session_job", "session", SESSION_CHARTS),
 )}
 DEFAULT = KINDS[JobCreate.kind]  # of a record written before there were kinds
 

@@ -41,7 +41,7 @@ from api.deps import (ADMIN_ERRORS, PrincipalDep, RedisDep, SettingsDep, WriterD
                       get_stream_redis, require_token)
 from api.json_body import JSONBodyRoute
 from api.routes.adapters import archive_response
-from api.submission import check_datasets, check_spec, prepared
+from api.submission import check_datasets, check_spec, prepared, refuse_resume
 from shared import adapters, jobstore, lifecycle
 from shared.keys import job_key
 from shared.kinds import KINDS, Kind
@@ -64,7 +64,7 @@ ERRORS = {
 
 # How a family's routes (shared/kinds.py) check a spec beyond its schema. Invalid input is the
 # app's 400 with the seed server's messages (api/main.py `readable`).
-FAMILIES: dict[str, Callable[..., None]] = {"grpo": check_spec, "supervised": check_datasets}
+FAMILIES: dict[str, Callable[..., None]] = {"grpo": check_spec, "supervised": check_datasets, "session": refuse_resume}
 
 
 class ResumeRequest(BaseModel):
@@ -158,15 +158,16 @@ def job_router(k: Kind) -> APIRouter:
             raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id}: {found.error}; it can only be deleted")
         return found
 
-    @router.post("", response_model=k.job_model, responses=only(403, 409), summary=f"Create {k.what} (queued)")
-    def create_job(spec: k.spec_model, request: Request, r: RedisDep, settings: SettingsDep,  # type: ignore[valid-type]
-                   who: WriterDep):
-        spec = prepared(r, spec, who, request)
-        check(r, spec, settings, who, ("body",))
-        try:
-            return jobstore.create_job(r, spec, owner=who.name, tenant=who.tenant)
-        except jobstore.AdapterNameTaken as e:
-            raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from None
+    if k.family != "session":  # the Tinker API makes sessions' jobs (docs/sessions.md)
+        @router.post("", response_model=k.job_model, responses=only(403, 409), summary=f"Create {k.what} (queued)")
+        def create_job(spec: k.spec_model, request: Request, r: RedisDep, settings: SettingsDep,  # type: ignore[valid-type]
+                       who: WriterDep):
+            spec = prepared(r, spec, who, request)
+            check(r, spec, settings, who, ("body",))
+            try:
+                return jobstore.create_job(r, spec, owner=who.name, tenant=who.tenant)
+            except jobstore.AdapterNameTaken as e:
+                raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from None
 
     @router.get("", response_model=list[k.job_model | JobSummary | UnreadableJob],  # type: ignore[name-defined]
                 summary="List jobs, newest first (a trainer token: its own): a plain array, as the seed server",
