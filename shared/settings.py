@@ -72,6 +72,9 @@ class Settings:
     samples_events_kept: int = 200
     # An event stream with nothing to send carries a comment this often, so proxies keep it open.
     sse_keepalive_s: float = 15.0
+    # A Tinker session's job (shared/session_specs.py) ends once its client has sent no heartbeat
+    # and no call for this long (the SDK heartbeats every 10 s), freeing its worker.
+    session_idle_timeout_s: float = 60.0
 
     @property
     def adapters_dir(self) -> Path:
@@ -140,4 +143,5 @@ def load_settings() -> Settings:
         full_finetune_max_gb=_float("MTQ_FULL_FINETUNE_MAX_GB", Settings.full_finetune_max_gb),
         samples_events_kept=max(1, _int("MTQ_SAMPLES_EVENTS_KEPT", Settings.samples_events_kept)),
         sse_keepalive_s=max(0.1, _float("MTQ_SSE_KEEPALIVE_S", Settings.sse_keepalive_s)),
+        session_idle_timeout_s=max(5.0, _float("MTQ_SESSION_IDLE_TIMEOUT_S", Settings.session_idle_timeout_s)),
     )

@@ -134,7 +134,7 @@ def test_a_planted_circle_is_found_through_an_import_in_a_function(tmp_path):
     assert forbidden(edges, external, ["api.routes"]) == ["shared.heavy"]
 
 
-GRPO_KINDS = ("worker.kinds.grpo", "worker.kinds.grpo_job")  # the kind that decodes
+DECODING_KINDS = ("worker.kinds.grpo", "worker.kinds.grpo_job", "worker.kinds.session_job")  # the kinds that sample
 LOADING = ("worker.runtime.models", "worker.runtime.memory_plan")  # what every kind loads a model with
 
 
@@ -159,9 +159,9 @@ def import_chain(edges: dict[str, set[str]], start: str, target: str) -> list[st
 
 
 def decoder_reached(edges: dict[str, set[str]]) -> dict[str, list[str]]:
-    """Each worker.kinds module but GRPO's (all of them, found in the graph: a new kind is
+    """Each worker.kinds module but those that sample (all of them, found in the graph: a new kind is
     covered), and model loading and the memory plan, that reaches worker.decode: its chain."""
-    starts = [m for m in edges if m.split(".")[:2] == ["worker", "kinds"] and m not in GRPO_KINDS] + list(LOADING)
+    starts = [m for m in edges if m.split(".")[:2] == ["worker", "kinds"] and m not in DECODING_KINDS] + list(LOADING)
     return {m: chain for m in sorted(starts) if (chain := import_chain(edges, m, "worker.decode"))}
 
 
@@ -170,7 +170,7 @@ def test_no_supervised_kind_reaches_the_decoder():
     (worker/decode/): what loading and memory planning share with it lives in worker/runtime/."""
     edges, _, _ = GRAPH
     assert {"worker.kinds.sft_job", "worker.kinds.dpo_job", "worker.kinds.kto_job",
-            "worker.kinds.supervised_trainer"} <= {m for m in edges if m.startswith("worker.kinds.")} - set(GRPO_KINDS)
+            "worker.kinds.supervised_trainer"} <= {m for m in edges if m.startswith("worker.kinds.")} - set(DECODING_KINDS)
     reached = decoder_reached(edges)
     assert reached == {}, "\n".join(" -> ".join(chain) for chain in reached.values())
     assert import_chain(edges, "worker.kinds.grpo", "worker.decode")  # ...while GRPO does

@@ -4,8 +4,8 @@ optim_step, save_state, sampling...) run on the worker's training process as a s
 and the SDK's own types parse every answer.
 """
 
-import tarfile
-import io
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -75,4 +75,37 @@ def test_a_supervised_loop_trains_saves_samples_and_lists_its_checkpoints(stack,
     job = stack.wait_job(session_job, path=SESSIONS, timeout=60)
     assert job["status"] == "completed", job["error"]
     steps = [e for _, e in stack.events(session_job) if e.get("type") == "session_step"]
-    assert len(steps) == 6 and "loss" not in steps[0] or True
+    assert [e["iter"] for e in steps] == [1, 2, 3, 4, 5, 6] and all(e["model_id"] == run_id for e in steps)
+
+
+def session_job_of(stack, model_id: str) -> str:
+    return stack.redis.hget(f"mtq:tinker:session:{model_id.split(':')[0]}:jobs", "tiny").decode()
+
+
+def supervisor_pid(stack, job_id: str) -> int:
+    return [e for _, e in stack.events(job_id) if e["type"] == "started"][-1]["supervisor_pid"]
+
+
+def test_a_killed_worker_fails_the_pending_futures_and_the_state_loads_on_another(stack, workers):
+    """kill -9 of the session's worker: a call it never answered fails with a message that says to
+    load the last save_state; create_training_client_from_state_with_optimizer then continues on
+    another worker from exactly that state (its next loss is the one the first would have had)."""
+    first = workers()
+    with service(stack) as sc:
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=2)
+        for _ in range(2):
+            tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        saved = tc.save_state("two").result().path
+        expected = tc.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"]
+        job_id = session_job_of(stack, tc.model_id)
+        os.kill(supervisor_pid(stack, job_id), signal.SIGKILL)
+        first.wait(10)
+        with pytest.raises(tinker.RequestFailedError, match="load the last save_state"):
+            tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
+        workers()
+        again = sc.create_training_client_from_state_with_optimizer(saved)
+        assert again.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+        assert session_job_of(stack, again.model_id) != job_id
+    with stack.client() as c:
+        assert c.get(f"{SESSIONS}/{job_id}").json()["status"] == "failed"  # one attempt: its state died with it

@@ -11,7 +11,7 @@ from api.auth import Principal
 from shared import jobstore, sessions
 from shared.keys import job_key
 from shared.model_ids import model_id_error
-from shared.session_specs import SessionJobCreate
+from shared.session_specs import SessionConfig, SessionJobCreate
 from shared.settings import Settings
 
 
@@ -36,7 +36,8 @@ def job_for(r, sid: str, base_model: str, who: Principal, settings: Settings) ->
     job_id = sessions.session_jobs(r, sid).get(base_model)
     if job_id is not None and jobstore.get_status(r, job_id) in ("queued", "running"):
         return job_id
-    spec = SessionJobCreate(model_id=base_model, session_id=sid)
+    spec = SessionJobCreate(model_id=base_model, session_id=sid,
+                            config=SessionConfig(idle_timeout_s=settings.session_idle_timeout_s))
     job = jobstore.create_job(r, spec, owner=who.name, tenant=who.tenant)
     sessions.set_session_job(r, sid, base_model, job.job_id)
     return job.job_id
