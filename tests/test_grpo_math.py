@@ -5,7 +5,7 @@ Hugging Face TRL's GRPO objective, written from TRL's definitions:
                group ("group") or of the whole batch ("batch"); "none": r - mean_group(r).
   log ratio    logp - old_logp per token; sequence level (GSPO): masked mean per row,
                broadcast over the row's tokens. ratio = exp(log ratio).
-  per token    -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+  per token    -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)   (tests/policy_reference.py)
                + beta * (exp(ref - logp) - (ref - logp) - 1)
   aggregation  grpo:    mean over rows of (masked sum / max(row count, 1))
                bnpo,
@@ -25,6 +25,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from policy_reference import clipped_sides, d_surrogate_d_ratio, surrogate
 
 from worker.kinds.grpo import advantages_from_rewards, grpo_loss
 
@@ -84,7 +85,7 @@ def _token_weights(mask, loss_type, max_completion_len):
 def ref_loss(logp, old_logp, ref_logp, adv, mask, *, loss_type, level, eps_low, eps_high, beta, max_completion_len):
     ratio = np.exp(_log_ratio(logp, old_logp, mask, level))
     A = adv[:, None]
-    per_token = -np.minimum(ratio * A, np.clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+    per_token = surrogate(ratio, A, 1 - eps_low, 1 + eps_high)
     if beta > 0:
         d = ref_logp - logp
         per_token = per_token + beta * (np.exp(d) - d - 1)
@@ -101,10 +102,7 @@ def ref_loss(logp, old_logp, ref_logp, adv, mask, *, loss_type, level, eps_low, 
 
 
 def ref_clipped(ratio, adv, eps_low, eps_high):
-    A = adv[:, None]
-    low = (ratio < 1 - eps_low) & (A < 0)
-    high = (ratio > 1 + eps_high) & (A > 0)
-    return low, high
+    return clipped_sides(ratio, adv[:, None], 1 - eps_low, 1 + eps_high)
 
 
 def ref_grad(logp, old_logp, ref_logp, adv, mask, *, loss_type, level, eps_low, eps_high, beta, max_completion_len):
@@ -116,8 +114,7 @@ def ref_grad(logp, old_logp, ref_logp, adv, mask, *, loss_type, level, eps_low, 
     k3 KL: d/dlogp (e^d - d - 1) with d = ref - logp is 1 - e^d."""
     w = _token_weights(mask, loss_type, max_completion_len)
     ratio = np.exp(_log_ratio(logp, old_logp, mask, level))
-    low, high = ref_clipped(ratio, adv, eps_low, eps_high)
-    dl_dr = -adv[:, None] * ~(low | high)
+    dl_dr = d_surrogate_d_ratio(ratio, adv[:, None], 1 - eps_low, 1 + eps_high)
     if level == "token":
         g = w * dl_dr * ratio
     else:

@@ -18,7 +18,7 @@ One step (= one `iter` of the job config), GRPOTrainer.step, in four phases:
          log_ratio_t = logp_t - old_logp_t                 token level
                      = mean_t(logp_t - old_logp_t)         sequence level (GSPO), one per row
          ratio_t     = exp(log_ratio_t)
-         loss_t      = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i)
+         loss_t      = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i)   (worker/runtime/surrogate.py)
                        + beta * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)      (k3 KL)
      where ref_t is the log-prob under the base model (the same weights with LoRA off),
      computed only when beta > 0. old_logp is, as in TRL:
@@ -74,6 +74,7 @@ from worker.runtime.adapter_layers import lora_disabled
 from worker.runtime.gang_group import SOLO, Gang
 from worker.runtime.logprobs import as_item, completion_logprobs, eos_token_ids, left_pad, prompt_messages, prompt_token_ids
 from worker.runtime.memory_plan import GB, logits_chunk_tokens, model_shape, plan_memory
+from worker.runtime.surrogate import clipped_sides, clipped_surrogate
 from worker.runtime.train_core import Cancelled, TrainState, batch_indices, check_finite, clipped, make_optimizer, step_seed
 
 ADV_EPS = 1e-4
@@ -150,9 +151,8 @@ def grpo_loss(
     if importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(axis=1) / tokens_per_row)[:, None]
     ratio = mx.exp(log_ratio)
-    clipped = mx.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     A = advantages[:, None]
-    per_token = -mx.minimum(ratio * A, clipped * A)
+    per_token = clipped_surrogate(ratio, A, 1.0 - epsilon_low, 1.0 + epsilon_high)
 
     kl = None
     if beta > 0.0:
@@ -177,8 +177,7 @@ def grpo_loss(
     def ratio_mean(x):
         return x.sum() / n_rows if importance_sampling_level == "sequence" else token_mean(x)
 
-    low = (ratio < 1.0 - epsilon_low) & (A < 0)
-    high = (ratio > 1.0 + epsilon_high) & (A > 0)
+    low, high = clipped_sides(ratio, A, 1.0 - epsilon_low, 1.0 + epsilon_high)
     stats = {
         "clip_ratio/low_mean": ratio_mean(low.astype(mx.float32)),
         "clip_ratio/high_mean": ratio_mean(high.astype(mx.float32)),

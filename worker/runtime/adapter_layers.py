@@ -14,26 +14,38 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.dora import DoRALinear
-from mlx_lm.tuner.lora import LoRALinear
+from mlx_lm.tuner.lora import LoRALinear, LoRASwitchLinear
 from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
 
 from shared.adapters import CONFIG_FILE, WEIGHTS_FILE
 
 
-def adapter_config(cfg, fine_tune_type: str = "lora", quantization: dict | None = None) -> dict:
+ADAPTER_LAYERS = (LoRALinear, DoRALinear, LoRASwitchLinear)  # mlx_lm's adapter layers, each around its `linear`
+
+
+def adapter_config(cfg, fine_tune_type: str = "lora", quantization: dict | None = None,
+                   keys: list[str] | None = None) -> dict:
     """mlx_lm's adapter_config.json for a job's config (any kind's: lora_layers, lora_rank,
     lora_alpha, lora_dropout). lora_alpha is mlx_lm's LoRA `scale` itself, as the seed server
     passes it (so the same request trains the same model). A quantized base (qlora) adds
     `quantization`, the arguments of mlx_lm's quantize_model that rebuild it (the key mlx_lm's
-    config.json uses for a quantized model); mlx_lm itself keeps none there."""
+    config.json uses for a quantized model); mlx_lm itself keeps none there. keys: the
+    projections that carry LoRA (mlx_lm's `keys`: names inside a block, or a model-level name
+    such as lm_head); None: mlx_lm's default, every linear layer of the blocks."""
     return {"fine_tune_type": fine_tune_type, "num_layers": cfg.lora_layers,
-            "lora_parameters": {"rank": cfg.lora_rank, "scale": cfg.lora_alpha, "dropout": cfg.lora_dropout},
+            "lora_parameters": {"rank": cfg.lora_rank, "scale": cfg.lora_alpha, "dropout": cfg.lora_dropout,
+                                **({"keys": keys} if keys is not None else {})},
             **({"quantization": quantization} if quantization else {})}
+
+
+def adapter_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's adapter layers, by their names in it."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ADAPTER_LAYERS)]
 
 
 def remove_adapter_layers(model: nn.Module) -> None:
     """Take every LoRA / DoRA layer out (mlx_lm's remove_lora_layers leaves DoRA in)."""
-    layers = [(name, m.linear) for name, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))]
+    layers = [(name, m.linear) for name, m in adapter_layers(model)]
     if layers:
         model.update_modules(tree_unflatten(layers))
 
@@ -112,16 +124,14 @@ class lora_disabled:
 
 
 @contextlib.contextmanager
-def adapter_swapped(model: nn.Module, adapter_dir: Path | None):
-    """The model with the given adapter (None: no adapter) in place of its own LoRA layers, in
-    eval mode; its own very layers go back afterwards, so a job's weights, optimizer state and
-    compiled functions are untouched (worker/runtime/score_requests.py answers between a job's steps)."""
-    own = [(name, m) for name, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))]
+def without_adapters(model: nn.Module):
+    """The model without its adapter layers, in eval mode, for other layers to go in; on exit
+    whatever adapter layers it then has go out and its own very layers go back, so a job's
+    weights, optimizer state and compiled functions are untouched."""
+    own = adapter_layers(model)
     training = model.training
     remove_adapter_layers(model)
     try:
-        if adapter_dir is not None:
-            load_adapters(model, str(adapter_dir))
         model.eval()
         yield model
     finally:
@@ -129,3 +139,14 @@ def adapter_swapped(model: nn.Module, adapter_dir: Path | None):
         if own:
             model.update_modules(tree_unflatten(own))
         model.train(training)
+
+
+@contextlib.contextmanager
+def adapter_swapped(model: nn.Module, adapter_dir: Path | None):
+    """The model with the given adapter (None: no adapter) in place of its own LoRA layers, in
+    eval mode (worker/runtime/score_requests.py answers between a job's steps)."""
+    with without_adapters(model):
+        if adapter_dir is not None:
+            load_adapters(model, str(adapter_dir))
+            model.eval()
+        yield model

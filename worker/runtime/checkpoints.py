@@ -66,7 +66,10 @@ def to_blobs(snap: dict) -> dict[str, bytes]:
     }
 
 
-def restore(model: nn.Module, optimizer: optim.Optimizer, blobs: dict[bytes, bytes], reference=None) -> TrainState:
+def restore(model: nn.Module, optimizer: optim.Optimizer | None, blobs: dict[bytes, bytes], reference=None) -> TrainState:
+    """The checkpoint's weights into the model's trainable parameters, and its optimizer state
+    into the optimizer's (None: the weights alone; an initialised optimizer's state takes the
+    saved values by name); its counters returned."""
     saved_lora = _from_bytes(blobs[b"lora"])
     expected = {name: p.shape for name, p in tree_flatten(model.trainable_parameters())}
     got = {name: a.shape for name, a in saved_lora.items()}
@@ -76,11 +79,13 @@ def restore(model: nn.Module, optimizer: optim.Optimizer, blobs: dict[bytes, byt
             f"the checkpoint does not fit this job's LoRA ({len(diff)} tensors differ, e.g. {diff[0]}: "
             f"checkpoint {got.get(diff[0])}, job {expected.get(diff[0])})")
     model.load_weights(list(saved_lora.items()), strict=False)  # strict=False: the base weights are not in it
-    # The learning rate comes from the (possibly overridden) config, not the checkpoint.
-    saved = _from_bytes(blobs[b"optimizer"])
-    saved.pop("learning_rate", None)
-    optimizer.state = tree_map_with_path(lambda path, v: saved.get(path, v), optimizer.state)
-    mx.eval(model.parameters(), optimizer.state)
+    if optimizer is not None:
+        # The learning rate comes from the (possibly overridden) config, not the checkpoint.
+        saved = _from_bytes(blobs[b"optimizer"])
+        saved.pop("learning_rate", None)
+        optimizer.state = tree_map_with_path(lambda path, v: saved.get(path, v), optimizer.state)
+        mx.eval(optimizer.state)
+    mx.eval(model.parameters())
     if reference is not None and b"reference" in blobs:  # a checkpoint written before there were kept log-probs has none
         reference.restore(_from_bytes(blobs[b"reference"]))
     return TrainState(**json.loads(blobs[b"state"]))

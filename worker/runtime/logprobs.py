@@ -3,10 +3,13 @@ for them: the one place that GRPO's loss, the preference kinds, reward models, l
 scoring (worker/runtime/score_requests.py) and the decoder (worker/decode/) all take them from,
 so that sampling (pi_old) and the loss (pi_theta) see the same distribution.
 
-    token_logprobs        log softmax(logits / T)[token] and the entropy, in float32 (sampling
-                          and completion_logprobs); log_softmax and pick its two halves
+    token_logprobs        log softmax(logits / T)[token] and the entropy, in float32 (sampling);
+                          log_softmax (which head_logprobs takes too) and pick its two halves
     completion_logprobs   log softmax(logits_t / T)[o_t] of left-padded prompt + completion rows,
                           from the last hidden states of completion positions only (GRPO, scoring)
+    head_logprobs         log softmax(head(h) / T)[token] of hidden states, K tokens each, the
+                          output head a chunk of positions at a time (completion_logprobs, the
+                          Tinker training client: worker/sessions/training_client.py)
     token_logps           log softmax(logits)[target] at every position of right-padded rows
                           (the supervised kinds); sequence_logps their sum (or mean) per row
     PaddingMaskCache      what a full forward pass over left-padded rows gives mlx_lm's models as
@@ -19,6 +22,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.utils import checkpoint
 
 from shared.schemas import PromptItem
 from worker.runtime.models import gradient_checkpointing
@@ -71,7 +75,8 @@ def pick(logp_all: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
 def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> tuple[mx.array, mx.array]:
     """log p(token) and entropy of softmax(logits / temperature), in float32.
 
-    Shared by sampling (pi_old) and the loss (pi_theta) so both see the same distribution.
+    Sampling's (pi_old); the loss (pi_theta, head_logprobs) takes the same log_softmax, so
+    both see the same distribution.
     """
     return pick(log_softmax(logits, temperature), tokens)
 
@@ -81,23 +86,31 @@ def completion_logprobs(
     chunk_tokens: int, checkpointing: bool = False,
 ) -> mx.array:
     """log pi(o_t) for every completion position: one forward pass of the transformer for
-    all rows, then the output head on completion positions only, chunk_tokens positions at
-    a time. Each chunk is an mx.checkpoint: its full-vocabulary logits are recomputed in the
-    backward pass rather than kept, so one chunk's logits exist at a time."""
+    all rows, then the output head on completion positions only (head_logprobs)."""
     caches = [PaddingMaskCache(pad) for _ in model.layers]
     with gradient_checkpointing(model, checkpointing):
         hidden = model.model(inputs, cache=caches)
     rows, L = completion.shape
     hidden = hidden[:, -L - 1 : -1].reshape(rows * L, -1)  # position t predicts token t + 1
-    tokens = completion.reshape(-1)
+    return head_logprobs(model, hidden, completion.reshape(-1, 1), temperature, chunk_tokens).reshape(rows, L)
+
+
+def head_logprobs(model: nn.Module, hidden: mx.array, tokens: mx.array, temperature: float, chunk_tokens: int) -> mx.array:
+    """log softmax(head(h) / T)[token] of hidden states (M, D) for tokens (M, K), K of them per
+    position: the output head chunk_tokens positions at a time. Each chunk is a checkpoint of
+    the head: its full-vocabulary logits are recomputed in the backward pass rather than kept,
+    so one chunk's logits exist at a time. mlx.nn.utils.checkpoint rather than mx.checkpoint,
+    which passes no gradient to what its function closes over: the head's own trainable
+    weights (a LoRA on lm_head) get theirs."""
     head = lm_head(model)
+    owner = model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens
 
     def chunk_logp(start):
-        return mx.checkpoint(lambda h: token_logprobs(head(h), tokens[start : start + chunk_tokens], temperature)[0])(
-            hidden[start : start + chunk_tokens]
-        )
+        picked = tokens[start : start + chunk_tokens]
+        logp = checkpoint(owner, lambda h: mx.take_along_axis(log_softmax(head(h), temperature), picked, axis=-1))
+        return logp(hidden[start : start + chunk_tokens])
 
-    return mx.concatenate([chunk_logp(i) for i in range(0, rows * L, chunk_tokens)]).reshape(rows, L)
+    return mx.concatenate([chunk_logp(i) for i in range(0, hidden.shape[0], chunk_tokens)])
 
 
 def token_logps(logits: mx.array, targets: mx.array) -> mx.array:

@@ -33,6 +33,10 @@ and MLX's memory limit is the budget rather than the estimate. The plan says whi
 it (`reason`); the job record shows it (GET on the job: memory_plan).
 If even m = 1 (or sampling) does not fit max_memory_gb, the job fails at start with
 MemoryEstimateError, which says how much it needs.
+
+Rows of varying lengths (the Tinker training client's datums) have no sampling phase: a
+micro-batch takes as many rows of its longest row's width as `loss_rows` says fit beside the
+weights, at most MAX_MICRO_BATCH_TOKENS tokens.
 """
 
 import dataclasses
@@ -215,6 +219,21 @@ def _plan(model: nn.Module, rows: int, width: int, checkpointing: bool, micro_ba
                       f"no more than sampling or is at most {MIN_MICRO_BATCH_TOKENS} tokens, at most {MAX_MICRO_BATCH_TOKENS}")
     return MemoryPlan(m, checkpointing, weights / GB, sampling / GB, loss_bytes(s, m, width, checkpointing) / GB, limit / GB,
                       budget, reason)
+
+
+def loss_rows(model: nn.Module, width: int, checkpointing: bool, weights: int | None = None) -> int:
+    """The most rows of `width` tokens that one loss step (forward and backward, the `loss`
+    term above) fits beside the weights in this device's memory, at most MAX_MICRO_BATCH_TOKENS
+    tokens together but always one row that fits; 0 when not even one does (rows of varying
+    lengths, micro-batched by their longest: the Tinker training client). weights: the
+    weights' bytes, if known."""
+    s = model_shape(model)
+    room = device_memory_bytes() - (weights_bytes(model) if weights is None else weights)
+    lo, hi = 0, max(1, MAX_MICRO_BATCH_TOKENS // width)
+    while lo < hi:  # loss_bytes grows with the rows: the largest count that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if loss_bytes(s, mid, width, checkpointing) <= room else (lo, mid - 1)
+    return lo
 
 
 def _because(plan: MemoryPlan, why: str) -> MemoryPlan:
