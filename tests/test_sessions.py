@@ -4,8 +4,10 @@ optim_step, save_state, sampling...) run on the worker's training process as a s
 and the SDK's own types parse every answer.
 """
 
+import io
 import os
 import signal
+import tarfile
 
 import numpy as np
 import pytest
@@ -13,12 +15,22 @@ import tinker
 from conftest import TOKEN, Stack, running, wait_for
 from tinker import types
 
+from worker.runtime.make_model import make_model
+
 SESSIONS = "/admin/api/fine-tune/session/jobs"
+ALICE, BOB, VICTOR = "alice-token-0123456789", "bob-token-0123456789ab", "victor-token-0123456789"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model):
-    yield from running(Stack(tmp_path_factory.mktemp("sessions"), tiny_model))
+def stack(tmp_path_factory):
+    # A final norm of 16: at 1 the tiny model's logits stay within about +-1.3 whatever its LoRA
+    # learns (worker/runtime/make_model.py), and a loss can barely fall.
+    model = make_model(tmp_path_factory.mktemp("sharp") / "tiny", final_norm=16.0)
+    s = Stack(tmp_path_factory.mktemp("sessions"), model)
+    s.env.update(MTQ_SESSION_IDLE_TIMEOUT_S="15", MTQ_LEASE_TTL="5")
+    s.use_tokens([{"name": "alice", "token": ALICE, "role": "trainer"}, {"name": "bob", "token": BOB, "role": "trainer"},
+                  {"name": "victor", "token": VICTOR, "role": "viewer"}])
+    yield from running(s)
 
 
 def service(stack, token: str = TOKEN) -> tinker.ServiceClient:
@@ -41,13 +53,13 @@ def test_a_supervised_loop_trains_saves_samples_and_lists_its_checkpoints(stack,
     save_weights_for_sampler -> sampling from the saved weights -> the RestClient's runs and
     checkpoints; the session's job completes when the client closes the session."""
     with service(stack) as sc:
-        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=1)
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
         info = tc.get_info()
         assert info.model_data.model_name == "tiny" and info.lora_rank == 4
         losses = []
         for _ in range(6):
             fb = tc.forward_backward([datum(SEQUENCE)], "cross_entropy")
-            step = tc.optim_step(types.AdamParams(learning_rate=5e-2))
+            step = tc.optim_step(types.AdamParams(learning_rate=1e-2))
             out = fb.result()
             step.result()
             losses.append(out.metrics["loss:sum"])
@@ -57,13 +69,13 @@ def test_a_supervised_loop_trains_saves_samples_and_lists_its_checkpoints(stack,
         state = tc.save_state("after-six").result()
         assert state.path.endswith("/weights/after-six")
         sampler_path = tc.save_weights_for_sampler("six").result().path
-        sampler = sc.create_sampling_client(model_path=sampler_path)
+        sampler = sc.create_sampling_client(model_path=sampler_path).result()
         got = sampler.sample(types.ModelInput.from_ints(SEQUENCE[:4]), num_samples=3,
                              sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)).result()
         assert len(got.sequences) == 3 and all(1 <= len(s.tokens) <= 6 for s in got.sequences)
         assert all(len(s.logprobs) == len(s.tokens) for s in got.sequences)
 
-        rest = sc.create_rest_client()
+        rest = tinker.RestClient(base_url=stack.base_url, api_key=f"tml-{TOKEN}")
         run_id = tc.model_id
         run = rest.get_training_run(run_id).result()
         assert run.base_model == "tiny" and run.lora_rank == 4
@@ -86,21 +98,164 @@ def supervisor_pid(stack, job_id: str) -> int:
     return [e for _, e in stack.events(job_id) if e["type"] == "started"][-1]["supervisor_pid"]
 
 
+def test_samplers_give_the_log_probs_mlx_lm_gives_for_the_same_adapter(stack, worker, tmp_path):
+    """A sampler on a saved checkpoint, one on the weights as they are (save_weights_and_get_sampling_client)
+    and one on the base model: the log-probs of what they sample, and compute_logprobs' of a prompt,
+    are those mlx_lm computes with the checkpoint's archive as adapter_path (and with no adapter)."""
+    import mlx.core as mx
+    import mlx_lm
+
+    with service(stack) as sc:
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+        for _ in range(3):
+            tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        path = tc.save_weights_for_sampler("three").result().path
+        saved = sc.create_sampling_client(model_path=path).result()
+        live = tc.save_weights_and_get_sampling_client().result()
+        base = sc.create_sampling_client(base_model="tiny").result()
+        params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=11)
+        prompt = types.ModelInput.from_ints(SEQUENCE[:5])
+        got = {name: c.sample(prompt, num_samples=2, sampling_params=params).result()
+               for name, c in (("saved", saved), ("live", live), ("base", base))}
+        scored = saved.compute_logprobs(types.ModelInput.from_ints(SEQUENCE)).result()
+        model_id, checkpoint_id = path.removeprefix("tinker://").split("/", 1)
+        with stack.client() as c:  # the API's own archive of the checkpoint: mlx_lm's adapter files
+            res = c.get(f"/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id}/archive",
+                        headers={"X-API-Key": f"tml-{TOKEN}"})
+        assert res.status_code == 200, res.text
+        with tarfile.open(fileobj=io.BytesIO(res.content)) as tar:
+            tar.extractall(tmp_path / "adapter", filter="data")
+    adapter = next(p.parent for p in (tmp_path / "adapter").rglob("adapters.safetensors"))
+
+    def logprobs(model, tokens):
+        logits = model(mx.array([tokens]))[0].astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return [logp[i - 1, tokens[i]].item() for i in range(1, len(tokens))]
+
+    tuned = mlx_lm.load(str(stack.tiny_model), adapter_path=str(adapter))[0]
+    plain = mlx_lm.load(str(stack.tiny_model))[0]
+    assert scored[0] is None and scored[1:] == pytest.approx(logprobs(tuned, SEQUENCE), abs=1e-4)
+    for name, model in (("saved", tuned), ("live", tuned), ("base", plain)):
+        for seq in got[name].sequences:
+            want = logprobs(model, SEQUENCE[:5] + list(seq.tokens))[4:]
+            assert seq.logprobs == pytest.approx(want, abs=1e-4), name
+    assert got["saved"].sequences[0].tokens == got["live"].sequences[0].tokens  # same weights, same seed
+    assert got["base"].sequences != got["saved"].sequences
+
+
+def test_two_clients_share_one_worker_and_leave_each_other_alone(stack, worker):
+    """Two training clients of one session on one base model run on one session job; training one
+    changes neither the other's loss nor the base model's."""
+    with service(stack) as sc:
+        a = sc.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+        b = sc.create_lora_training_client(base_model="tiny", rank=8, seed=6).result()
+        assert session_job_of(stack, a.model_id) == session_job_of(stack, b.model_id)
+        base = sc.create_sampling_client(base_model="tiny").result()
+        before_b = b.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"]
+        before_base = base.compute_logprobs(types.ModelInput.from_ints(SEQUENCE)).result()
+        for _ in range(3):
+            a.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
+            a.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        assert b.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"] == before_b
+        assert base.compute_logprobs(types.ModelInput.from_ints(SEQUENCE)).result() == before_base
+        assert a.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"] < before_b
+
+
+def test_a_bad_call_fails_its_future_alone(stack, worker):
+    """A loss the server does not serve, inputs that do not fit the loss, an optimizer setting out of
+    range and a datum over the session's max_seq_len are each a clear error; the client goes on."""
+    with service(stack) as sc:
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
+        with pytest.raises(tinker.RequestFailedError, match="gspo") as e:
+            tc.forward_backward([datum(SEQUENCE)], "gspo").result()
+        assert e.value.category.value == "user"
+        with pytest.raises(tinker.RequestFailedError, match="advantages"):
+            tc.forward_backward([datum(SEQUENCE)], "ppo").result()
+        with pytest.raises(tinker.BadRequestError, match="max_seq_len"):
+            tc.forward_backward([datum(list(range(1, 1000)) * 9)], "cross_entropy").result()
+        with pytest.raises(tinker.BadRequestError, match="beta1"):
+            tc.optim_step(types.AdamParams(learning_rate=1e-3, beta1=1.5)).result()
+        assert tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_keys_roles_and_owners(stack, worker):
+    """A wrong key is a 401; a viewer's key reads but makes nothing; another trainer's session,
+    run, checkpoint and future are 404s, as their jobs are."""
+    with pytest.raises(tinker.AuthenticationError):
+        service(stack, "not-a-token-of-this-server").create_lora_training_client(base_model="tiny", rank=4).result()
+    with pytest.raises(tinker.PermissionDeniedError):
+        service(stack, VICTOR).create_lora_training_client(base_model="tiny", rank=4).result()
+    with service(stack, ALICE) as sc:
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=8).result()
+        path = tc.save_state("alice").result().path
+        tc.forward([datum(SEQUENCE)], "cross_entropy").result()
+        futures = [k.decode().rsplit(":", 1)[1] for k in stack.redis.scan_iter("mtq:tinker:future:*")
+                   if k.count(b":") == 3 and stack.redis.hget(k, "owner") == b"alice"]  # not their :done lists
+        key = {"X-API-Key": f"tml-{BOB}"}
+        with stack.client(None) as c:
+            assert c.post("/api/v1/get_info", json={"model_id": tc.model_id}, headers=key).status_code == 404
+            assert c.post("/api/v1/weights_info", json={"tinker_path": path}, headers=key).status_code == 404
+            assert c.post("/api/v1/session_heartbeat", json={"session_id": tc.model_id.split(":")[0]},
+                          headers=key).status_code == 404
+            assert c.post("/api/v1/retrieve_future", json={"request_id": futures[0]}, headers=key).status_code == 404
+            assert c.get(f"/api/v1/training_runs/{tc.model_id}", headers={"X-API-Key": f"tml-{VICTOR}"}).status_code == 200
+        bob = tinker.RestClient(base_url=stack.base_url, api_key=f"tml-{BOB}")
+        assert tc.model_id not in {r.training_run_id for r in bob.list_training_runs().result().training_runs}
+        with pytest.raises(tinker.NotFoundError):
+            sc_bob = service(stack, BOB)
+            sc_bob.create_training_client_from_state(path).result()
+
+
+def test_a_vanished_client_frees_its_worker_after_the_idle_timeout(stack, worker):
+    """A client that stops calling and heartbeating (here: the SDK is never closed, and its
+    process's heartbeats are not sent: plain HTTP) leaves its session's job; it completes after
+    MTQ_SESSION_IDLE_TIMEOUT_S (15 s here) and the worker takes the next session."""
+    key = {"X-API-Key": f"tml-{TOKEN}"}
+    with stack.client(None) as c:
+        sid = c.post("/api/v1/create_session", json={"tags": []}, headers=key).json()["session_id"]
+        res = c.post("/api/v1/create_model", headers=key, json={"session_id": sid, "model_seq_id": 0, "base_model": "tiny",
+                                                                 "lora_config": {"rank": 2}})
+        assert res.status_code == 200, res.text
+        rid = res.json()["request_id"]
+        assert c.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=key).json()["model_id"] == f"{sid}:train:0"
+    job_id = session_job_of(stack, f"{sid}:train:0")
+    job = stack.wait_job(job_id, path=SESSIONS, timeout=90)
+    assert job["status"] == "completed" and job["finished_at"] - job["started_at"] >= 15
+    ended = [e for _, e in stack.events(job_id) if e.get("type") == "session_ended"]
+    assert "idle_timeout_s" in ended[0]["reason"]
+
+
+def test_an_api_restart_loses_nothing(stack, worker):
+    """The API restarts between a call and the retrieval of its result: the future, the run and
+    its checkpoints are all in Redis, and the loop goes on."""
+    with service(stack) as sc:
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
+        fb = tc.forward_backward([datum(SEQUENCE)], "cross_entropy")
+        stack.stop_proc(stack.api)
+        stack.start_api()
+        assert fb.result().metrics["loss:sum"] > 0
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        assert tc.save_state("after-restart").result().path.endswith("/weights/after-restart")
+
+
 def test_a_killed_worker_fails_the_pending_futures_and_the_state_loads_on_another(stack, workers):
     """kill -9 of the session's worker: a call it never answered fails with a message that says to
     load the last save_state; create_training_client_from_state_with_optimizer then continues on
     another worker from exactly that state (its next loss is the one the first would have had)."""
-    first = workers()
+    # Last in the module: the session may run on the module's worker (an earlier test started it) or
+    # on this one, and whichever runs it is killed.
+    workers()
     with service(stack) as sc:
-        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=2)
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=2).result()
         for _ in range(2):
             tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
-            tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         saved = tc.save_state("two").result().path
         expected = tc.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"]
         job_id = session_job_of(stack, tc.model_id)
-        os.kill(supervisor_pid(stack, job_id), signal.SIGKILL)
-        first.wait(10)
+        victim = supervisor_pid(stack, job_id)
+        os.killpg(victim, signal.SIGKILL)  # the supervisor and its training process
         with pytest.raises(tinker.RequestFailedError, match="load the last save_state"):
             tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
         workers()

@@ -41,14 +41,16 @@ from worker.runtime.adapter_layers import adapter_swapped
 from worker.runtime.logprobs import completion_logprobs, eos_token_ids, left_pad
 from worker.runtime.models import get_model
 from worker.runtime.train_core import Cancelled
-from worker.sessions.losses import LossInputError
-from worker.sessions.training_client import TrainingClient
+from worker.sessions.training_client import BadRequest, LoraConfig, TrainingClient
 from worker.supervisor.lease import retrying
 
 log = logging.getLogger(__name__)
 
 WAIT_S = 0.5  # one wait for a call; between waits: the session's end, a cancel, scoring requests
 JSON = "application/json"
+# The job's phase while it answers a call (worker/supervisor/marks.py PHASES); "serving" otherwise.
+PHASES = {"forward_backward": "updating", "optim_step": "updating", "sample": "sampling", "save_weights": "saving",
+          "load_weights": "loading_model"}
 PROTOBUF = "application/x-protobuf"
 
 
@@ -98,10 +100,10 @@ class Session:
                 self.job.between_steps(self.spec.model_id)
                 continue
             request_id, call, body = item
-            self.job.mark(call["type"])
+            self.job.mark(PHASES.get(call["type"], "serving"))
             try:
                 result, content_type = self.answer(call, body)
-            except (CallError, LossInputError) as e:
+            except (CallError, BadRequest) as e:
                 retrying(lambda: sessions.fail(self.r, request_id, str(e), "user"), "call failed")
             except (Cancelled, MemoryError):
                 raise
@@ -131,7 +133,7 @@ class Session:
             return self.load_weights(client, call)
         if kind == "snapshot_for_sampler":
             self.snapshots[call["sampler_id"]] = client.adapter_files()
-            return as_json({"sampling_session_id": call["sampler_id"], "type": "save_weights_for_sampler"})
+            return as_json({"sampling_session_id": call["sampler_id"]})
         raise CallError(f"unknown call {kind!r}")
 
     def client(self, model_id: str) -> TrainingClient:
@@ -144,12 +146,12 @@ class Session:
         run = sessions.get_run(self.r, model_id)
         if run is None:
             raise CallError(f"model {model_id} not found")
-        self.clients[model_id] = TrainingClient(self.model, run["lora"])
+        self.clients[model_id] = TrainingClient(self.model, LoraConfig(**run["lora"]))
         return self.clients[model_id]
 
     def create_model(self, call: dict) -> tuple[bytes, str]:
         self.create(call["model_id"])
-        return as_json({"model_id": call["model_id"], "type": "create_model"})
+        return as_json({"model_id": call["model_id"]})
 
     def forward_backward(self, client: TrainingClient, body: bytes) -> tuple[bytes, str]:
         wire = decode_forward_backward(body, max_datums=1 << 20, max_tokens=1 << 30)  # the API bounded it
@@ -165,7 +167,7 @@ class Session:
         shown = {k.split(":")[0]: v for k, v in metrics.items()}  # Tinker's name:reduction, as the job's metrics
         self.job.write(event={"type": "session_step", "iter": self.steps, "model_id": call["model_id"], **shown},
                        progress={"iter": self.steps, **shown})
-        return as_json({"metrics": metrics, "type": "optim_step"}), JSON
+        return as_json({"metrics": metrics})
 
     def save_weights(self, client: TrainingClient, call: dict) -> tuple[bytes, str]:
         checkpoint_id = call["checkpoint_id"]
@@ -173,7 +175,7 @@ class Session:
         sessions.save_checkpoint(self.r, call["model_id"], checkpoint_id, files, call.get("ttl_seconds"),
                                  call.get("user_metadata"))
         path = sessions.tinker_path(call["model_id"], checkpoint_id)
-        return as_json({"path": path, "type": "save_weights"}), JSON
+        return as_json({"path": path})
 
     def load_weights(self, client: TrainingClient, call: dict) -> tuple[bytes, str]:
         source_model, checkpoint_id = call["source"]
@@ -181,8 +183,7 @@ class Session:
         if not files:
             raise CallError(f"checkpoint {sessions.tinker_path(source_model, checkpoint_id)} is gone")
         client.load_state(files, with_optimizer=call["optimizer"])
-        return as_json({"model_id": call["model_id"], "path": sessions.tinker_path(source_model, checkpoint_id),
-                        "type": "load_weights"}), JSON
+        return as_json({"model_id": call["model_id"], "path": sessions.tinker_path(source_model, checkpoint_id)})
 
     def sample(self, call: dict) -> tuple[bytes, str]:
         sampler = sessions.get_sampler(self.r, call["sampler_id"])

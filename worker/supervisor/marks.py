@@ -5,7 +5,8 @@ ends a training process whose marks stop (a stall) and shows its phase."""
 import ctypes
 import time
 
-PHASES = ("idle", "joining", "loading_model", "compiling", "sampling", "scoring", "updating", "checkpointing", "saving")
+PHASES = ("idle", "joining", "loading_model", "compiling", "sampling", "scoring", "updating", "checkpointing", "saving",
+          "serving")  # serving: a session's job between its client's calls (worker/kinds/session_job.py)
 
 
 class Marks:
