@@ -167,8 +167,10 @@ def test_a_tool_reply_changes_the_scores_after_it_not_the_tokens_scored(stack, w
     ids = list(tokenizer.apply_chat_template(conversation(), tools=TOOLS, tokenize=True))
     call = len(assistant_turns(tokenizer, ids)[0])  # the first assistant turn, before the reply
     assert a["token_count"] == b["token_count"]
-    assert a["per_token"][:call] == b["per_token"][:call]
-    assert all(abs(x - y) > 1e-6 for x, y in zip(a["per_token"][call:], b["per_token"][call:]))
+    # Equal up to float noise: the two rows are one padded batch, and BLAS may sum a row's
+    # products in another order where the rows' lengths differ (about 5e-7 seen).
+    assert a["per_token"][:call] == pytest.approx(b["per_token"][:call], abs=1e-5)
+    assert all(abs(x - y) > 1e-4 for x, y in zip(a["per_token"][call:], b["per_token"][call:]))
 
 
 def test_a_grpo_episode_masks_the_newline_after_a_turns_eos(tiny):

@@ -164,7 +164,8 @@ def test_two_clients_share_one_worker_and_leave_each_other_alone(stack, worker):
 
 def test_a_bad_call_fails_its_future_alone(stack, worker):
     """A loss the server does not serve, inputs that do not fit the loss, an optimizer setting out of
-    range and a datum over the session's max_seq_len are each a clear error; the client goes on."""
+    range and a datum over the session's max_seq_len are each a clear error; the client goes on.
+    So are asample's bounds (docs/sessions.md, Limits)."""
     with service(stack) as sc:
         tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
         with pytest.raises(tinker.RequestFailedError, match="gspo") as e:
@@ -177,6 +178,19 @@ def test_a_bad_call_fails_its_future_alone(stack, worker):
         with pytest.raises(tinker.BadRequestError, match="beta1"):
             tc.optim_step(types.AdamParams(learning_rate=1e-3, beta1=1.5)).result()
         assert tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"] > 0
+        key = {"X-API-Key": f"tml-{TOKEN}"}
+        with stack.client(None) as c:  # asample's bounds, as plain HTTP: 400s that name the field
+            sampler = c.post("/api/v1/create_sampling_session", headers=key, json={
+                "session_id": tc.model_id.split(":")[0], "sampling_session_seq_id": 99, "base_model": "tiny"}).json()
+            prompt = {"chunks": [{"type": "encoded_text", "tokens": SEQUENCE[:4]}]}
+            for extra, message in (({"num_samples": 257}, "num_samples"),
+                                   ({"sampling_params": {"max_tokens": 32769}}, "max_tokens"),
+                                   ({"sampling_params": {"max_tokens": 8190}}, "max_seq_len"),
+                                   ({"sampling_params": {"stop": ["x"] * 17}}, "at most 16"),
+                                   ({"topk_prompt_logprobs": 5}, "topk_prompt_logprobs")):
+                res = c.post("/api/v1/asample", headers=key, json={
+                    "sampling_session_id": sampler["sampling_session_id"], "prompt": prompt, **extra})
+                assert res.status_code == 400 and message in res.json()["detail"], (extra, res.text)
 
 
 def test_keys_roles_and_owners(stack, worker):
@@ -237,6 +251,51 @@ def test_an_api_restart_loses_nothing(stack, worker):
         assert fb.result().metrics["loss:sum"] > 0
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         assert tc.save_state("after-restart").result().path.endswith("/weights/after-restart")
+
+
+def test_the_sdks_other_routes(stack, worker):
+    """What the loops above leave out, through the SDK: the server's capabilities and health,
+    load_state into a live client (its loss is the saved one again), the RestClient's sessions,
+    weights info, user checkpoints and delete, and the RL losses over the wire, each equal to its
+    formula on the logprobs forward returns (sampling log-probs equal to them: every ratio 1)."""
+    with stack.client(None) as c:
+        assert c.get("/api/v1/healthz").status_code == 200
+    rest = tinker.RestClient(base_url=stack.base_url, api_key=f"tml-{TOKEN}")
+    assert "tiny" in {m.model_name for m in rest.get_server_capabilities().result().supported_models}
+    with service(stack) as sc:
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=10).result()
+        tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        path = tc.save_state("one").result().path
+        saved = tc.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"]
+        tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        assert tc.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"] != saved
+        tc.load_state(path).result()
+        assert tc.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(saved, abs=1e-5)
+
+        out = tc.forward([datum(SEQUENCE)], "cross_entropy").result()
+        lp = np.array(out.loss_fn_outputs[0]["logprobs"].tolist())
+        advantages = np.linspace(-1.0, 1.0, len(lp))
+        rl = types.Datum(model_input=types.ModelInput.from_ints(SEQUENCE[:-1]), loss_fn_inputs={
+            "target_tokens": np.array(SEQUENCE[1:], dtype=np.int64), "logprobs": lp.astype(np.float32),
+            "advantages": advantages.astype(np.float32)})
+        want = {"importance_sampling": -advantages.sum(), "ppo": -advantages.sum(),
+                "cispo": -(lp * advantages).sum(), "dro": -(lp * advantages).sum()}
+        for loss_fn, value in want.items():
+            got = tc.forward([rl], loss_fn).result().metrics["loss:sum"]
+            assert got == pytest.approx(value, abs=1e-3), loss_fn
+
+        info = rest.get_weights_info_by_tinker_path(path).result()
+        assert (info.base_model, info.is_lora, info.lora_rank) == ("tiny", True, 4)
+        session_id = tc.model_id.split(":")[0]
+        assert tc.model_id in rest.get_session(session_id).result().training_run_ids
+        assert session_id in rest.list_sessions().result().sessions
+        assert path in {ck.tinker_path for ck in rest.list_user_checkpoints().result().checkpoints}
+        rest.delete_checkpoint_from_tinker_path(path).result()
+        assert "weights/one" not in {ck.checkpoint_id for ck in rest.list_checkpoints(tc.model_id).result().checkpoints}
+        with pytest.raises(tinker.NotFoundError):
+            sc.create_training_client_from_state(path).result()
 
 
 def test_a_killed_worker_fails_the_pending_futures_and_the_state_loads_on_another(stack, workers):
