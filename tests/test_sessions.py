@@ -9,10 +9,12 @@ import os
 import signal
 import tarfile
 
+import mlx.core as mx
+import mlx_lm
 import numpy as np
 import pytest
 import tinker
-from conftest import TOKEN, Stack, running, wait_for
+from conftest import TOKEN, Stack, running
 from tinker import types
 
 from worker.runtime.make_model import make_model
@@ -46,6 +48,13 @@ def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
 
 
 SEQUENCE = [5, 17, 300, 42, 42, 9, 100, 200, 300, 400, 7, 8]
+
+
+def train(tc, steps: int) -> None:
+    """`steps` cross-entropy steps on SEQUENCE at learning rate 1e-2, each waited for."""
+    for _ in range(steps):
+        tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
 
 
 def test_a_supervised_loop_trains_saves_samples_and_lists_its_checkpoints(stack, worker):
@@ -102,14 +111,9 @@ def test_samplers_give_the_log_probs_mlx_lm_gives_for_the_same_adapter(stack, wo
     """A sampler on a saved checkpoint, one on the weights as they are (save_weights_and_get_sampling_client)
     and one on the base model: the log-probs of what they sample, and compute_logprobs' of a prompt,
     are those mlx_lm computes with the checkpoint's archive as adapter_path (and with no adapter)."""
-    import mlx.core as mx
-    import mlx_lm
-
     with service(stack) as sc:
         tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
-        for _ in range(3):
-            tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
-            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        train(tc, 3)
         path = tc.save_weights_for_sampler("three").result().path
         saved = sc.create_sampling_client(model_path=path).result()
         live = tc.save_weights_and_get_sampling_client().result()
@@ -154,9 +158,7 @@ def test_two_clients_share_one_worker_and_leave_each_other_alone(stack, worker):
         base = sc.create_sampling_client(base_model="tiny").result()
         before_b = b.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"]
         before_base = base.compute_logprobs(types.ModelInput.from_ints(SEQUENCE)).result()
-        for _ in range(3):
-            a.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
-            a.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        train(a, 3)
         assert b.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"] == before_b
         assert base.compute_logprobs(types.ModelInput.from_ints(SEQUENCE)).result() == before_base
         assert a.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"] < before_b
@@ -264,12 +266,10 @@ def test_the_sdks_other_routes(stack, worker):
     assert "tiny" in {m.model_name for m in rest.get_server_capabilities().result().supported_models}
     with service(stack) as sc:
         tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=10).result()
-        tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        train(tc, 1)
         path = tc.save_state("one").result().path
         saved = tc.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"]
-        tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        train(tc, 1)
         assert tc.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"] != saved
         tc.load_state(path).result()
         assert tc.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(saved, abs=1e-5)
@@ -307,9 +307,7 @@ def test_a_killed_worker_fails_the_pending_futures_and_the_state_loads_on_anothe
     workers()
     with service(stack) as sc:
         tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=2).result()
-        for _ in range(2):
-            tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
-            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        train(tc, 2)
         saved = tc.save_state("two").result().path
         expected = tc.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"]
         job_id = session_job_of(stack, tc.model_id)
@@ -318,7 +316,7 @@ def test_a_killed_worker_fails_the_pending_futures_and_the_state_loads_on_anothe
         with pytest.raises(tinker.RequestFailedError, match="load the last save_state"):
             tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
         workers()
-        again = sc.create_training_client_from_state_with_optimizer(saved)
+        again = sc.create_training_client_from_state_with_optimizer(saved).result()
         assert again.forward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
         assert session_job_of(stack, again.model_id) != job_id
     with stack.client() as c:

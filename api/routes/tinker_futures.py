@@ -20,11 +20,11 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import AsyncRedisDep, RedisDep
 from api.tinker_compat.jobs import ended, not_found
-from api.tinker_compat.protocol import Body, KeyDep, KeyWriterDep, TinkerRoute
+from api.tinker_compat.protocol import ERRORS, Body, KeyDep, KeyWriterDep, TinkerRoute
 from shared import lifecycle, sessions
 from shared.keys import job_key
 
-router = APIRouter(prefix="/api/v1", tags=["Tinker: futures"], route_class=TinkerRoute)
+router = APIRouter(prefix="/api/v1", tags=["Tinker: futures"], route_class=TinkerRoute, responses=ERRORS)
 
 LONG_POLL_S = 20.0  # the SDK gives up on one poll after 45 s, and asks again at once after a try_again
 WAIT_SLICE_S = 1.0  # one BRPOPLPUSH of the wait: below the async client's socket timeout (MTQ_REDIS_TIMEOUT_S)

@@ -20,10 +20,10 @@ from fastapi import APIRouter, Query, Response
 from api.deps import RedisDep
 from api.routes.adapters import archive_response
 from api.tinker_compat.jobs import not_found, run_or_404
-from api.tinker_compat.protocol import KeyDep, KeyWriterDep, TinkerRoute
+from api.tinker_compat.protocol import ERRORS, KeyDep, KeyWriterDep, TinkerRoute
 from shared import sessions
 
-router = APIRouter(prefix="/api/v1", tags=["Tinker: training runs"], route_class=TinkerRoute)
+router = APIRouter(prefix="/api/v1", tags=["Tinker: training runs"], route_class=TinkerRoute, responses=ERRORS)
 
 CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}
 

@@ -17,11 +17,11 @@ from pydantic import Field, model_validator
 
 from api.deps import RedisDep, SettingsDep
 from api.tinker_compat.jobs import checkpoint_or_404, job_for, live_job, not_found, session_or_404
-from api.tinker_compat.protocol import Body, KeyDep, KeyWriterDep, TinkerRoute
+from api.tinker_compat.protocol import ERRORS, Body, KeyDep, KeyWriterDep, TinkerRoute
 from shared import jobstore, sessions
 from shared.session_specs import SESSION_ID_PATTERN
 
-router = APIRouter(prefix="/api/v1", tags=["Tinker: sampling"], route_class=TinkerRoute)
+router = APIRouter(prefix="/api/v1", tags=["Tinker: sampling"], route_class=TinkerRoute, responses=ERRORS)
 
 MAX_SAMPLES = 256  # of one asample call
 MAX_NEW_TOKENS = 32_768

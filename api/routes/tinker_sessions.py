@@ -20,12 +20,12 @@ from fastapi import APIRouter, HTTPException, Query, status
 from pydantic import Field
 
 from api.deps import RedisDep
-from api.tinker_compat.protocol import Body, KeyDep, KeyWriterDep, TinkerRoute
+from api.tinker_compat.protocol import ERRORS, Body, KeyDep, KeyWriterDep, TinkerRoute
 from api.tinker_compat.jobs import not_found, session_or_404
 from shared import sessions, workers
 from shared.session_specs import SESSION_ID_PATTERN
 
-router = APIRouter(prefix="/api/v1", tags=["Tinker: sessions"], route_class=TinkerRoute)
+router = APIRouter(prefix="/api/v1", tags=["Tinker: sessions"], route_class=TinkerRoute, responses=ERRORS)
 
 # The SDK's defaults are for Tinker's own servers: a Rust HTTP/2 transport, forward_backward
 # chunks sent at once and out of order, a batch poller for samples. This server takes each

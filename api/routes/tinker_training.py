@@ -25,13 +25,13 @@ from fastapi import APIRouter, HTTPException, Request, status
 from pydantic import Field
 
 from api.deps import RedisDep, SettingsDep
-from api.tinker_compat.protocol import Body, KeyDep, KeyWriterDep, TinkerRoute
+from api.tinker_compat.protocol import ERRORS, Body, KeyDep, KeyWriterDep, TinkerRoute
 from api.tinker_compat.jobs import checkpoint_or_404, job_for, live_job, run_or_404, session_or_404
 from shared import jobstore, routing, sessions, workers
 from shared.session_specs import SESSION_ID_PATTERN
 from shared.tinker_wire import WireError, decode_forward_backward
 
-router = APIRouter(prefix="/api/v1", tags=["Tinker: training"], route_class=TinkerRoute)
+router = APIRouter(prefix="/api/v1", tags=["Tinker: training"], route_class=TinkerRoute, responses=ERRORS)
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a checkpoint's name: one segment of its tinker:// path
 MAX_DATUMS = 1024  # of one forward_backward request: the SDK's own chunk (fwdbwd_max_chunk_len)

@@ -53,6 +53,14 @@ KeyDep = Annotated[Principal, Depends(require_key)]
 KeyWriterDep = Annotated[Principal, Depends(require_key_writer)]
 
 
+class ErrorBody(BaseModel):
+    detail: str
+
+
+# What a route may answer besides its 200, for the OpenAPI schema (the routers' `responses`).
+ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 503)}
+
+
 def error(status_code: int, detail: str, headers: dict | None = None) -> JSONResponse:
     retry = {} if status_code >= 500 else {"x-should-retry": "false"}
     return JSONResponse({"detail": detail}, status_code=status_code, headers={**(headers or {}), **retry})
