@@ -581,7 +581,9 @@ def test_10_a_large_log_prob_batch_is_split_across_a_running_jobs_steps(stack, w
     gaps = [b - a for a, b in zip(during, during[1:])]
     print(f"\nbatch of 48 x 1000 characters: {t1 - t0:.1f} s, {len(during)} steps of the running job meanwhile, "
           f"longest gap {max(gaps, default=0):.2f} s")
-    assert len(during) >= 3 and max(gaps) < 5.0, (t1 - t0, during)
+    # Answered in one piece, the batch would leave at most the step it arrived in within the
+    # window; two steps or more: the job stepped between its parts (how many depends on speed).
+    assert len(during) >= 2 and max(gaps) < 5.0, (t1 - t0, during)
 
 
 def test_11_a_log_prob_request_longer_than_the_models_context_is_400(stack, alice_adapters):
