@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,3 +41,19 @@ def private_stack(model_dir: Path, workers: int = 1, **settings: str):
     finally:
         os.killpg(stack.pid, signal.SIGTERM)
         stack.wait(60)
+
+
+def wait_for_workers(client: httpx.Client, stack: subprocess.Popen, log: Path, count: int = 1,
+                     timeout_s: float = 300) -> None:
+    """Until `count` workers advertise their memory (their training processes are up); the
+    stack's log tail if it dies or takes over timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            live = client.get("/admin/api/workers").json()
+            if len(live) >= count and all(w.get("memory_gb") for w in live):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        assert time.monotonic() < deadline and stack.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.5)

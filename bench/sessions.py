@@ -33,12 +33,11 @@ from worker.supervisor.openblas import reexec_with_openblas  # noqa: E402
 
 reexec_with_openblas()
 
-import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
-from bench.private_stack import TOKEN, private_stack  # noqa: E402
+from bench.private_stack import TOKEN, private_stack, wait_for_workers  # noqa: E402
 from shared.settings import load_settings  # noqa: E402
 from worker.runtime.models import get_model  # noqa: E402
 from worker.sessions.training_client import LoraConfig, TrainingClient  # noqa: E402
@@ -71,19 +70,6 @@ def local_step(client: TrainingClient, data) -> float:
     return time.perf_counter() - t0
 
 
-def wait_for_worker(client, stack, log) -> None:
-    """Until the worker advertises its memory (its training process is up)."""
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if any(w.get("memory_gb") for w in client.get("/admin/api/workers").json()):
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        assert time.monotonic() < deadline and stack.poll() is None, log.read_text()[-3000:]
-        time.sleep(0.5)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
@@ -101,7 +87,7 @@ def main() -> int:
     local = TrainingClient(model, LoraConfig(rank=args.rank, seed=SEED))
     times: dict[str, list[float]] = {"api": [], "local": []}
     with private_stack(model_dir) as (stack, client, log):
-        wait_for_worker(client, stack, log)
+        wait_for_workers(client, stack, log)
         with tinker.ServiceClient(base_url=str(client.base_url), api_key=f"tml-{TOKEN}") as service:
             tc = service.create_lora_training_client(base_model=name, rank=args.rank, seed=SEED).result()
             run = {"api": lambda: api_step(tc, data), "local": lambda: local_step(local, data)}

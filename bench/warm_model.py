@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.private_stack import private_stack  # noqa: E402
+from bench.private_stack import private_stack, wait_for_workers  # noqa: E402
 
 JOBS = "/admin/api/fine-tune/grpo/jobs"
 
@@ -41,16 +41,7 @@ def main() -> int:
     model_dir = Path(args.model_dir).resolve()
     rows = []
     with private_stack(model_dir, workers=2) as (stack, client, log):
-        deadline = time.monotonic() + 180
-        while True:  # both workers advertise their memory (their training processes are up)
-            try:
-                live = client.get("/admin/api/workers").json()
-                if len(live) == 2 and all(w.get("memory_gb") for w in live):
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert time.monotonic() < deadline and stack.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_for_workers(client, stack, log, 2, timeout_s=180)
         for i in range(args.jobs):
             job = client.post(JOBS, json={"model_id": model_dir.name, "prompts": ["What is 2+2?", "Say hello."],
                                           "config": {"iters": 1, "group_size": 2, "batch_size": 2,

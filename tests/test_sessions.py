@@ -39,6 +39,15 @@ def service(stack, token: str = TOKEN) -> tinker.ServiceClient:
     return tinker.ServiceClient(base_url=stack.base_url, api_key=f"tml-{token}")
 
 
+def rest(stack, token: str = TOKEN) -> tinker.RestClient:
+    return tinker.RestClient(base_url=stack.base_url, api_key=f"tml-{token}")
+
+
+def key(token: str = TOKEN) -> dict[str, str]:
+    """The SDK's credentials, for plain HTTP."""
+    return {"X-API-Key": f"tml-{token}"}
+
+
 def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
     """A cross_entropy datum: each input token predicts the next."""
     inputs, targets = tokens[:-1], tokens[1:]
@@ -84,13 +93,13 @@ def test_a_supervised_loop_trains_saves_samples_and_lists_its_checkpoints(stack,
         assert len(got.sequences) == 3 and all(1 <= len(s.tokens) <= 6 for s in got.sequences)
         assert all(len(s.logprobs) == len(s.tokens) for s in got.sequences)
 
-        rest = tinker.RestClient(base_url=stack.base_url, api_key=f"tml-{TOKEN}")
+        rest_client = rest(stack)
         run_id = tc.model_id
-        run = rest.get_training_run(run_id).result()
+        run = rest_client.get_training_run(run_id).result()
         assert run.base_model == "tiny" and run.lora_rank == 4
-        ckpts = rest.list_checkpoints(run_id).result().checkpoints
+        ckpts = rest_client.list_checkpoints(run_id).result().checkpoints
         assert {c.checkpoint_id for c in ckpts} == {"weights/after-six", "sampler_weights/six"}
-        assert {r.training_run_id for r in rest.list_training_runs().result().training_runs} >= {run_id}
+        assert {r.training_run_id for r in rest_client.list_training_runs().result().training_runs} >= {run_id}
         session_job = stack.redis.hget(f"mtq:tinker:session:{run_id.split(':')[0]}:jobs", "tiny").decode()
     # The session finished with the SDK's `with`: its job completes, the worker is free.
     job = stack.wait_job(session_job, path=SESSIONS, timeout=60)
@@ -126,7 +135,7 @@ def test_samplers_give_the_log_probs_mlx_lm_gives_for_the_same_adapter(stack, wo
         model_id, checkpoint_id = path.removeprefix("tinker://").split("/", 1)
         with stack.client() as c:  # the API's own archive of the checkpoint: mlx_lm's adapter files
             res = c.get(f"/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id}/archive",
-                        headers={"X-API-Key": f"tml-{TOKEN}"})
+                        headers=key())
         assert res.status_code == 200, res.text
         with tarfile.open(fileobj=io.BytesIO(res.content)) as tar:
             tar.extractall(tmp_path / "adapter", filter="data")
@@ -180,9 +189,8 @@ def test_a_bad_call_fails_its_future_alone(stack, worker):
         with pytest.raises(tinker.BadRequestError, match="beta1"):
             tc.optim_step(types.AdamParams(learning_rate=1e-3, beta1=1.5)).result()
         assert tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result().metrics["loss:sum"] > 0
-        key = {"X-API-Key": f"tml-{TOKEN}"}
         with stack.client(None) as c:  # asample's bounds, as plain HTTP: 400s that name the field
-            sampler = c.post("/api/v1/create_sampling_session", headers=key, json={
+            sampler = c.post("/api/v1/create_sampling_session", headers=key(), json={
                 "session_id": tc.model_id.split(":")[0], "sampling_session_seq_id": 99, "base_model": "tiny"}).json()
             prompt = {"chunks": [{"type": "encoded_text", "tokens": SEQUENCE[:4]}]}
             for extra, message in (({"num_samples": 257}, "num_samples"),
@@ -190,7 +198,7 @@ def test_a_bad_call_fails_its_future_alone(stack, worker):
                                    ({"sampling_params": {"max_tokens": 8190}}, "max_seq_len"),
                                    ({"sampling_params": {"stop": ["x"] * 17}}, "at most 16"),
                                    ({"topk_prompt_logprobs": 5}, "topk_prompt_logprobs")):
-                res = c.post("/api/v1/asample", headers=key, json={
+                res = c.post("/api/v1/asample", headers=key(), json={
                     "sampling_session_id": sampler["sampling_session_id"], "prompt": prompt, **extra})
                 assert res.status_code == 400 and message in res.json()["detail"], (extra, res.text)
 
@@ -208,16 +216,14 @@ def test_keys_roles_and_owners(stack, worker):
         tc.forward([datum(SEQUENCE)], "cross_entropy").result()
         futures = [k.decode().rsplit(":", 1)[1] for k in stack.redis.scan_iter("mtq:tinker:future:*")
                    if k.count(b":") == 3 and stack.redis.hget(k, "owner") == b"alice"]  # not their :done lists
-        key = {"X-API-Key": f"tml-{BOB}"}
         with stack.client(None) as c:
-            assert c.post("/api/v1/get_info", json={"model_id": tc.model_id}, headers=key).status_code == 404
-            assert c.post("/api/v1/weights_info", json={"tinker_path": path}, headers=key).status_code == 404
+            assert c.post("/api/v1/get_info", json={"model_id": tc.model_id}, headers=key(BOB)).status_code == 404
+            assert c.post("/api/v1/weights_info", json={"tinker_path": path}, headers=key(BOB)).status_code == 404
             assert c.post("/api/v1/session_heartbeat", json={"session_id": tc.model_id.split(":")[0]},
-                          headers=key).status_code == 404
-            assert c.post("/api/v1/retrieve_future", json={"request_id": futures[0]}, headers=key).status_code == 404
-            assert c.get(f"/api/v1/training_runs/{tc.model_id}", headers={"X-API-Key": f"tml-{VICTOR}"}).status_code == 200
-        bob = tinker.RestClient(base_url=stack.base_url, api_key=f"tml-{BOB}")
-        assert tc.model_id not in {r.training_run_id for r in bob.list_training_runs().result().training_runs}
+                          headers=key(BOB)).status_code == 404
+            assert c.post("/api/v1/retrieve_future", json={"request_id": futures[0]}, headers=key(BOB)).status_code == 404
+            assert c.get(f"/api/v1/training_runs/{tc.model_id}", headers=key(VICTOR)).status_code == 200
+        assert tc.model_id not in {r.training_run_id for r in rest(stack, BOB).list_training_runs().result().training_runs}
         with pytest.raises(tinker.NotFoundError):
             sc_bob = service(stack, BOB)
             sc_bob.create_training_client_from_state(path).result()
@@ -227,14 +233,13 @@ def test_a_vanished_client_frees_its_worker_after_the_idle_timeout(stack, worker
     """A client that stops calling and heartbeating (here: the SDK is never closed, and its
     process's heartbeats are not sent: plain HTTP) leaves its session's job; it completes after
     MTQ_SESSION_IDLE_TIMEOUT_S (15 s here) and the worker takes the next session."""
-    key = {"X-API-Key": f"tml-{TOKEN}"}
     with stack.client(None) as c:
-        sid = c.post("/api/v1/create_session", json={"tags": []}, headers=key).json()["session_id"]
-        res = c.post("/api/v1/create_model", headers=key, json={"session_id": sid, "model_seq_id": 0, "base_model": "tiny",
+        sid = c.post("/api/v1/create_session", json={"tags": []}, headers=key()).json()["session_id"]
+        res = c.post("/api/v1/create_model", headers=key(), json={"session_id": sid, "model_seq_id": 0, "base_model": "tiny",
                                                                  "lora_config": {"rank": 2}})
         assert res.status_code == 200, res.text
         rid = res.json()["request_id"]
-        assert c.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=key).json()["model_id"] == f"{sid}:train:0"
+        assert c.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=key()).json()["model_id"] == f"{sid}:train:0"
     job_id = session_job_of(stack, f"{sid}:train:0")
     job = stack.wait_job(job_id, path=SESSIONS, timeout=90)
     assert job["status"] == "completed" and job["finished_at"] - job["started_at"] >= 15
@@ -262,8 +267,8 @@ def test_the_sdks_other_routes(stack, worker):
     formula on the logprobs forward returns (sampling log-probs equal to them: every ratio 1)."""
     with stack.client(None) as c:
         assert c.get("/api/v1/healthz").status_code == 200
-    rest = tinker.RestClient(base_url=stack.base_url, api_key=f"tml-{TOKEN}")
-    assert "tiny" in {m.model_name for m in rest.get_server_capabilities().result().supported_models}
+    rest_client = rest(stack)
+    assert "tiny" in {m.model_name for m in rest_client.get_server_capabilities().result().supported_models}
     with service(stack) as sc:
         tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=10).result()
         train(tc, 1)
@@ -286,14 +291,14 @@ def test_the_sdks_other_routes(stack, worker):
             got = tc.forward([rl], loss_fn).result().metrics["loss:sum"]
             assert got == pytest.approx(value, abs=1e-3), loss_fn
 
-        info = rest.get_weights_info_by_tinker_path(path).result()
+        info = rest_client.get_weights_info_by_tinker_path(path).result()
         assert (info.base_model, info.is_lora, info.lora_rank) == ("tiny", True, 4)
         session_id = tc.model_id.split(":")[0]
-        assert tc.model_id in rest.get_session(session_id).result().training_run_ids
-        assert session_id in rest.list_sessions().result().sessions
-        assert path in {ck.tinker_path for ck in rest.list_user_checkpoints().result().checkpoints}
-        rest.delete_checkpoint_from_tinker_path(path).result()
-        assert "weights/one" not in {ck.checkpoint_id for ck in rest.list_checkpoints(tc.model_id).result().checkpoints}
+        assert tc.model_id in rest_client.get_session(session_id).result().training_run_ids
+        assert session_id in rest_client.list_sessions().result().sessions
+        assert path in {ck.tinker_path for ck in rest_client.list_user_checkpoints().result().checkpoints}
+        rest_client.delete_checkpoint_from_tinker_path(path).result()
+        assert "weights/one" not in {ck.checkpoint_id for ck in rest_client.list_checkpoints(tc.model_id).result().checkpoints}
         with pytest.raises(tinker.NotFoundError):
             sc.create_training_client_from_state(path).result()
 
