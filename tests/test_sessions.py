@@ -263,8 +263,9 @@ def test_an_api_restart_loses_nothing(stack, worker):
 def test_the_sdks_other_routes(stack, worker):
     """What the loops above leave out, through the SDK: the server's capabilities and health,
     load_state into a live client (its loss is the saved one again), the RestClient's sessions,
-    weights info, user checkpoints and delete, and the RL losses over the wire, each equal to its
-    formula on the logprobs forward returns (sampling log-probs equal to them: every ratio 1)."""
+    weights info, user checkpoints and delete, the RL losses over the wire, each equal to its
+    formula on the logprobs forward returns (sampling log-probs equal to them: every ratio 1),
+    and how long each record lives in Redis."""
     with stack.client(None) as c:
         assert c.get("/api/v1/healthz").status_code == 200
     rest_client = rest(stack)
@@ -291,9 +292,21 @@ def test_the_sdks_other_routes(stack, worker):
             got = tc.forward([rl], loss_fn).result().metrics["loss:sum"]
             assert got == pytest.approx(value, abs=1e-3), loss_fn
 
+        # The lifetimes docs/sessions.md states (Limits): futures an hour, sessions and runs a week
+        # after their last use, checkpoints until deleted or their ttl_seconds.
+        session_id = tc.model_id.split(":")[0]
+        futures = [k for k in stack.redis.scan_iter("mtq:tinker:future:*") if k.count(b":") == 3]
+        assert futures and all(3500 < stack.redis.ttl(k) <= 3600 for k in futures)
+        week = 7 * 86_400
+        assert week - 100 < stack.redis.ttl(f"mtq:tinker:session:{session_id}") <= week
+        assert week - 100 < stack.redis.ttl(f"mtq:tinker:run:{tc.model_id}") <= week
+        assert stack.redis.ttl(f"mtq:tinker:ckpt:{tc.model_id}:weights/one") == -1  # no expiry
+        short = tc.save_state("short", ttl_seconds=7200).result().path
+        assert 7100 < stack.redis.ttl(f"mtq:tinker:ckpt:{tc.model_id}:weights/short") <= 7200
+        assert short in {ck.tinker_path for ck in rest_client.list_user_checkpoints().result().checkpoints}
+
         info = rest_client.get_weights_info_by_tinker_path(path).result()
         assert (info.base_model, info.is_lora, info.lora_rank) == ("tiny", True, 4)
-        session_id = tc.model_id.split(":")[0]
         assert tc.model_id in rest_client.get_session(session_id).result().training_run_ids
         assert session_id in rest_client.list_sessions().result().sessions
         assert path in {ck.tinker_path for ck in rest_client.list_user_checkpoints().result().checkpoints}
