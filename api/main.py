@@ -15,8 +15,9 @@ from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.deps import get_settings, get_tokens, redis_trouble
-from api.routes import (adapters, files, health, logprob, metrics, models, openai_files, openai_graders, openai_jobs,
-                        reward_score, tinker_futures, tinker_runs, tinker_sampling, tinker_sessions, tinker_training, ui)
+from api.routes import (adapters, files, health, logprob, metrics, models, openai_chat, openai_files, openai_graders,
+                        openai_jobs, openai_models, reward_score, tinker_futures, tinker_runs, tinker_sampling,
+                        tinker_sessions, tinker_training, ui)
 from api.routes.job_routes import ROUTERS as JOB_ROUTERS
 
 get_tokens()  # a broken MTQ_TOKENS_FILE stops the API at start, not at its first request
@@ -65,6 +66,9 @@ app.include_router(reward_score.router)
 app.include_router(openai_files.router)
 app.include_router(openai_jobs.router)
 app.include_router(openai_graders.router)
+# ...and its chat and text completions on base and fine-tuned models (docs/chat.md).
+app.include_router(openai_chat.router)
+app.include_router(openai_models.router)
 # The Tinker API under /api/v1 (docs/sessions.md).
 for router in (tinker_sessions.router, tinker_training.router, tinker_sampling.router, tinker_futures.router,
                tinker_runs.router):

@@ -8,6 +8,7 @@ Accepts the list route's answer as a plain JSON array or as `{data: [...]}`.
 
 import io
 import os
+import re
 import tarfile
 import time
 import zipfile
@@ -26,6 +27,7 @@ FILES = "/admin/api/fine-tune/files"
 TERMINAL_EVENTS = ("done", "failed", "cancelled")
 RECONNECT_DELAYS_S = (0.5, 1, 2, 4, 8)  # then every 8 s
 RECONNECT_GIVE_UP_S = 300.0  # a stream down this long (API gone) ends the command
+JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 CONFIG_FILE = "adapter_config.json"  # with adapters.safetensors, or a full fine-tune's model*.safetensors
 
 
@@ -183,6 +185,51 @@ class ApiClient:
             path.write_bytes(data)
             written.append(path)
         return written
+
+
+    # ------------------------------------------------------------------ chat
+
+    def chat_model(self, name: str) -> tuple[str, str | None]:
+        """(model, adapter_name) for /v1/chat/completions from what `mtq chat` takes: a
+        fine-tuned model (ft:...), an OpenAI job (ftjob-...: its fine-tuned model), a job id
+        (its base model and adapter) or a base model id."""
+        if name.startswith("ftjob-"):
+            job = self.request("GET", f"/v1/fine_tuning/jobs/{name}").json()
+            if not job.get("fine_tuned_model"):
+                raise ApiError(0, f"job {name} has no fine-tuned model (it is {job.get('status')})")
+            return job["fine_tuned_model"], None
+        if JOB_ID.fullmatch(name):
+            job = self.job(name)
+            if job.get("status") != "completed" or not job.get("adapter_name"):
+                raise ApiError(0, f"job {name} has no adapter to chat with (it is {job.get('status')})")
+            return job["model_id"], job["adapter_name"]
+        return name, None
+
+    def chat(self, model: str, messages: list[dict], adapter_name: str | None = None, **params) -> Iterator[str]:
+        """The reply's text as it is decoded (POST /v1/chat/completions, stream)."""
+        body = {"model": model, "messages": messages, "stream": True, **params,
+                **({"adapter_name": adapter_name} if adapter_name else {})}
+        with connect_sse(self.http, "POST", "/v1/chat/completions", json=body,
+                         timeout=httpx.Timeout(10.0, read=None)) as source:
+            if source.response.is_error:
+                source.response.read()
+                raise ApiError(source.response.status_code, _openai_detail(source.response))
+            for sse in source.iter_sse():
+                if not sse.data or sse.data == "[DONE]":
+                    continue
+                chunk = sse.json()
+                if "error" in chunk:
+                    raise ApiError(0, chunk["error"].get("message"))
+                for choice in chunk.get("choices", []):
+                    if choice.get("delta", {}).get("content"):
+                        yield choice["delta"]["content"]
+
+
+def _openai_detail(response: httpx.Response) -> Any:
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:500]
 
 
 def _detail(response: httpx.Response) -> Any:

@@ -5,6 +5,7 @@ by its id. They never import the worker or mlx."""
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,37 @@ def cmd_plot(client: ApiClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(client: ApiClient, args: argparse.Namespace) -> int:
+    """A conversation in the terminal (each line a user message; /exit or end of input ends it),
+    or one answer with -p. The reply streams as the worker decodes it."""
+    model, adapter = client.chat_model(args.model)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    params = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None}
+
+    def turn(text: str) -> None:
+        messages.append({"role": "user", "content": text})
+        reply = []
+        for piece in client.chat(model, messages, adapter, **params):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            reply.append(piece)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+    if args.prompt is not None:
+        turn(args.prompt)
+        return 0
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip():
+            turn(line)
+
+
 def run_client_command(func, args: argparse.Namespace) -> int:
     client = ApiClient.from_env()
     try:
@@ -234,6 +266,14 @@ def add_client_commands(commands) -> None:
     download = add("download", cmd_download, "download a completed job's adapter into DIR")
     download.add_argument("job_id", metavar="ID", help="a job id, an OpenAI job id (ftjob-...) or fine-tuned model (ft:...)")
     download.add_argument("dir", metavar="DIR")
+
+    chat = add("chat", cmd_chat, "chat with a trained model in the terminal (or one answer with -p)")
+    chat.add_argument("model", metavar="JOB_OR_MODEL", help="a job id, an OpenAI job id (ftjob-...), a fine-tuned "
+                      "model (ft:...) or a base model id")
+    chat.add_argument("-p", "--prompt", help="ask this, print the answer and exit")
+    chat.add_argument("--system", help="a system message first")
+    chat.add_argument("--max-tokens", type=int)
+    chat.add_argument("--temperature", type=float)
 
     plot = add("plot", cmd_plot, "draw the job's curves (its kind's: reward, loss, KL, margins, ...) into a PNG")
     plot.add_argument("job_id", metavar="ID")

@@ -312,22 +312,27 @@ class ParamError(ValueError):
 # --------------------------------------------------------------------------- reading
 
 
-def adapter_of(name: str, rec: dict[bytes, bytes | None]) -> tuple[str, str] | None:
-    """(model_id, adapter_name) of a fine-tuned model's name, given its job's record fields
-    `summary`, `owner`, `openai` and `status` (as HMGET returns them); None unless the name is
-    exactly that succeeded job's fine_tuned_model."""
-    job_id = job_id_of(name) if name.startswith("ft:") else None
-    if job_id is None or rec.get(b"openai") is None or rec.get(b"status") != b"completed":
+def fine_tuned_model(job_id: str, rec: dict[bytes, bytes | None]) -> tuple[str, str, str] | None:
+    """(name, model_id, adapter_name) of a succeeded OpenAI job's fine-tuned model, given its
+    record fields `summary`, `owner`, `openai` and `status` (as HMGET returns them); None for
+    any other job."""
+    if rec.get(b"openai") is None or rec.get(b"status") != b"completed":
         return None
     summary, ft = json.loads(rec[b"summary"] or "{}"), json.loads(rec[b"openai"])  # type: ignore[arg-type]
     owner = rec.get(b"owner")
-    fields = {"owner": owner.decode() if owner else None}
-    if name != model_name(fields, job_id, ft["suffix"], summary.get("model_id", "")):
-        return None
-    return summary["model_id"], summary["adapter_name"]
+    name = model_name({"owner": owner.decode() if owner else None}, job_id, ft["suffix"], summary.get("model_id", ""))
+    return name, summary["model_id"], summary["adapter_name"]
 
 
-NAME_FIELDS = ("summary", "owner", "openai", "status")  # what adapter_of reads
+def adapter_of(name: str, rec: dict[bytes, bytes | None]) -> tuple[str, str] | None:
+    """(model_id, adapter_name) of a fine-tuned model's name, given its job's record fields
+    (fine_tuned_model); None unless the name is exactly that succeeded job's fine_tuned_model."""
+    job_id = job_id_of(name) if name.startswith("ft:") else None
+    found = None if job_id is None else fine_tuned_model(job_id, rec)
+    return found[1:] if found is not None and found[0] == name else None
+
+
+NAME_FIELDS = ("summary", "owner", "openai", "status")  # what fine_tuned_model reads
 
 
 def fine_tuned_adapter(r, name: str) -> tuple[str, str] | None:

@@ -31,7 +31,7 @@ from shared.jobstore import connect
 from shared.keys import adapter_key, checkpoint_key, events_key
 from shared.metrics import recorder
 from shared.settings import load_settings
-from worker.runtime import gang_group, job_loop, score_requests
+from worker.runtime import gang_group, job_loop, request_loop
 from worker.runtime.memory_plan import device_description
 from worker.runtime.models import loaded_model_ids
 from worker.runtime.train_core import Cancelled
@@ -114,9 +114,9 @@ class JobRun:
             retrying(lambda: self.lease.r.xdel(events_key(self.job_id), old), "drop an old event")
 
     def between_steps(self, model_id: str) -> None:
-        """Answer waiting log-prob requests for the model this job trains (worker/runtime/score_requests.py)."""
+        """Answer waiting scoring and completion requests for the model this job trains (worker/runtime/request_loop.py)."""
         self.marks.mark()
-        retrying(lambda: score_requests.serve_waiting(self.lease.r, load_settings(), model_id), "scoring")
+        retrying(lambda: request_loop.serve_waiting(self.lease.r, load_settings(), model_id), "scoring")
         self.marks.mark()
 
     def publish_loaded(self) -> None:
@@ -273,14 +273,14 @@ def main(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str
         # process after the requests already queued (scoring comes before training work).
         try:
             while not conn.poll(0):
-                if time.monotonic() - read_at > score_requests.QUEUES_REREAD_S:
-                    queues = retrying(lambda: score_requests.idle_queues(r, worker, settings), "scoring queues")
+                if time.monotonic() - read_at > request_loop.QUEUES_REREAD_S:
+                    queues = retrying(lambda: request_loop.idle_queues(r, worker, settings), "scoring queues")
                     read_at = time.monotonic()
-                if retrying(lambda: score_requests.serve_waiting(r, settings, queues=queues, wait_s=IDLE_WAIT_S), "scoring"):
+                if retrying(lambda: request_loop.serve_waiting(r, settings, queues=queues, wait_s=IDLE_WAIT_S), "scoring"):
                     publish_changes()  # a request may have loaded a model
                 if os.getppid() != parent_pid:
                     return
-            retrying(lambda: score_requests.serve_waiting(r, settings, queues=queues), "scoring")
+            retrying(lambda: request_loop.serve_waiting(r, settings, queues=queues), "scoring")
             job_id, epoch, ranks = conn.recv()
         except (EOFError, OSError):
             return
