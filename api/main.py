@@ -96,8 +96,8 @@ def readable(error: dict) -> str:
         return "model_id is required"
     if path == ["prompts"] and error["type"] in ("missing", "too_short", "list_type"):
         return "prompts (non-empty list) required"
-    if path[:1] == ["prompts"] and len(path) > 1:  # one error per union branch: say it once
-        return f"prompts[{path[1]}] must be a string, a list of chat messages or an item {{prompt, ...}}"
+    if path[:1] in (["prompts"], ["validation_prompts"]) and len(path) > 1:  # one error per union branch: say it once
+        return f"{path[0]}[{path[1]}] must be a string, a list of chat messages or an item {{prompt, ...}}"
     if path == ["preference_pairs"] and error["type"] in ("missing", "too_short", "list_type"):
         return "preference_pairs (non-empty list) required"
     if path[:1] == ["preference_pairs"] and len(path) > 1:

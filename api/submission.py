@@ -81,10 +81,12 @@ def spec_errors(r, spec: JobCreate, settings: Settings, who: Principal) -> list[
     errors += [error for tool in spec.tools or [] if (error := tool_error(tool.function, settings.tool_modules))]
     if len(spec.prompts) > settings.max_prompts:
         errors.append(f"{len(spec.prompts)} prompts; the limit is {settings.max_prompts} (MTQ_MAX_PROMPTS)")
+    for name in ("prompts", "validation_prompts"):
+        chars = [prompt_chars(p) for p in getattr(spec, name) or []]
+        too_long = [i for i, n in enumerate(chars) if n > settings.max_prompt_chars]
+        if too_long:
+            errors.append(f"{name}[{too_long[0]}] has {chars[too_long[0]]} characters; the limit is {settings.max_prompt_chars} (MTQ_MAX_PROMPT_CHARS)")
     lengths = [prompt_chars(p) for p in spec.prompts]
-    too_long = [i for i, n in enumerate(lengths) if n > settings.max_prompt_chars]
-    if too_long:
-        errors.append(f"prompts[{too_long[0]}] has {lengths[too_long[0]]} characters; the limit is {settings.max_prompt_chars} (MTQ_MAX_PROMPT_CHARS)")
     # Work per step: every row holds a prompt and a completion. Characters stand in for
     # tokens here (the API has no tokenizer); the worker checks real token counts against
     # the model's context before the first step.

@@ -63,10 +63,11 @@ class Chart:
     metrics: tuple[str, ...]
 
 
+# val_*: a job's evaluations on its validation_prompts.
 GRPO_CHARTS = (
-    Chart("reward", ("reward",)), Chart("reward std", ("reward_std",)), Chart("loss", ("loss",)), Chart("KL", ("kl",)),
-    Chart("entropy", ("entropy",)), Chart("completion length", ("completions/mean_length",)),
-    Chart("learning rate", ("learning_rate",)), Chart("rewards by source", ("rewards/*/mean",)),
+    Chart("reward", ("reward", "val_reward")), Chart("reward std", ("reward_std",)), Chart("loss", ("loss",)),
+    Chart("KL", ("kl",)), Chart("entropy", ("entropy",)), Chart("completion length", ("completions/mean_length",)),
+    Chart("learning rate", ("learning_rate",)), Chart("rewards by source", ("rewards/*/mean", "val_rewards/*/mean")),
 )
 # The supervised kinds': validation metrics (val_*) beside the training ones.
 LOSS = Chart("loss", ("loss", "val_loss"))
