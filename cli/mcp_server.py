@@ -41,11 +41,9 @@ mtq://jobs/{job_id}/metrics."""
 
 
 def bearer(headers) -> str:
-    """The token of an HTTP request's `Authorization: Bearer` header."""
+    """The token of an HTTP request's `Authorization: Bearer` header ("" without one)."""
     scheme, _, token = (headers.get("authorization") or "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise ToolError("send your mtq API token with each request: `Authorization: Bearer <token>`")
-    return token.strip()
+    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def inside(files_dir: Path | None, text: str) -> Path:
@@ -80,7 +78,10 @@ def make_server(token: str | None, files_dir: Path | None = None) -> MCPServer:
     @contextmanager
     def api(ctx: Context, error: type[Exception] = ToolError) -> Iterator[ApiClient]:
         """The REST API as the caller; its errors (and the API out of reach) become `error`s."""
-        client = ApiClient(api_url, bearer(ctx.headers or {}) if token is None else token)
+        caller = bearer(ctx.headers or {}) if token is None else token
+        if not caller and token is None:
+            raise error("send your mtq API token with each request: `Authorization: Bearer <token>`")
+        client = ApiClient(api_url, caller)
         try:
             yield client
         except ApiError as e:
@@ -88,7 +89,7 @@ def make_server(token: str | None, files_dir: Path | None = None) -> MCPServer:
         except httpx.HTTPError as e:
             raise error(f"the API at {api_url}: {type(e).__name__} {e}") from None
         except OSError as e:  # a local file
-            raise error(f"{e.filename}: {e.strerror}") from None
+            raise error(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from None
         finally:
             client.close()
 
@@ -164,18 +165,19 @@ def make_server(token: str | None, files_dir: Path | None = None) -> MCPServer:
 
     @server.tool()
     def cancel_job(ctx: Context, job_id: str) -> dict:
-        """Cancel a queued or running job (a running one stops at its next step). Returns the job."""
+        """Cancel a queued or running job (a running one stops at its next step). Returns its progress."""
         with api(ctx) as client:
             return progress_of(client.cancel(job_id))
 
     @server.tool()
     def resume_job(
         ctx: Context, job_id: str,
-        config: Annotated[dict[str, Any], Field(description="Config changes, e.g. {\"learning_rate\": 5e-6}.")] = {},  # noqa: B006
+        config: Annotated[dict[str, Any] | None, Field(description="Config changes, e.g. {\"learning_rate\": 5e-6}.")] = None,
     ) -> dict:
-        """Re-queue a failed or cancelled job from its last checkpoint, with config changes."""
+        """Re-queue a failed or cancelled job from its last checkpoint, with config changes.
+        Returns its progress."""
         with api(ctx) as client:
-            return progress_of(client.resume(job_id, config))
+            return progress_of(client.resume(job_id, config or {}))
 
     @server.tool()
     def download_adapter(

@@ -39,12 +39,13 @@ def stack(tmp_path_factory, tiny_model):
     yield from running(s)
 
 
-def stdio(stack, token: str, errlog) -> Client:
-    """A client of `mtq mcp` spawned over stdio, as an MCP client configuration starts it."""
+def stdio(stack, token: str, errlog=None) -> Client:
+    """A client of `mtq mcp` spawned over stdio, as an MCP client configuration starts it;
+    errlog: a file for the server's stderr (else the SDK's default, as docs/mcp.md shows it)."""
     env = {k: v for k, v in stack.env.items() if k not in ("REDIS_URL", "MTQ_API_PORT", "MTQ_API_TOKEN")}
     params = StdioServerParameters(command=sys.executable, args=["-m", "cli.main", "mcp"], cwd=str(ROOT),
                                    env=dict(env, MTQ_API_URL=stack.base_url, MTQ_API_TOKEN=token))
-    return Client(stdio_client(params, errlog=errlog))
+    return Client(stdio_client(params, errlog=errlog)) if errlog else Client(params)
 
 
 def text(result) -> str:
@@ -55,6 +56,17 @@ def data(result):
     """A tool's answer: a list as its structured content, an object as its one text part."""
     assert not result.is_error, text(result)
     return result.structured_content["result"] if result.structured_content else json.loads(text(result))
+
+
+async def until(client: Client, job_id: str, statuses: tuple[str, ...], timeout: float = 240) -> list[dict]:
+    """job_progress, polled until the job's status is one of `statuses`: every answer."""
+    seen = [data(await client.call_tool("job_progress", {"job_id": job_id}))]
+    for _ in range(int(timeout / 0.2)):
+        if seen[-1]["status"] in statuses:
+            return seen
+        await asyncio.sleep(0.2)
+        seen.append(data(await client.call_tool("job_progress", {"job_id": job_id})))
+    raise TimeoutError(f"job {job_id}: {seen[-1]}")
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +82,7 @@ def sft_job(stack, worker, tmp_path_factory):
                 kinds = data(await client.call_tool("list_kinds", {}))
                 job = data(await client.call_tool("submit_job", {
                     "kind": "sft", "spec": dict(SPEC, model_id=stack.tiny_model.name), "dataset_jsonl": JSONL}))
-                seen = []
-
-                async def finished():
-                    seen.append(data(await client.call_tool("job_progress", {"job_id": job["job_id"]})))
-                    return seen[-1]["status"] in ("completed", "failed", "cancelled")
-
-                for _ in range(1200):  # 0.2 s apart: at most 4 minutes
-                    if await finished():
-                        break
-                    await asyncio.sleep(0.2)
+                seen = await until(client, job["job_id"], ("completed", "failed", "cancelled"))
                 events = data(await client.call_tool("job_events", {"job_id": job["job_id"], "last": 3}))
                 download = data(await client.call_tool("download_adapter", {"job_id": job["job_id"],
                                                                             "directory": str(out / "adapter")}))
@@ -168,6 +171,29 @@ def test_bad_calls_are_tool_errors_with_the_apis_message(stack, sft_job, tmp_pat
         assert [j["job_id"] for j in c.get("/admin/api/jobs").json()] == [sft_job["job"]["job_id"]]
 
 
+def test_cancel_and_resume_through_the_server(stack, sft_job):
+    """A job cancelled with cancel_job, then resumed with resume_job and a config change,
+    queues again with that change; resuming a completed job is the API's 409."""
+    async def run():
+        async with stdio(stack, TOKEN) as client:
+            spec = dict(SPEC, model_id=stack.tiny_model.name, config=dict(SPEC["config"], iters=10_000))
+            job_id = data(await client.call_tool("submit_job", {"kind": "sft", "spec": spec,
+                                                                "dataset_jsonl": JSONL}))["job_id"]
+            data(await client.call_tool("cancel_job", {"job_id": job_id}))
+            cancelled = (await until(client, job_id, ("cancelled",), timeout=120))[-1]
+            resumed = data(await client.call_tool("resume_job", {"job_id": job_id, "config": {"learning_rate": 5e-6}}))
+            shown = data(await client.call_tool("show_job", {"job_id": job_id}))
+            data(await client.call_tool("cancel_job", {"job_id": job_id}))  # the worker is the module's
+            await until(client, job_id, ("cancelled",), timeout=120)
+            completed = await client.call_tool("resume_job", {"job_id": sft_job["job"]["job_id"]})
+            return cancelled, resumed, shown, completed
+
+    cancelled, resumed, shown, completed = asyncio.run(run())
+    assert cancelled["status"] == "cancelled"
+    assert resumed["status"] in ("queued", "running") and shown["config"]["learning_rate"] == 5e-6
+    assert completed.is_error and "HTTP 409" in text(completed) and "only failed or cancelled jobs resume" in text(completed)
+
+
 def test_streamable_http_uses_each_requests_token_and_keeps_paths_in_its_dir(stack, sft_job, tmp_path):
     """Over streamable HTTP (loopback): the tools listed and called with the caller's bearer
     token; without one nothing is done, though the server's environment holds the admin
@@ -219,7 +245,7 @@ def test_streamable_http_uses_each_requests_token_and_keeps_paths_in_its_dir(sta
         stack.stop_proc(proc)
     assert (rebound.status_code, page.status_code) == (421, 403)
     assert tools == TOOLS
-    assert [j["job_id"] for j in jobs] == [job_id]
+    assert job_id in [j["job_id"] for j in jobs] and {j["status"] for j in jobs} == {"completed"}
     for refused in (outside, sneaky):
         assert refused.is_error and f"must lie in {files_dir}" in text(refused)
     assert not (tmp_path / "escaped").exists()
