@@ -34,7 +34,7 @@ CONFIG_FILE = "adapter_config.json"  # with adapters.safetensors, or a full fine
 class ApiError(Exception):
     def __init__(self, status: int, detail: Any):
         self.status, self.detail = status, detail
-        super().__init__(f"HTTP {status}: {detail if isinstance(detail, str) else detail!r}")
+        super().__init__(f"HTTP {status}: {detail if isinstance(detail, str) else repr(detail)}")
 
 
 def default_api_url() -> str:
@@ -100,7 +100,10 @@ class ApiClient:
 
     def upload(self, path: Path) -> str:
         """A JSON Lines dataset file, uploaded (POST /admin/api/fine-tune/files); its file id."""
-        return self.request("POST", FILES, content=path.read_bytes(), params={"filename": path.name[:200]}).json()["id"]
+        return self.upload_bytes(path.read_bytes(), path.name)
+
+    def upload_bytes(self, data: bytes, filename: str) -> str:
+        return self.request("POST", FILES, content=data, params={"filename": filename[:200]}).json()["id"]
 
     def cancel(self, job_id: str) -> dict:
         return self.request("POST", f"{self.job_path(job_id)}/cancel").json()
