@@ -316,3 +316,32 @@ def test_kto_mismatched_pairs_rotate_the_batch_s_completions_by_one():
     """TRL's KL pairs: (x_1, y_n), (x_2, y_1), ..., (x_n, y_n-1), within the batch the rows are drawn into."""
     rows = [{"prompt": f"x{i}", "completion": f"y{i}", "label": i % 2 == 0} for i in range(6)]
     assert mismatched(rows, [4, 1, 5]) == [("x4", "y5"), ("x1", "y4"), ("x5", "y1")]
+
+
+@pytest.mark.parametrize("loss_type", [*DPO_LOSS_TYPES, "cpo", "simpo", "cpo-with-nll"])
+def test_a_gangs_shares_sum_to_the_loss_only_where_the_gang_is_allowed(loss_type):
+    """A gang's ranks each take the loss of their share of a batch's pairs, weighted by its share
+    of the pairs, and sum (worker/kinds/supervised_trainer.py make_step): the batch's loss for every
+    DPO loss type and for CPO without its NLL; not with the NLL (a mean over tokens), which is why
+    CPO refuses workers > 1 with cpo_alpha > 0."""
+    x = -rng.uniform(0.05, 3.0, size=(6, 5))  # 3 pairs: rows 0-2 chosen (2, 1 and 5 tokens), 3-5 rejected
+    ref = -rng.uniform(0.05, 3.0, size=x.shape)
+    mask = np.array([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]],
+                    dtype=np.float64)
+
+    def loss(pairs: list[int]) -> float:
+        rows = pairs + [p + 3 for p in pairs]
+        t, m = mx.array(x[rows], dtype=mx.float32), mx.array(mask[rows], dtype=mx.float32)
+        n = len(pairs)
+        if loss_type in ("cpo", "simpo", "cpo-with-nll"):
+            return cpo_loss(t, m, beta=2.0, loss_type="simpo" if loss_type == "simpo" else "sigmoid", label_smoothing=0.0,
+                            cpo_alpha=1.0 if loss_type == "cpo-with-nll" else 0.0, simpo_gamma=0.5)[0].item()
+        seq, ref_seq, lengths = sequence_logps(t, m), sequence_logps(mx.array(ref[rows], dtype=mx.float32), m), m.sum(axis=1)
+        return dpo_loss(seq[:n], seq[n:], ref_seq[:n], ref_seq[n:], lengths[:n], lengths[n:], beta=0.3,
+                        loss_types=[loss_type], loss_weights=[1.0], label_smoothing=0.1)[0].item()
+
+    shares = loss([0]) * 1 / 3 + loss([1, 2]) * 2 / 3
+    if loss_type == "cpo-with-nll":
+        assert abs(shares - loss([0, 1, 2])) > 1e-3
+    else:
+        close(shares, loss([0, 1, 2]))
