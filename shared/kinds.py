@@ -9,6 +9,8 @@ the lifecycle, routing and the worker read it; everything else is the same for e
     kto     /admin/api/fine-tune/kto/jobs     KTOJobCreate     worker.kinds.kto_job           supervised
     reward  /admin/api/fine-tune/reward/jobs  RewardJobCreate  worker.kinds.reward_model_job  supervised
     session /admin/api/fine-tune/session/jobs SessionJobCreate worker.kinds.session_job       session
+    online_dpo /admin/api/fine-tune/online-dpo/jobs OnlineDPOJobCreate worker.kinds.online_dpo grpo
+    xpo     /admin/api/fine-tune/xpo/jobs     XPOJobCreate     worker.kinds.online_dpo        grpo
 
 A job record without a `kind` (written before there were kinds) is GRPO's (`of_record`).
 
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from shared.online_specs import OnlineDPOJob, OnlineDPOJobCreate, XPOJob, XPOJobCreate
 from shared.schemas import Job, JobCreate
 from shared.session_specs import SessionJob, SessionJobCreate
 from shared.train_specs import (
@@ -84,6 +87,14 @@ ORPO_CHARTS = (*DPO_CHARTS[:4], Chart("log odds ratio", ("log_odds_ratio", "log_
 KTO_CHARTS = (LOSS, MARGINS, REWARDS, Chart("KL estimate", ("kl", "val_kl")), LOGPS, *OPTIMIZER)
 REWARD_MODEL_CHARTS = (LOSS, Chart("accuracy", ("accuracy", "val_accuracy")), Chart("margin", ("margin", "val_margin")),
                        *OPTIMIZER)
+# Online DPO and XPO: the judge's scores of the policy's samples first (worker/kinds/online_dpo.py).
+JUDGED = (Chart("DPO loss", ("loss",)), MARGINS, Chart("reward accuracy", ("rewards/accuracies",)), REWARDS,
+          Chart("KL", ("objective/kl",)), Chart("entropy", ("objective/entropy",)), LOGPS,
+          Chart("completion length", ("completions/mean_length",)), *OPTIMIZER)
+ONLINE_DPO_CHARTS = (Chart("judge score", ("objective/scores", "val_reward")), Chart("score margin", ("objective/scores_margin",)),
+                     *JUDGED)
+XPO_CHARTS = (Chart("judge score", ("objective/model_scores", "objective/ref_scores", "val_reward")),
+              Chart("score margin", ("objective/scores_margin",)), Chart("loss parts", ("loss/dpo", "loss/xpo")), *JUDGED)
 # A session's steps are its clients' optim_steps (the loss: of the forward_backward calls before each).
 SESSION_CHARTS = (Chart("loss", ("loss",)), *OPTIMIZER)
 
@@ -152,6 +163,10 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                 seed_aliases=(("reward_margin", "margin"), ("acc_chosen", "accuracy"), ("n_pairs", "examples"))),
     Kind(SessionJobCreate.kind, "/admin/api/fine-tune/session/jobs", "Training sessions", "a training session",
          SessionJobCreate, SessionJob, (), "worker.kinds.session_job", "session", SESSION_CHARTS),
+    Kind(OnlineDPOJobCreate.kind, "/admin/api/fine-tune/online-dpo/jobs", "Online DPO jobs", "an Online DPO job",
+         OnlineDPOJobCreate, OnlineDPOJob, LORA_SHAPE, "worker.kinds.online_dpo", "grpo", ONLINE_DPO_CHARTS),
+    Kind(XPOJobCreate.kind, "/admin/api/fine-tune/xpo/jobs", "XPO jobs", "an XPO job", XPOJobCreate, XPOJob, LORA_SHAPE,
+         "worker.kinds.online_dpo", "grpo", XPO_CHARTS),
 )}
 DEFAULT = KINDS[JobCreate.kind]  # of a record written before there were kinds
 
