@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from shared.schemas import GRPOConfig, Job, JobCreate
 
-# GRPO's surrogate and advantage knobs: no part of a DPO loss, refused rather than ignored.
+# GRPO's surrogate and advantage knobs: no part of a DPO loss; other than their defaults, refused rather than ignored.
 GRPO_ONLY = ("clip_ratio", "epsilon_high", "importance_sampling_level", "scale_rewards", "mask_truncated_completions")
 
 
@@ -25,7 +25,7 @@ class OnlineDPOConfig(GRPOConfig):
 
     @model_validator(mode="after")
     def _no_grpo_knobs(self):
-        given = [name for name in GRPO_ONLY if name in self.model_fields_set]
+        given = [name for name in GRPO_ONLY if getattr(self, name) != GRPOConfig.model_fields[name].default]
         if given:
             raise ValueError(f"{', '.join(given)}: GRPO's surrogate knobs, not this kind's (it trains DPO's loss)")
         return self
