@@ -166,7 +166,7 @@ class OnlineDPOTrainer(GRPOTrainer):
                     for r in (rollout, reference))
             ended = np.stack([rollout.ended, reference.ended], axis=1)
         else:
-            reference, pairs = None, rollout
+            pairs = rollout
             both = make_batch(rollout.prompt_ids, rollout.samples, rollout.mask, np.zeros(len(rollout.texts)), 2,
                               rollout.width)
             a, b = (Batch(*(x[side::2] for x in (both.inputs, both.left_pad, both.completion, both.mask,
