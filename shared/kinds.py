@@ -88,13 +88,12 @@ KTO_CHARTS = (LOSS, MARGINS, REWARDS, Chart("KL estimate", ("kl", "val_kl")), LO
 REWARD_MODEL_CHARTS = (LOSS, Chart("accuracy", ("accuracy", "val_accuracy")), Chart("margin", ("margin", "val_margin")),
                        *OPTIMIZER)
 # Online DPO and XPO: the judge's scores of the policy's samples first (worker/kinds/online_dpo.py).
-JUDGED = (Chart("DPO loss", ("loss",)), MARGINS, Chart("reward accuracy", ("rewards/accuracies",)), REWARDS,
-          Chart("KL", ("objective/kl",)), Chart("entropy", ("objective/entropy",)), LOGPS,
-          Chart("completion length", ("completions/mean_length",)), *OPTIMIZER)
+JUDGED = (MARGINS, Chart("reward accuracy", ("rewards/accuracies",)), REWARDS, Chart("KL", ("objective/kl",)), LOGPS,
+          *OPTIMIZER)
 ONLINE_DPO_CHARTS = (Chart("judge score", ("objective/scores", "val_reward")), Chart("score margin", ("objective/scores_margin",)),
-                     *JUDGED)
+                     Chart("loss", ("loss",)), *JUDGED)
 XPO_CHARTS = (Chart("judge score", ("objective/model_scores", "objective/ref_scores", "val_reward")),
-              Chart("score margin", ("objective/scores_margin",)), Chart("loss parts", ("loss/dpo", "loss/xpo")), *JUDGED)
+              Chart("score margin", ("objective/scores_margin",)), Chart("loss", ("loss", "loss/dpo", "loss/xpo")), *JUDGED)
 # A session's steps are its clients' optim_steps (the loss: of the forward_backward calls before each).
 SESSION_CHARTS = (Chart("loss", ("loss",)), *OPTIMIZER)
 
