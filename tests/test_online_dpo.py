@@ -170,9 +170,11 @@ def test_judged_by_an_owners_reward_model_and_by_a_reward_endpoint(stack):
         stolen, missing = (bob.post(ONLINE, json={**body, "reward": [s]}) for s in (source, {**source, "adapter_name": "nope"}))
         assert stolen.status_code == missing.status_code == 400, stolen.text
         assert stolen.json()["detail"] == missing.json()["detail"].replace("nope", "alice-rm")
-        judged = submit(alice, ONLINE, body)
+        judged = submit(alice, ONLINE, {**body, "validation_prompts": ["Name a river."]})
         wait_done(stack, ONLINE, judged, timeout=180)
         assert all("rewards/reward_model/mean" in e for e in steps(stack, judged, "online_dpo"))
+        evals = [e for _, e in read_events(stack.redis, judged) if e["type"] == "eval"]
+        assert [e["iter"] for e in evals] == [0, 1, 2] and all("val_reward" in e for e in evals)  # GRPO's evaluations
 
     calls = []
 
