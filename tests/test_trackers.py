@@ -248,14 +248,14 @@ def run_time(client, path: str, job_id: str) -> float:
 
 
 def test_a_hanging_mlflow_server_neither_slows_nor_fails_the_job(stack, client, workers, hanging_server, tmp_path):
-    """A worker whose MLflow server never answers, with a long call timeout (30 s: a tracker in the
-    training process would wait that long at each step) and a short grace: the GRPO job, long
+    """A worker whose MLflow server never answers, with a long call timeout (60 s: a tracker in the
+    training process would wait that long) and a short grace: the GRPO job, long
     enough for the tracker to call the server while it runs, runs as fast as the same job without
     trackers and completes; TensorBoard still gets every step's
     reward; the MLflow tracker is killed after the grace, and its state says so."""
     port, accepted = hanging_server
     workers("--lanes", "hang", env=dict(stack.env, MTQ_MLFLOW_TRACKING_URI=f"http://127.0.0.1:{port}",
-                                         MTQ_TRACKER_TIMEOUT_S="30", MTQ_TRACKER_GRACE_S="3"))
+                                         MTQ_TRACKER_TIMEOUT_S="60", MTQ_TRACKER_GRACE_S="3"))
     spec = {"model_id": "tiny", "prompts": ["What is 2+2?", "Say hello."], "config": {**GRPO_CONFIG, "report_to": []}}
     plain = submit(client, GRPO, spec)
     wait_done(stack, GRPO, plain)  # first: it also compiles what the tracked job then reuses
@@ -267,7 +267,9 @@ def test_a_hanging_mlflow_server_neither_slows_nor_fails_the_job(stack, client, 
     assert client.get(f"{GRPO}/{tracked}").json()["error"] == ""
     print(f"\nGRPO job: {run_time(client, GRPO, plain):.1f} s without trackers, "
           f"{run_time(client, GRPO, tracked):.1f} s with a hanging MLflow server")
-    assert run_time(client, GRPO, tracked) < 2 * run_time(client, GRPO, plain) + 5
+    # A tracker in the training process would hold a step for the 60 s of the call's timeout; the
+    # tracker processes' start-up (importing MLflow) shares the machine's cores with the job.
+    assert run_time(client, GRPO, tracked) < run_time(client, GRPO, plain) + 30
 
     started = time.monotonic()
     states = trackers_ended(client, GRPO, tracked, ("mlflow", "tensorboard"), timeout=30)

@@ -1,16 +1,27 @@
 """wandb: one run per job (its id the job's, so a resumed run resumes it) in project
 MTQ_WANDB_PROJECT, logged as transformers' WandbCallback logs (`train/loss`, `eval/loss`, against
 `train/global_step`). Without WANDB_API_KEY (or with WANDB_MODE=offline) it runs offline: the
-run's files go under $MTQ_HOME/trackers/<job id>/wandb, for `wandb sync`."""
+run's files go under $MTQ_HOME/trackers/<job id>/wandb, for `wandb sync`. Only this process
+imports wandb, so the environment it reads is set here."""
 
 import os
+import tempfile
 
-if not os.environ.get("WANDB_API_KEY"):  # read when wandb is imported
+from shared import trackers
+from shared.settings import load_settings
+
+# Read when wandb is imported: offline without a key, and its cache, config, artifacts and
+# temporary files under $MTQ_HOME/trackers/wandb, not the user's home or /tmp.
+if not os.environ.get("WANDB_API_KEY"):
     os.environ.setdefault("WANDB_MODE", "offline")
+_OWN = load_settings().home / "trackers" / "wandb"
+for _var, _sub in (("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"), ("WANDB_DATA_DIR", "data"),
+                   ("WANDB_ARTIFACT_DIR", "artifacts"), ("TMPDIR", "tmp")):
+    os.environ[_var] = str(_OWN / _sub)
+    (_OWN / _sub).mkdir(parents=True, exist_ok=True)
+tempfile.tempdir = os.environ["TMPDIR"]
 
 import wandb  # noqa: E402
-
-from shared import trackers  # noqa: E402
 
 
 class Writer:
