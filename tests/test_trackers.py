@@ -13,6 +13,7 @@ import tarfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, TOKEN, Stack, read_events, running, wait_done, wait_for
@@ -26,6 +27,7 @@ from shared.keys import job_key, trackers_key
 from shared.kinds import KINDS
 from shared.settings import load_settings
 from worker.supervisor.trackers import TRACKER_MAIN
+from worker.trackers import tb_writer
 
 SFT, GRPO = KINDS["sft"].prefix, KINDS["grpo"].prefix
 ROWS = [{"prompt": "Q0?", "completion": "red apple"}, {"prompt": "Q1?", "completion": "blue river"}]
@@ -86,7 +88,7 @@ def expected_scalars(stack, job_id: str) -> dict[str, list[tuple[int, float]]]:
 
 def tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     """The scalars of the event files in logdir, read with TensorBoard's EventAccumulator."""
-    assert [p.name.startswith("events.out.tfevents.") for p in logdir.iterdir()] == [True]
+    assert all(p.name.startswith("events.out.tfevents.") for p in logdir.iterdir())
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
@@ -299,3 +301,17 @@ def test_metric_names_are_transformers_callbacks_names():
     logs = {"loss": 0.5, "rewards/margins(x)": 0.25, "eval_loss": 0.7}
     assert trackers.rewrite_logs(logs) == {"train/loss": 0.5, "train/rewards/margins(x)": 0.25, "eval/loss": 0.7}
     assert trackers.mlflow_names(logs) == {"loss": 0.5, "rewards/margins_x_": 0.25, "eval_loss": 0.7}
+
+
+def test_a_resumed_run_replaces_the_steps_it_runs_again_in_tensorboard(stack, tmp_path):
+    """A run that logged steps 1-4, then a run resumed from the checkpoint of step 2 (steps 3-5
+    again): TensorBoard reads the later run's values for 3 and 4, once each."""
+    job = SimpleNamespace(job_id="no-such-job", dir=tmp_path, epoch=1, r=stack.redis, state={})
+    for epoch, steps, scale in ((1, range(1, 5), 1), (2, range(3, 6), 10)):
+        job.epoch = epoch
+        writer = tb_writer.Writer(job)
+        for step in steps:
+            writer.log(step, {"loss": step * scale})
+        writer.close("queued")
+        job.state = {"step": steps[-1]}
+    assert tensorboard_scalars(tmp_path / "tensorboard") == {"train/loss": [(1, 1), (2, 2), (3, 30), (4, 40), (5, 50)]}
