@@ -60,7 +60,8 @@ class TrackedJob:
 
 
 def main(argv: list[str] | None = None) -> int:
-    job_id, epoch, name = argv or sys.argv[1:]
+    job_id, epoch_text, name = argv or sys.argv[1:]
+    epoch = int(epoch_text)
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tracker {name} %(levelname)s %(message)s")
@@ -70,12 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     if found is None:
         return 0  # deleted meanwhile
     kind, summary = found
-    state = {**trackers.state(r, job_id).get(name, {}), "status": "running", "epoch": int(epoch), "error": None}
+    state = {**trackers.state(r, job_id).get(name, {}), "status": "running", "epoch": epoch, "error": None}
     trackers.save_state(r, job_id, name, state)
     try:
-        writer = importlib.import_module(WRITERS[name]).Writer(TrackedJob(job_id, int(epoch), kind, summary, settings,
-                                                                          r, state))
-        outcome = follow(r, job_id, int(epoch), kind, writer, name, state)
+        writer = importlib.import_module(WRITERS[name]).Writer(TrackedJob(job_id, epoch, kind, summary, settings, r, state))
+        outcome = follow(r, job_id, epoch, kind, writer, name, state)
         writer.close(outcome)
     except Exception as e:  # any failure of the tracker's: never the job's
         error = f"{type(e).__name__}: {e}"[:1000]
