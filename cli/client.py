@@ -27,8 +27,9 @@ FILES = "/admin/api/fine-tune/files"
 TERMINAL_EVENTS = ("done", "failed", "cancelled")
 RECONNECT_DELAYS_S = (0.5, 1, 2, 4, 8)  # then every 8 s
 RECONNECT_GIVE_UP_S = 300.0  # a stream down this long (API gone) ends the command
-JOB_ID = re.compile(r"^[0-9a-f]{32}$")
+NEW_JOB_ID = re.compile(r"^[0-9a-f]{32}$")  # the ids the service gives jobs (uuid4 hex), not a model id
 CONFIG_FILE = "adapter_config.json"  # with adapters.safetensors, or a full fine-tune's model*.safetensors
+MODEL_CONFIG_FILE = "config.json"  # an export's model directory (docs/export.md) has no adapter_config.json
 
 
 class ApiError(Exception):
@@ -175,7 +176,7 @@ class ApiClient:
         return [steps[i] for i in sorted(steps)]
 
     def download_adapter(self, job_id: str, out_dir: Path) -> list[Path]:
-        """The finished job's adapter, or a full fine-tune's model directory (GET .../adapter:
+        """The finished job's adapter, or a full fine-tune's or an export's model directory (GET .../adapter:
         a zip or tar archive of its files), unpacked into out_dir as mlx_lm loads it. job_id
         may also be an OpenAI job's id (ftjob-...) or its fine-tuned model's name (ft:...)."""
         job_id = job_id_of(job_id) or job_id
@@ -201,7 +202,7 @@ class ApiClient:
             if not job.get("fine_tuned_model"):
                 raise ApiError(0, f"job {name} has no fine-tuned model (it is {job.get('status')})")
             return job["fine_tuned_model"], None
-        if JOB_ID.fullmatch(name):
+        if NEW_JOB_ID.fullmatch(name):
             job = self.job(name)
             if job.get("status") != "completed" or not job.get("adapter_name"):
                 raise ApiError(0, f"job {name} has no adapter to chat with (it is {job.get('status')})")
@@ -257,7 +258,7 @@ def _unpack(archive: bytes) -> dict[str, bytes]:
                 if member.isfile():
                     files[Path(member.name).name] = t.extractfile(member).read()
     missing = [] if any(name.endswith(".safetensors") for name in files) else ["adapters.safetensors"]
-    missing += [] if CONFIG_FILE in files else [CONFIG_FILE]
+    missing += [] if CONFIG_FILE in files or MODEL_CONFIG_FILE in files else [CONFIG_FILE]
     if missing:
         raise ApiError(200, f"the adapter archive lacks {', '.join(missing)}")
     return {name: data for name, data in files.items() if name and not name.startswith(".")}

@@ -348,7 +348,8 @@ class JobRecord(BaseModel):
                                      "step's: {iter (completed steps), total_iters, loss, ...metrics}.")
     phase: str | None = Field(None, description="What the job is doing now (null once finished): waiting_for_worker, "
                               "starting, loading_model, compiling (first step on a fresh machine), sampling, scoring, "
-                              "updating, checkpointing, saving; a session: serving (between its calls).")
+                              "updating, checkpointing, saving; a session: serving (between its calls); an "
+                              "export: fusing.")
     phase_note: str | None = Field(None, description="A sentence about the phase, e.g. why compiling takes long.")
     phase_s: float | None = Field(None, description="Seconds the job has been in its phase so far (running jobs).")
     memory_plan: dict[str, Any] | None = Field(None, description="GRPO: the memory plan its worker chose (worker/runtime/memory_plan.py): "

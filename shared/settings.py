@@ -72,6 +72,9 @@ class Settings:
     # Full fine-tuning stores every trained weight and twice that of optimizer state in one Redis
     # value each, and Redis refuses values over 512 MB (proto-max-bulk-len): weights up to this many GB.
     full_finetune_max_gb: float = 0.25
+    # An export's fused model is stored in Redis the same way (all its files in one command, the
+    # weights one value): fused weights up to this many GB (MTQ_EXPORT_MAX_GB).
+    export_max_gb: float = 0.45
     # A GRPO job's `samples` events (every completion of a step) are the bulk of its event stream:
     # a run keeps only its last this many in Redis (every step's metrics stay).
     samples_events_kept: int = 200
@@ -149,6 +152,7 @@ def load_settings() -> Settings:
         max_file_bytes=_int("MTQ_MAX_FILE_BYTES", Settings.max_file_bytes),
         max_files_bytes_per_token=_int("MTQ_MAX_FILES_BYTES_PER_TOKEN", Settings.max_files_bytes_per_token),
         full_finetune_max_gb=_float("MTQ_FULL_FINETUNE_MAX_GB", Settings.full_finetune_max_gb),
+        export_max_gb=_float("MTQ_EXPORT_MAX_GB", Settings.export_max_gb),
         samples_events_kept=max(1, _int("MTQ_SAMPLES_EVENTS_KEPT", Settings.samples_events_kept)),
         sse_keepalive_s=max(0.1, _float("MTQ_SSE_KEEPALIVE_S", Settings.sse_keepalive_s)),
         session_idle_timeout_s=max(5.0, _float("MTQ_SESSION_IDLE_TIMEOUT_S", Settings.session_idle_timeout_s)),
