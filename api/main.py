@@ -5,6 +5,7 @@ import mlx (nor anything from worker/), so that it starts fast and runs anywhere
 """
 
 import logging
+import re
 from urllib.parse import unquote_plus
 
 from fastapi import FastAPI, Request
@@ -15,18 +16,23 @@ from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.deps import get_settings, get_tokens, redis_trouble
-from api.routes import (adapters, files, health, logprob, metrics, models, openai_files, openai_graders, openai_jobs,
-                        reward_score, tinker_futures, tinker_runs, tinker_sampling, tinker_sessions, tinker_training, ui)
+from api.routes import (adapters, files, health, logprob, metrics, models, openai_chat, openai_files, openai_graders,
+                        openai_jobs, openai_models, reward_score, tinker_futures, tinker_runs, tinker_sampling,
+                        tinker_sessions, tinker_training, ui)
 from api.routes.job_routes import ROUTERS as JOB_ROUTERS
 
 get_tokens()  # a broken MTQ_TOKENS_FILE stops the API at start, not at its first request
-TOKEN_PARAMS = ("key", "api_key")  # api/deps.py query_token
+# Query parameters whose values the access log never shows: api/deps.py query_token's (key,
+# api_key) and whatever a client may have meant as one (KEY, access_token, Api-Key, ...), which
+# the auth refuses but the log would keep.
+SECRET_PARAM = re.compile(r"key|token|secret|passw|auth|sig", re.IGNORECASE)
 
 
 def without_query_tokens(path: str) -> str:
-    """A request path as the access log may show it: the values of ?key= / ?api_key= replaced."""
+    """A request path as the access log may show it: the values of parameters that may hold a
+    token (SECRET_PARAM, in any case and percent-encoding of the name) replaced."""
     base, sep, query = path.partition("?")
-    parts = [f"{name}=<redacted>" if unquote_plus(name) in TOKEN_PARAMS else f"{name}{eq}{value}"
+    parts = [f"{name}=<redacted>" if SECRET_PARAM.search(unquote_plus(name)) else f"{name}{eq}{value}"
              for name, eq, value in (part.partition("=") for part in query.split("&"))]
     return base + sep + "&".join(parts) if sep else path
 
@@ -65,6 +71,9 @@ app.include_router(reward_score.router)
 app.include_router(openai_files.router)
 app.include_router(openai_jobs.router)
 app.include_router(openai_graders.router)
+# ...and its chat and text completions on base and fine-tuned models (docs/chat.md).
+app.include_router(openai_chat.router)
+app.include_router(openai_models.router)
 # The Tinker API under /api/v1 (docs/sessions.md).
 for router in (tinker_sessions.router, tinker_training.router, tinker_sampling.router, tinker_futures.router,
                tinker_runs.router):
@@ -92,8 +101,8 @@ def readable(error: dict) -> str:
         return "model_id is required"
     if path == ["prompts"] and error["type"] in ("missing", "too_short", "list_type"):
         return "prompts (non-empty list) required"
-    if path[:1] == ["prompts"] and len(path) > 1:  # one error per union branch: say it once
-        return f"prompts[{path[1]}] must be a string, a list of chat messages or an item {{prompt, ...}}"
+    if path[:1] in (["prompts"], ["validation_prompts"]) and len(path) > 1:  # one error per union branch: say it once
+        return f"{path[0]}[{path[1]}] must be a string, a list of chat messages or an item {{prompt, ...}}"
     if path == ["preference_pairs"] and error["type"] in ("missing", "too_short", "list_type"):
         return "preference_pairs (non-empty list) required"
     if path[:1] == ["preference_pairs"] and len(path) > 1:

@@ -12,7 +12,7 @@ import json
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import redis.asyncio
@@ -36,10 +36,10 @@ class CountedStream(StreamingResponse):
     """An event stream counted in open_streams[token_name] from its creation until the
     response ends, however it ends (finished, client gone, error)."""
 
-    def __init__(self, body: AsyncIterator[str], token_name: str):
+    def __init__(self, body: AsyncIterator[str], token_name: str, on_close: Callable[[], Awaitable[None]] | None = None):
         # no-cache / no buffering: proxies (nginx) must pass each event on at once.
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.token_name = token_name
+        self.token_name, self.on_close = token_name, on_close
         open_streams[token_name] += 1
 
     async def __call__(self, scope, receive, send) -> None:
@@ -49,6 +49,8 @@ class CountedStream(StreamingResponse):
             open_streams[self.token_name] -= 1
             if open_streams[self.token_name] <= 0:
                 del open_streams[self.token_name]
+            if self.on_close is not None:  # also when the client went away: the body is then left unfinished
+                await self.on_close()
 
 
 def valid_stream_id(text: str) -> bool:

@@ -8,6 +8,7 @@ Accepts the list route's answer as a plain JSON array or as `{data: [...]}`.
 
 import io
 import os
+import re
 import tarfile
 import time
 import zipfile
@@ -26,13 +27,15 @@ FILES = "/admin/api/fine-tune/files"
 TERMINAL_EVENTS = ("done", "failed", "cancelled")
 RECONNECT_DELAYS_S = (0.5, 1, 2, 4, 8)  # then every 8 s
 RECONNECT_GIVE_UP_S = 300.0  # a stream down this long (API gone) ends the command
+NEW_JOB_ID = re.compile(r"^[0-9a-f]{32}$")  # the ids the service gives jobs (uuid4 hex), not a model id
 CONFIG_FILE = "adapter_config.json"  # with adapters.safetensors, or a full fine-tune's model*.safetensors
+MODEL_CONFIG_FILE = "config.json"  # an export's model directory (docs/export.md) has no adapter_config.json
 
 
 class ApiError(Exception):
     def __init__(self, status: int, detail: Any):
         self.status, self.detail = status, detail
-        super().__init__(f"HTTP {status}: {detail if isinstance(detail, str) else detail!r}")
+        super().__init__(f"HTTP {status}: {detail if isinstance(detail, str) else repr(detail)}")
 
 
 def default_api_url() -> str:
@@ -98,7 +101,10 @@ class ApiClient:
 
     def upload(self, path: Path) -> str:
         """A JSON Lines dataset file, uploaded (POST /admin/api/fine-tune/files); its file id."""
-        return self.request("POST", FILES, content=path.read_bytes(), params={"filename": path.name[:200]}).json()["id"]
+        return self.upload_bytes(path.read_bytes(), path.name)
+
+    def upload_bytes(self, data: bytes, filename: str) -> str:
+        return self.request("POST", FILES, content=data, params={"filename": filename[:200]}).json()["id"]
 
     def cancel(self, job_id: str) -> dict:
         return self.request("POST", f"{self.job_path(job_id)}/cancel").json()
@@ -170,7 +176,7 @@ class ApiClient:
         return [steps[i] for i in sorted(steps)]
 
     def download_adapter(self, job_id: str, out_dir: Path) -> list[Path]:
-        """The finished job's adapter, or a full fine-tune's model directory (GET .../adapter:
+        """The finished job's adapter, or a full fine-tune's or an export's model directory (GET .../adapter:
         a zip or tar archive of its files), unpacked into out_dir as mlx_lm loads it. job_id
         may also be an OpenAI job's id (ftjob-...) or its fine-tuned model's name (ft:...)."""
         job_id = job_id_of(job_id) or job_id
@@ -181,6 +187,57 @@ class ApiClient:
         for `tensorboard --logdir out_dir`."""
         return _write(_archive_files(self.request("GET", f"{self.job_path(job_id)}/tensorboard", timeout=300).content),
                       out_dir)
+
+    # ------------------------------------------------------------------ chat
+
+    def chat_model(self, name: str) -> tuple[str, str | None]:
+        """(model, adapter_name) for /v1/chat/completions from what `mtq chat` takes: a
+        fine-tuned model (ft:...), an OpenAI job (ftjob-...: its fine-tuned model), a job id
+        (its base model and adapter) or a base model id."""
+        if name.startswith("ftjob-"):
+            job = self.request("GET", f"/v1/fine_tuning/jobs/{name}").json()
+            if not job.get("fine_tuned_model"):
+                raise ApiError(0, f"job {name} has no fine-tuned model (it is {job.get('status')})")
+            return job["fine_tuned_model"], None
+        if NEW_JOB_ID.fullmatch(name):
+            job = self.job(name)
+            if job.get("status") != "completed" or not job.get("adapter_name"):
+                raise ApiError(0, f"job {name} has no adapter to chat with (it is {job.get('status')})")
+            return job["model_id"], job["adapter_name"]
+        return name, None
+
+    def chat(self, model: str, messages: list[dict], adapter_name: str | None = None, **params) -> Iterator[str]:
+        """The reply's text as it is decoded (POST /v1/chat/completions, stream)."""
+        body = {"model": model, "messages": messages, "stream": True, **params,
+                **({"adapter_name": adapter_name} if adapter_name else {})}
+        with connect_sse(self.http, "POST", "/v1/chat/completions", json=body,
+                         timeout=httpx.Timeout(10.0, read=None)) as source:
+            if source.response.is_error:
+                source.response.read()
+                raise ApiError(source.response.status_code, _openai_detail(source.response))
+            for sse in source.iter_sse():
+                if not sse.data or sse.data == "[DONE]":
+                    continue
+                chunk = sse.json()
+                if "error" in chunk:
+                    raise ApiError(0, chunk["error"].get("message"))
+                for choice in chunk.get("choices", []):
+                    if choice.get("delta", {}).get("content"):
+                        yield choice["delta"]["content"]
+
+
+def _openai_detail(response: httpx.Response) -> Any:
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:500]
+
+
+def _detail(response: httpx.Response) -> Any:
+    try:
+        return response.json().get("detail", response.text)
+    except ValueError:
+        return response.text[:500]
 
 
 def _write(files: dict[str, bytes], out_dir: Path) -> list[Path]:
@@ -193,18 +250,11 @@ def _write(files: dict[str, bytes], out_dir: Path) -> list[Path]:
     return written
 
 
-def _detail(response: httpx.Response) -> Any:
-    try:
-        return response.json().get("detail", response.text)
-    except ValueError:
-        return response.text[:500]
-
-
 def _unpack(archive: bytes) -> dict[str, bytes]:
     """An adapter's files (_archive_files), which must be there."""
     files = _archive_files(archive)
     missing = [] if any(name.endswith(".safetensors") for name in files) else ["adapters.safetensors"]
-    missing += [] if CONFIG_FILE in files else [CONFIG_FILE]
+    missing += [] if CONFIG_FILE in files or MODEL_CONFIG_FILE in files else [CONFIG_FILE]
     if missing:
         raise ApiError(200, f"the adapter archive lacks {', '.join(missing)}")
     return files

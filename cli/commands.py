@@ -1,10 +1,11 @@
 """The client commands (`mtq submit`, `jobs`, `show`, `watch`, `logs`, `cancel`, `resume`,
-`download`, `plot`): the REST API over HTTP (cli/client.py), MTQ_API_URL and MTQ_API_TOKEN.
+`download`, `export`, `plot`): the REST API over HTTP (cli/client.py), MTQ_API_URL and MTQ_API_TOKEN.
 `submit` takes any kind of the registry (shared/kinds.py); the others take a job of any kind
 by its id. They never import the worker or mlx."""
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,20 @@ def cmd_download(client: ApiClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(client: ApiClient, args: argparse.Namespace) -> int:
+    """An export job of the job's adapter (docs/export.md), followed as `mtq watch` does, its model
+    directory then unpacked into DIR. The exit code is watch's when the export does not complete."""
+    kind = KINDS["export"]
+    job = client.submit(kind, {"source": args.job_id, "dequantize": args.dequantize, "gguf": args.gguf})
+    console.print(f"submitted export job [bold]{job['job_id']}[/] of job {job['source']} ({job['model_id']})")
+    code = watch(client, job["job_id"], console)
+    if code:
+        return code
+    for path in client.download_adapter(job["job_id"], Path(args.dir)):
+        console.print(str(path))
+    return 0
+
+
 def cmd_plot(client: ApiClient, args: argparse.Namespace) -> int:
     steps = client.step_metrics(args.job_id)
     if not steps:
@@ -179,6 +194,37 @@ def cmd_plot(client: ApiClient, args: argparse.Namespace) -> int:
                f"job {args.job_id} ({kind.name}, {job['model_id']}, {job['status']})", kind.charts)
     console.print(f"wrote {out} ({len(steps)} points)")  # a step each, and an evaluation before the first
     return 0
+
+
+def cmd_chat(client: ApiClient, args: argparse.Namespace) -> int:
+    """A conversation in the terminal (each line a user message; /exit or end of input ends it),
+    or one answer with -p. The reply streams as the worker decodes it."""
+    model, adapter = client.chat_model(args.model)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    params = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None}
+
+    def turn(text: str) -> None:
+        messages.append({"role": "user", "content": text})
+        reply = []
+        for piece in client.chat(model, messages, adapter, **params):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            reply.append(piece)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+    if args.prompt is not None:
+        turn(args.prompt)
+        return 0
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip():
+            turn(line)
 
 
 def run_client_command(func, args: argparse.Namespace) -> int:
@@ -237,6 +283,22 @@ def add_client_commands(commands) -> None:
     download.add_argument("dir", metavar="DIR")
     download.add_argument("--tensorboard", action="store_true",
                           help="its TensorBoard event files instead (a job with report_to tensorboard: docs/trackers.md)")
+
+    chat = add("chat", cmd_chat, "chat with a trained model in the terminal (or one answer with -p)")
+    chat.add_argument("model", metavar="JOB_OR_MODEL", help="a job id, an OpenAI job id (ftjob-...), a fine-tuned "
+                      "model (ft:...) or a base model id")
+    chat.add_argument("-p", "--prompt", help="ask this, print the answer and exit")
+    chat.add_argument("--system", help="a system message first")
+    chat.add_argument("--max-tokens", type=int)
+    chat.add_argument("--temperature", type=float)
+
+    export = add("export", cmd_export, "fuse a completed job's adapter into its base model (on a worker) and "
+                 "download the model directory into DIR")
+    export.add_argument("job_id", metavar="JOB", help="a job id, an OpenAI job id (ftjob-...) or fine-tuned model (ft:...)")
+    export.add_argument("dir", metavar="DIR")
+    export.add_argument("--dequantize", action="store_true", help="write a quantized base's fused model unquantized")
+    export.add_argument("--gguf", action="store_true", help="also write ggml-model-f16.gguf (llama, mixtral and "
+                        "mistral models, unquantized or with --dequantize)")
 
     plot = add("plot", cmd_plot, "draw the job's curves (its kind's: reward, loss, KL, margins, ...) into a PNG")
     plot.add_argument("job_id", metavar="ID")

@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import sys
+from pathlib import Path
 
 from shared.routing import WORKER_NAME
 from shared.schemas import DEFAULT_LANE, LANE_PATTERN
@@ -80,6 +81,12 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return run_dashboard(args.host, args.port)
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    from cli.mcp_server import serve
+
+    return serve(args.http, args.host, args.port, Path(args.files_dir or load_settings().home / "mcp").expanduser())
+
+
 def _count(text: str) -> int:
     n = int(text)
     if n < 0:
@@ -132,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s; others need MTQ_API_TOKEN)")
     dash.add_argument("--port", type=int, default=9181, help="default: %(default)s")
     dash.set_defaults(func=cmd_dashboard)
+
+    mcp = commands.add_parser("mcp", help="an MCP server over the REST API (stdio; --http: streamable HTTP)")
+    mcp.add_argument("--http", action="store_true", help="serve streamable HTTP on HOST:PORT/mcp instead of stdio; "
+                     "each request brings its own token (Authorization: Bearer)")
+    mcp.add_argument("--host", default="127.0.0.1", help="with --http (default: %(default)s)")
+    mcp.add_argument("--port", type=int, default=8765, help="with --http (default: %(default)s)")
+    mcp.add_argument("--files-dir", metavar="DIR", help="with --http: where the tools' local paths (a dataset file, "
+                     "an adapter's directory) must lie (default: $MTQ_HOME/mcp)")
+    mcp.set_defaults(func=cmd_mcp)
 
     from cli.commands import add_client_commands
 

@@ -1,5 +1,10 @@
 """Redis key layout. Everything the project stores lives under the `mtq:` prefix."""
 
+import re
+
+# Job ids are uuid4 hex; anything with a ':' would name another of the job's keys (mtq:job:<id>:events).
+JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
 JOBS_INDEX = "mtq:jobs"  # sorted set: job_id -> created_at
 ADAPTERS_INDEX = "mtq:adapters"  # hash: "<model_id>/<adapter_name>" -> job_id of the newest completed job
 

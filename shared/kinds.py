@@ -9,6 +9,7 @@ the lifecycle, routing and the worker read it; everything else is the same for e
     kto     /admin/api/fine-tune/kto/jobs     KTOJobCreate     worker.kinds.kto_job           supervised
     reward  /admin/api/fine-tune/reward/jobs  RewardJobCreate  worker.kinds.reward_model_job  supervised
     session /admin/api/fine-tune/session/jobs SessionJobCreate worker.kinds.session_job       session
+    export  /admin/api/fine-tune/export/jobs  ExportJobCreate  worker.kinds.export_job        export
 
 A job record without a `kind` (written before there were kinds) is GRPO's (`of_record`).
 
@@ -18,7 +19,9 @@ input gets the seed server's GRPO messages); the supervised kinds train on rows 
 datasets (the estimate reads batch_size x rows_per_example rows of max_seq_length); a session
 (shared/session_specs.py) is made by the Tinker API, not posted, and serves its client's calls
 until the session ends, in a loop of its own (worker/kinds/session_job.py), never resumed (the
-estimate reads one row of max_seq_len).
+estimate reads one row of max_seq_len); an export (shared/export_specs.py) fuses a completed
+job's adapter into its base in one pass of its own (worker/kinds/export_job.py): no steps, no
+curves (the estimate reads the base's size: shared/memory_estimate.py).
 
 A kind's step events are `<kind>_step`; their `iter` counts from `first_step`: the seed
 server's GRPO, DPO, ORPO and reward jobs number a step's event by its 0-based index, mlx_lm
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from shared.export_specs import ExportJob, ExportJobCreate
 from shared.schemas import Job, JobCreate
 from shared.session_specs import SessionJob, SessionJobCreate
 from shared.train_specs import (
@@ -63,10 +67,11 @@ class Chart:
     metrics: tuple[str, ...]
 
 
+# val_*: a job's evaluations on its validation_prompts.
 GRPO_CHARTS = (
-    Chart("reward", ("reward",)), Chart("reward std", ("reward_std",)), Chart("loss", ("loss",)), Chart("KL", ("kl",)),
-    Chart("entropy", ("entropy",)), Chart("completion length", ("completions/mean_length",)),
-    Chart("learning rate", ("learning_rate",)), Chart("rewards by source", ("rewards/*/mean",)),
+    Chart("reward", ("reward", "val_reward")), Chart("reward std", ("reward_std",)), Chart("loss", ("loss",)),
+    Chart("KL", ("kl",)), Chart("entropy", ("entropy",)), Chart("completion length", ("completions/mean_length",)),
+    Chart("learning rate", ("learning_rate",)), Chart("rewards by source", ("rewards/*/mean", "val_rewards/*/mean")),
 )
 # The supervised kinds': validation metrics (val_*) beside the training ones.
 LOSS = Chart("loss", ("loss", "val_loss"))
@@ -97,7 +102,7 @@ class Kind:
     job_model: type[BaseModel]  # the job object the API answers with
     shape_fields: tuple[str, ...]  # config fields that fix the adapter's shape: a resume cannot change them
     worker_module: str  # where its `load` is (worker/runtime/job_loop.py)
-    family: str  # "grpo", "supervised" or "session" (above)
+    family: str  # "grpo", "supervised", "session" or "export" (above)
     charts: tuple[Chart, ...]  # its curves (above)
     rows_per_example: int = 1  # supervised: token rows a training example takes in a step (a pair: 2)
     first_step: int = 1  # the `iter` of its first step event
@@ -120,7 +125,12 @@ class Kind:
 
     @property
     def headline(self) -> str:
-        return self.charts[0].metrics[0]
+        return self.charts[0].metrics[0] if self.charts else ""  # an export has none
+
+    @property
+    def own_loop(self) -> bool:
+        """Its worker module's `run` runs its jobs (a session's calls, an export's one pass), not the job loop."""
+        return self.family in ("session", "export")
 
 
 def _supervised(spec_model: type[BaseModel], prefix: str, tag: str, what: str, worker_module: str,
@@ -151,6 +161,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                 seed_aliases=(("reward_margin", "margin"), ("acc_chosen", "accuracy"), ("n_pairs", "examples"))),
     Kind(SessionJobCreate.kind, "/admin/api/fine-tune/session/jobs", "Training sessions", "a training session",
          SessionJobCreate, SessionJob, (), "worker.kinds.session_job", "session", SESSION_CHARTS),
+    Kind(ExportJobCreate.kind, "/admin/api/fine-tune/export/jobs", "Export jobs", "an export job", ExportJobCreate,
+         ExportJob, (), "worker.kinds.export_job", "export", ()),
 )}
 DEFAULT = KINDS[JobCreate.kind]  # of a record written before there were kinds
 

@@ -193,7 +193,9 @@ def resume(r: redis.Redis, job_id: str, spec, overrides: dict, *, max_attempts: 
     """Re-queue a failed or cancelled job with its (possibly changed) spec; its worker continues
     from the last checkpoint. False if it is not (or no longer) resumable."""
     def decide(rec):
-        progress = {**json.loads(rec.get("progress") or "{}"), "total_iters": spec.config.iters}
+        progress = json.loads(rec.get("progress") or "{}")
+        if hasattr(spec.config, "iters"):  # a kind that steps (an export has no steps)
+            progress["total_iters"] = spec.config.iters
         if "total_steps" in progress:  # the seed's SFT progress (worker/runtime/reports.py)
             progress["total_steps"] = spec.config.iters
         fields = {**spec_fields(spec), "error": None, "finished_at": None, "cancel_requested": None, "need_gb": None,

@@ -24,6 +24,8 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
                             (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)),
     "mtq_score_request_seconds": ("Time a worker takes to answer one log-prob or reward-score request.",
                                   (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)),
+    "mtq_completion_batch_rows": ("Rows (choices of chat or text completions) a worker decodes together in one turn.",
+                                  (1, 2, 4, 8, 16)),
     "mtq_reward_endpoint_seconds": ("Time of one request to a reward endpoint (each attempt).",
                                     (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)),
 }

@@ -20,6 +20,8 @@ GANG_DESCRIPTION = ("Workers that train the job together, data-parallel over mx.
                     "it starts once this many capable workers are free, each taking 1/N of a step's rows.")
 DEFAULT_LANE = "default"
 LANE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"  # a job's queue (lane): part of rq queue names
+MAX_VALIDATION_PROMPTS = 1024  # a GRPO job's validation_prompts: every evaluation samples them all
+MAX_EVAL_SAMPLES = 64  # completions per validation prompt
 
 
 def json_value_error(value: Any, where: str = "body") -> str | None:
@@ -195,6 +197,12 @@ class GRPOConfig(OptimizerConfig, ReportConfig):
 
     workers: int = Field(1, ge=1, le=MAX_GANG, description=GANG_DESCRIPTION)
 
+    # Validation (the job's validation_prompts; OpenAI's reinforcement hyperparameters).
+    eval_interval: int = Field(10, ge=1, le=1_000_000, description="With validation_prompts: evaluate every N steps "
+                               "(also before the first step, after the first and after the last).")
+    eval_samples: int = Field(1, ge=1, le=MAX_EVAL_SAMPLES, description="Completions sampled per validation prompt "
+                              "at each evaluation.")
+
     # Durability.
     checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Save a checkpoint every N steps.")
     checkpoint_interval_s: float = Field(300.0, gt=0.0, description="...and at least this often.")
@@ -274,6 +282,10 @@ class JobCreate(BaseModel):
         description="A name under MTQ_MODELS_DIR, a Hugging Face id (org/name), or an absolute path under MTQ_MODEL_ROOTS.",
     )
     prompts: list[Prompt] = Field(..., min_length=1, max_length=100_000)
+    validation_prompts: list[Prompt] | None = Field(
+        None, min_length=1, max_length=MAX_VALIDATION_PROMPTS,
+        description="Held-out prompts (the forms of `prompts`): every config.eval_interval steps the policy samples "
+        "config.eval_samples completions of each and the job's reward sources score them (`eval` events: val_reward).")
     adapter_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
     config: GRPOConfig = Field(default_factory=GRPOConfig)
     reward: list[RewardSource] | None = Field(
@@ -303,13 +315,16 @@ class JobCreate(BaseModel):
             raise ValueError("config.stop: stop strings are not supported with max_turns > 1 (a turn ends at EOS)")
         if self.tools and len({t.function.rpartition(":")[2] for t in self.tools}) < len(self.tools):
             raise ValueError("tools: two tools have the same function name")
+        if self.validation_prompts and self.multi_turn:
+            raise ValueError("validation_prompts: not supported for multi-turn jobs (tools or an environment)")
         return self
 
     @model_validator(mode="after")
     def _no_empty_prompt(self):
-        for i, p in enumerate(self.prompts):
-            if isinstance(p, str) and not p.strip():
-                raise ValueError(f"prompts[{i}] is empty")
+        for name in ("prompts", "validation_prompts"):
+            for i, p in enumerate(getattr(self, name) or []):
+                if isinstance(p, str) and not p.strip():
+                    raise ValueError(f"{name}[{i}] is empty")
         return self
 
 
@@ -334,7 +349,8 @@ class JobRecord(BaseModel):
                                      "step's: {iter (completed steps), total_iters, loss, ...metrics}.")
     phase: str | None = Field(None, description="What the job is doing now (null once finished): waiting_for_worker, "
                               "starting, loading_model, compiling (first step on a fresh machine), sampling, scoring, "
-                              "updating, checkpointing, saving; a session: serving (between its calls).")
+                              "updating, checkpointing, saving; a session: serving (between its calls); an "
+                              "export: fusing.")
     phase_note: str | None = Field(None, description="A sentence about the phase, e.g. why compiling takes long.")
     phase_s: float | None = Field(None, description="Seconds the job has been in its phase so far (running jobs).")
     memory_plan: dict[str, Any] | None = Field(None, description="GRPO: the memory plan its worker chose (worker/runtime/memory_plan.py): "
@@ -354,6 +370,7 @@ class Job(JobRecord):
     """A GRPO job (the seed server's job object)."""
 
     prompts: list[Prompt]
+    validation_prompts: list[Prompt] | None = None
     config: GRPOConfig
     reward: list[RewardSource] | None = None
     init_adapter: InitAdapter | None = Field(None, description="Where the adapter started (null: a fresh LoRA).")

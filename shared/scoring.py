@@ -16,6 +16,11 @@ one token's requests, however many or large, never make another's wait behind al
                                     done|failed), result (JSON) or error + error_status (the HTTP status)
     mtq:score:<id>:parts            list: the results of the rows answered so far (a request answered in parts)
     mtq:score:<id>:done             list: one element once the request is answered (the API waits on it)
+    mtq:score:<id>:stream           list: a streamed completion's text deltas, {index, text} JSON, in order;
+                                    all pushed before the answer (the API pops them first: BLPOP's key order)
+
+A completion (type "generate": worker/runtime/completions.py) waits on the same queues, in the
+same turns, and its record may say `cancelled` (its stream's client went away: the worker ends it).
 
 <queue> is the model's key (shared/routing.py model_key) when a live worker offers the model
 (or no worker is live at all: the request waits for the first), HUB for a Hugging Face id no
@@ -52,6 +57,10 @@ def parts_key(request_id: str) -> str:
 
 def done_key(request_id: str) -> str:
     return f"mtq:score:{request_id}:done"
+
+
+def stream_key(request_id: str) -> str:
+    return f"mtq:score:{request_id}:stream"
 
 
 def ready_key(queue: str) -> str:

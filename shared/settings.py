@@ -27,6 +27,10 @@ class Settings:
     max_attempts_cap: int = 10  # server cap on a job's max_attempts
     max_stall_timeout_s: float = 3600.0  # server cap on a job's stall_timeout_s (MTQ_MAX_STALL_TIMEOUT_S)
     score_wait_s: float = 20.0  # how long POST .../logprob waits for the workers before answering 202
+    # How long a worker's training process answers scoring and completion requests in one turn
+    # (a busy one: between two optimizer steps, so this is what a request may add to a step).
+    serve_turn_s: float = 2.0
+    completion_wait_s: float = 600.0  # how long /v1/chat/completions waits for its answer (the SDK's own timeout)
     # Extra room before a job's first step: MLX compiles kernels on first use, which takes
     # minutes on a fresh machine (docs/performance.md, "The first step and the kernel cache").
     compile_grace_s: float = 600.0
@@ -61,6 +65,7 @@ class Settings:
     max_prompts: int = 10_000
     max_prompt_chars: int = 32_768
     max_step_tokens: int = 262_144
+    max_completion_tokens: int = 4096  # a chat or text completion's tokens: its max_tokens' default and bound
     max_regex_chars: int = 2_000
     max_reward_response_bytes: int = 4 * 2**20
     max_streams_per_token: int = 32
@@ -69,6 +74,9 @@ class Settings:
     # Full fine-tuning stores every trained weight and twice that of optimizer state in one Redis
     # value each, and Redis refuses values over 512 MB (proto-max-bulk-len): weights up to this many GB.
     full_finetune_max_gb: float = 0.25
+    # An export's fused model is stored in Redis the same way (all its files in one command, the
+    # weights one value): fused weights up to this many GB (MTQ_EXPORT_MAX_GB).
+    export_max_gb: float = 0.45
     # A GRPO job's `samples` events (every completion of a step) are the bulk of its event stream:
     # a run keeps only its last this many in Redis (every step's metrics stay).
     samples_events_kept: int = 200
@@ -134,6 +142,8 @@ def load_settings() -> Settings:
         max_attempts_cap=_int("MTQ_MAX_ATTEMPTS", Settings.max_attempts_cap),
         max_stall_timeout_s=_float("MTQ_MAX_STALL_TIMEOUT_S", Settings.max_stall_timeout_s),
         score_wait_s=_float("MTQ_SCORE_WAIT_S", Settings.score_wait_s),
+        serve_turn_s=_float("MTQ_SERVE_TURN_S", Settings.serve_turn_s),
+        completion_wait_s=_float("MTQ_COMPLETION_WAIT_S", Settings.completion_wait_s),
         compile_grace_s=_float("MTQ_COMPILE_GRACE_S", Settings.compile_grace_s),
         kernel_cache_dir=Path(os.environ.get("MTQ_KERNEL_CACHE") or home / "kernel-cache").expanduser(),
         memory_gb=_float("MTQ_MEMORY_GB", 0.0) or None,
@@ -156,12 +166,14 @@ def load_settings() -> Settings:
         max_prompts=_int("MTQ_MAX_PROMPTS", Settings.max_prompts),
         max_prompt_chars=_int("MTQ_MAX_PROMPT_CHARS", Settings.max_prompt_chars),
         max_step_tokens=_int("MTQ_MAX_STEP_TOKENS", Settings.max_step_tokens),
+        max_completion_tokens=_int("MTQ_MAX_COMPLETION_TOKENS", Settings.max_completion_tokens),
         max_regex_chars=_int("MTQ_MAX_REGEX_CHARS", Settings.max_regex_chars),
         max_reward_response_bytes=_int("MTQ_MAX_REWARD_RESPONSE_BYTES", Settings.max_reward_response_bytes),
         max_streams_per_token=_int("MTQ_MAX_STREAMS_PER_TOKEN", Settings.max_streams_per_token),
         max_file_bytes=_int("MTQ_MAX_FILE_BYTES", Settings.max_file_bytes),
         max_files_bytes_per_token=_int("MTQ_MAX_FILES_BYTES_PER_TOKEN", Settings.max_files_bytes_per_token),
         full_finetune_max_gb=_float("MTQ_FULL_FINETUNE_MAX_GB", Settings.full_finetune_max_gb),
+        export_max_gb=_float("MTQ_EXPORT_MAX_GB", Settings.export_max_gb),
         samples_events_kept=max(1, _int("MTQ_SAMPLES_EVENTS_KEPT", Settings.samples_events_kept)),
         sse_keepalive_s=max(0.1, _float("MTQ_SSE_KEEPALIVE_S", Settings.sse_keepalive_s)),
         session_idle_timeout_s=max(5.0, _float("MTQ_SESSION_IDLE_TIMEOUT_S", Settings.session_idle_timeout_s)),

@@ -141,17 +141,20 @@ def test_sft_on_a_gang_of_two_equals_one_worker(stack, client, pair):
 
 PROMPTS = ["Tell me", "A long prompt about rivers and seas", "Why", "Count to three please"]
 GRPO_CONFIG = dict(batch_size=4, group_size=2, max_completion_len=8, iters=3, learning_rate=5e-3, lora_layers=-1,
-                   lora_alpha=4, scale_rewards="batch", seed=5, checkpoint_every=2)
+                   lora_alpha=4, scale_rewards="batch", seed=5, checkpoint_every=2, eval_interval=2, eval_samples=2)
 
 
 def test_grpo_on_a_gang_of_two_equals_one_worker(stack, client, pair):
     """Each rank samples and scores every other prompt's group, padded and drawn as in the whole
-    batch; scale_rewards "batch" needs every rank's rewards, the loss every rank's tokens."""
-    body = {"model_id": "tiny", "prompts": PROMPTS}
+    batch; scale_rewards "batch" needs every rank's rewards, the loss every rank's tokens. Rank 0
+    alone evaluates the validation prompts, the others waiting: the solo job's evaluations."""
+    body = {"model_id": "tiny", "prompts": PROMPTS, "validation_prompts": ["Name a river", "Why"]}
     solo = submit(client, GRPO, {**body, "adapter_name": "grpo-solo", "config": GRPO_CONFIG})
     wait_done(stack, GRPO, solo)
     gang = submit(client, GRPO, {**body, "adapter_name": "grpo-gang", "config": {**GRPO_CONFIG, "workers": 2}})
     wait_done(stack, GRPO, gang)
+    evals = {j: [(e["iter"], e["val_reward"]) for _, e in stack.events(j) if e["type"] == "eval"] for j in (solo, gang)}
+    assert [i for i, _ in evals[solo]] == [0, 1, 2, 3] and evals[gang] == evals[solo]
     steps = {j: [e for _, e in stack.events(j) if e["type"] == "grpo_step"] for j in (solo, gang)}
     a, b = ([e["loss"] for e in steps[j]] for j in (gang, solo))
     assert len(a) == len(b) == GRPO_CONFIG["iters"]

@@ -3,9 +3,10 @@ import counts as an edge, also one inside a function body or under `if TYPE_CHEC
 
 - no import circle;
 - the API never imports mlx (nor mlx_lm) or worker/, through any chain of imports;
-- the client commands (cli/commands.py and what it imports, and cli/main.py's module-level
-  imports) never import mlx or worker/: only `mtq worker` and `mtq make-model` do, from the
-  functions that run those commands (cli/main.py imports them there for that reason);
+- the client commands (cli/commands.py, cli/mcp_server.py and what they import, and
+  cli/main.py's module-level imports) never import mlx or worker/: only `mtq worker` and
+  `mtq make-model` do, from the functions that run those commands (cli/main.py imports them
+  there for that reason);
 - no supervised kind, nor model loading or the memory plan, reaches the decode package;
 - the supervisor package reaches neither mlx nor the training side (runtime, kinds, decode):
   it names rq's job functions and the training process's main by strings, which must exist.
@@ -109,8 +110,8 @@ def test_the_api_imports_neither_mlx_nor_the_worker():
 
 def test_the_client_commands_import_neither_mlx_nor_the_worker():
     edges, module_level, external = GRAPH
-    # cli/main.py's own imports at module level, and the client commands with all they import.
-    client = sorted(module_level["cli.main"] | {"cli.commands"})
+    # cli/main.py's own imports at module level, and the client commands (`mtq mcp` too) with all they import.
+    client = sorted(module_level["cli.main"] | {"cli.commands", "cli.mcp_server"})
     assert "cli.client" in reachable(edges, client)
     assert forbidden(edges, external, client) == []
     # ...while `mtq worker` and `mtq make-model` do reach the worker, from cli/main.py's functions.

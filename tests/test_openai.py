@@ -168,6 +168,8 @@ def test_supervised_and_dpo_jobs(stack, worker, tmp_path):
     assert [e.created_at for e in events] == sorted((e.created_at for e in events), reverse=True)
     metrics = [e for e in events if e.type == "metrics"]
     assert [e.data["step"] for e in metrics] == [4, 3, 2, 1] and all("train_loss" in e.data for e in metrics)
+    # validation_file: an evaluation after the first step and every epoch (2 steps), as OpenAI names it
+    assert [e.data["step"] for e in metrics if "valid_loss" in e.data] == [4, 2, 1]
     second = client.fine_tuning.jobs.list_events(sft.id, after=events[0].id, limit=1)
     assert second.data[0].id == events[1].id and second.has_more
     with pytest.raises(openai.BadRequestError) as e:
@@ -248,14 +250,21 @@ ILIKE_Y = {"type": "string_check", "name": "has y", "operation": "ilike", "input
            "reference": "{{ item.target }}"}
 
 
+VALID_ROWS = [{"messages": [{"role": "user", "content": f"Write a word {i}"}], "target": "y"} for i in range(3)]
+
+
 def test_reinforcement_with_string_check_beats_lr0_control(stack, worker):
+    """... on its training rows and on a validation file's (OpenAI's valid_reward_mean and
+    full_valid_mean_reward, every eval_interval steps); the lr-0 control's evaluations are all
+    the same (the same weights, and an evaluation's own random key)."""
     client = sdk(stack)
-    file_id = upload(client, RFT_ROWS).id
+    file_id, valid_id = upload(client, RFT_ROWS).id, upload(client, VALID_ROWS, "valid.jsonl").id
 
     def job(multiplier: float):
-        return client.fine_tuning.jobs.create(model="tiny", training_file=file_id, seed=3, method={
+        return client.fine_tuning.jobs.create(model="tiny", training_file=file_id, validation_file=valid_id, seed=3, method={
             "type": "reinforcement", "reinforcement": {"grader": ILIKE_Y, "hyperparameters": {
                 "n_epochs": 6, "batch_size": 4, "learning_rate_multiplier": multiplier, "compute_multiplier": 2,
+                "eval_interval": 2, "eval_samples": 2,
                 "max_completion_tokens": 16, "temperature": 0.1}}})  # the last two: local extensions
 
     learned, control = job(5000.0), job(0.0)
@@ -267,17 +276,27 @@ def test_reinforcement_with_string_check_beats_lr0_control(stack, worker):
             "type": "multi", "name": "m", "calculate_output": "0.5 * a + 0.5 * p",  # p: 1, when the sandbox runs it
             "graders": {"a": ILIKE_Y, "p": {"type": "python", "name": "p", "source": "def grade(s, i):\n    return 1.0"}}},
             "hyperparameters": {"n_epochs": 1, "batch_size": 4, "max_completion_tokens": 8}}})
-    rewards = {}
+    rewards, valid = {}, {}
     for j in (learned, control, multi):
         done = wait(loose, j.id)
         assert done.status == "succeeded", done.error
-        steps = [e.data for e in loose.fine_tuning.jobs.list_events(j.id, limit=1000).data if e.type == "metrics"]
-        rewards[j.id] = [s["reward"] for s in sorted(steps, key=lambda s: s["step"])]
+        events = loose.fine_tuning.jobs.list_events(j.id, limit=1000).data
+        steps = sorted((e.data for e in events if e.type == "metrics"), key=lambda s: s["step"])
+        rewards[j.id] = [s["reward"] for s in steps]
+        assert all(s["train_mean_reward"] == s["scores"]["train_reward_mean"] == s["reward"] for s in steps)
+        # The evaluation before the first step is an `eval` message event; the others are in their steps' metrics.
+        valid[j.id] = {e.data["iter"]: e.data["val_reward"] for e in events if e.message == "eval" and e.data["iter"] == 0}
+        valid[j.id].update({s["step"]: s["full_valid_mean_reward"] for s in steps if "full_valid_mean_reward" in s})
+        assert all(s["scores"]["valid_reward_mean"] == valid[j.id].get(s["step"]) for s in steps)
     mean = lambda r: sum(r) / len(r)  # noqa: E731
     for name, j in (("learned", learned), ("lr-0 control", control)):
-        print(f"\nreward per step, {name}: " + " ".join(f"{r:.3f}" for r in rewards[j.id]) + f" (mean {mean(rewards[j.id]):.3f})")
+        print(f"\nreward per step, {name}: " + " ".join(f"{r:.3f}" for r in rewards[j.id]) + f" (mean {mean(rewards[j.id]):.3f})"
+              f"; validation reward by step: {valid[j.id]}")
     assert rewards[learned.id][0] == rewards[control.id][0]  # the same first step: same seed, same model
     assert mean(rewards[learned.id]) > mean(rewards[control.id]) + 0.2, rewards
+    assert list(valid[learned.id]) == list(valid[control.id]) == [0, 1, 2, 4, 6] and valid[multi.id] == {}
+    assert len(set(valid[control.id].values())) == 1 and valid[learned.id][0] == valid[control.id][0]
+    assert valid[learned.id][6] > valid[control.id][6] + 0.2, valid
     assert all(0.5 <= r <= 1.0 for r in rewards[multi.id])
 
 

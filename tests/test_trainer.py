@@ -44,10 +44,11 @@ def lm(tiny_model):
     return mlx_lm.load(str(tiny_model))
 
 
-def make_trainer(lm, prompts=PROMPTS, reward=None, **config) -> GRPOTrainer:
+def make_trainer(lm, prompts=PROMPTS, reward=None, validation_prompts=None, **config) -> GRPOTrainer:
     """What worker/jobs.py does for a job: seed, fresh LoRA, scorer, trainer."""
     model, tokenizer = lm
-    spec = JobCreate(model_id="tiny", prompts=prompts, config={**BASE, **config}, reward=reward)
+    spec = JobCreate(model_id="tiny", prompts=prompts, config={**BASE, **config}, reward=reward,
+                     validation_prompts=validation_prompts)
     mx.random.seed(spec.config.seed)
     attach_lora(model, spec.config)
     return GRPOTrainer(model, tokenizer, spec, build_scorer(spec, "test-job"))
@@ -201,6 +202,47 @@ def test_resume_from_a_checkpoint_continues_exactly(lm):
     assert state.step == 2 and resumed.optimizer.step.item() == 2
     third, _ = resumed.step(state, lambda: False)
     assert {k: v for k, v in third.items() if k not in TIMING} == {k: v for k, v in straight[2].items() if k not in TIMING}
+
+
+VALIDATION = ["Spell a long word.", "Name three trees.", {"prompt": "Say yes.", "answer": "yes"}]
+
+
+def test_evaluation_scores_the_validation_prompts_and_training_is_the_same_as_without_it(lm, monkeypatch):
+    """Evaluations as the job loop runs them (before the first step and after every step here):
+    eval_samples completions of every validation prompt, 2 prompts a decode (B*G = 8 rows), scored
+    by the job's reward; the policy trained is the one trained without them, bit for bit (LoRA
+    dropout on: the update draws random numbers too), and evaluations at the same weights agree."""
+    config = dict(group_size=4, batch_size=2, iters=3, lora_dropout=0.1, eval_samples=3)
+
+    def train(evaluate: bool):
+        trainer = make_trainer(lm, reward=SHARE_OF_E, validation_prompts=VALIDATION, **config)
+        scored = []
+        score = trainer.scorer.score
+        monkeypatch.setattr(trainer.scorer, "score", lambda step, items, completions, **kw: (
+            scored.append((step, items, completions)), score(step, items, completions, **kw))[1])
+        state, evals = TrainState(), []
+        for _ in range(config["iters"]):
+            if evaluate:
+                evals.append(trainer.evaluate(state.step, lambda: False))
+            trainer.step(state, lambda: False)
+        if evaluate:
+            evals += [trainer.evaluate(state.step, lambda: False) for _ in range(2)]
+        weights = {k: np.array(v) for k, v in tree_flatten(trainer.model.trainable_parameters())}
+        return weights, evals, [s for s in scored if s[1] == trainer.val_items]
+
+    plain, _, none = train(False)
+    weights, evals, scored = train(True)
+    print("\nvalidation reward per evaluation: " + " ".join(f"{e['val_reward']:.4f}" for e in evals))
+    assert none == [] and plain.keys() == weights.keys()
+    assert all(np.array_equal(plain[k], weights[k]) for k in plain)
+    assert [step for step, _, _ in scored] == [0, 1, 2, 3, 3]
+    assert all([len(g) for g in completions] == [3, 3, 3] for _, _, completions in scored)
+    assert [it.prompt for it in scored[0][1]] == ["Spell a long word.", "Name three trees.", "Say yes."]
+    for e in evals:
+        assert e.keys() == {"val_reward", "val_rewards/python/mean", "val_rewards/python/std"}
+        assert e["val_reward"] == pytest.approx(e["val_rewards/python/mean"])
+    assert evals[-1] == evals[-2]  # its own key: the same draws at the same weights
+    assert scored[0][2] != scored[-1][2]  # ... and other completions once the policy changed
 
 
 def test_reward_text_has_no_special_tokens(lm):
@@ -589,6 +631,51 @@ def test_second_job_on_a_worker_reuses_the_loaded_model(stack, worker):
         assert len(samples[0]["completions"]) == 1 and len(samples[0]["completions"][0]) == 2
     assert [e["cached"] for e in ready] == [False, True]
     assert ready[1]["load_s"] < ready[0]["load_s"]
+
+
+def test_a_job_with_validation_prompts_has_a_validation_reward_curve_and_bounds_them(stack, worker):
+    """eval events (iter: completed steps) before the first step, after it, every eval_interval
+    and after the last, with the job's reward per source; its step events carry them too, and the
+    kind's reward chart draws val_reward. Out-of-bounds validation input is a 400."""
+    from conftest import read_events
+
+    body = {"model_id": stack.tiny_model.name, "prompts": ["What is 2+2?", "Say hello."],
+            "validation_prompts": ["Name a tree.", {"prompt": "Say yes.", "answer": "yes"}],
+            "config": {"iters": 4, "group_size": 2, "batch_size": 1, "max_completion_len": 8, "lora_layers": 2,
+                       "lora_rank": 4, "eval_interval": 3, "eval_samples": 2}}
+    with stack.client() as c:
+        refused = {
+            "too many": {**body, "validation_prompts": ["x"] * 1025},
+            "empty": {**body, "validation_prompts": [" "]},
+            "too long": {**body, "validation_prompts": ["x" * 40_000]},
+            "eval_samples": {**body, "config": {**body["config"], "eval_samples": 65}},
+            "eval_interval": {**body, "config": {**body["config"], "eval_interval": 0}},
+            "multi-turn": {**body, "tools": [{"function": "examples.agentic.lookup_tools:lookup"}],
+                           "config": {**body["config"], "max_turns": 2}},
+        }
+        for why, bad in refused.items():
+            res = c.post(JOBS, json=bad)
+            assert res.status_code == 400, (why, res.text)
+            assert "validation_prompts" in res.text or "eval_" in res.text, (why, res.text)
+        res = c.post(JOBS, json={**body, "validation_prompts": ["ok", 3]})
+        assert res.json()["detail"] == "validation_prompts[1] must be a string, a list of chat messages or an item {prompt, ...}"
+        created = c.post(JOBS, json=body)
+        assert created.status_code == 200, created.text
+        job_id = created.json()["job_id"]
+        assert created.json()["validation_prompts"] == body["validation_prompts"]
+        charts = {k["name"]: k for k in c.get("/admin/api/kinds").json()}["grpo"]["charts"]
+        assert {"title": "reward", "metrics": ["reward", "val_reward"]} in charts
+    job = stack.wait_job(job_id)
+    assert job["status"] == "completed", job["error"]
+    events = [e for _, e in read_events(stack.redis, job_id, count=1000)]
+    evals = [e for e in events if e["type"] == "eval"]
+    assert [e["iter"] for e in evals] == [0, 1, 3, 4]
+    for e in evals:
+        assert e["val_reward"] == pytest.approx(e["val_rewards/length/mean"]) and e["val_reward"] > 0
+    steps = [e for e in events if e["type"] == "grpo_step"]
+    assert [e.get("val_reward") for e in steps] == [evals[1]["val_reward"], None, evals[2]["val_reward"],
+                                                    evals[3]["val_reward"]]
+    assert job["progress"]["val_reward"] == evals[-1]["val_reward"]
 
 
 def test_job_that_cannot_fit_one_row_fails_at_start_with_the_estimate(stack, worker):

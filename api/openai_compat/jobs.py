@@ -13,7 +13,8 @@ request (field `openai`: files, resolved hyperparameters, suffix, metadata) and 
     cancelled                      cancelled (paused, when the cancel was a pause: lifecycle.cancel(paused=True))
 
     event                          FineTuningJobEvent
-    <kind>_step                    info, metrics: {step, train_loss, train_mean_token_accuracy, ...}
+    <kind>_step                    info, metrics: {step, train_loss, train_mean_token_accuracy, ...}; a
+                                   reinforcement job's also OpenAI's RFT reward fields (_rft_scores)
     requeued, rerouted, truncated  warn, message
     waiting                        warn, message (no live worker can run it: a gang short of workers, or
                                    at create, a model no live worker has)
@@ -45,14 +46,14 @@ from shared.keys import events_key, job_key
 from shared.lifecycle import read_spec
 from shared.model_ids import OPENAI_JOB_PREFIX, job_id_of
 from shared.reward_specs import GraderReward
-from shared.schemas import SEED_MAX, GRPOConfig, JobCreate
+from shared.schemas import MAX_EVAL_SAMPLES, MAX_VALIDATION_PROMPTS, SEED_MAX, GRPOConfig, JobCreate
 from shared.train_specs import DPOConfig, DPOJobCreate, SFTConfig, SFTJobCreate
 
 KIND_OF_METHOD = {"supervised": "sft", "dpo": "dpo", "reinforcement": "grpo"}
 METHOD_OF_KIND = {v: k for k, v in KIND_OF_METHOD.items()}
 BASE_LEARNING_RATE = {"supervised": 1e-5, "dpo": 1e-5, "reinforcement": 1e-5}  # times learning_rate_multiplier
 AUTO = {"n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 1.0, "beta": 0.1, "compute_multiplier": 1.0,
-        "eval_samples": 0, "max_completion_tokens": GRPOConfig.model_fields["max_completion_len"].default,
+        "eval_samples": 1, "max_completion_tokens": GRPOConfig.model_fields["max_completion_len"].default,
         "temperature": GRPOConfig.model_fields["temperature"].default}
 GROUP_SIZE = 4  # completions per prompt of a reinforcement job at compute_multiplier 1
 MAX_SUFFIX = 64
@@ -76,8 +77,9 @@ class DpoHyperparameters(SupervisedHyperparameters):
 
 class ReinforcementHyperparameters(SupervisedHyperparameters):
     compute_multiplier: Auto | float | None = None
-    eval_interval: Auto | int | None = None
-    eval_samples: Auto | int | None = None
+    # With a validation_file: evaluate every eval_interval steps, eval_samples completions per row.
+    eval_interval: Auto | Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    eval_samples: Auto | Annotated[int, Field(ge=1, le=MAX_EVAL_SAMPLES)] | None = None
     reasoning_effort: Literal["default", "low", "medium", "high"] | None = None
     # Local extensions (not OpenAI's): the completions' length in tokens and the sampling
     # temperature (GRPOConfig.max_completion_len, temperature).
@@ -271,6 +273,9 @@ def build(r, request: JobCreateRequest, who) -> Created:
             valid = to_rows(method.type, _file_rows(r, request.validation_file, who, "validation_file"), "validation_file")
         except DatasetError as e:
             raise ParamError(str(e), "validation_file") from None
+        if method.type == "reinforcement" and len(valid) > MAX_VALIDATION_PROMPTS:
+            raise ParamError(f"validation_file has {len(valid)} rows; a reinforcement job's limit is "
+                             f"{MAX_VALIDATION_PROMPTS} (each evaluation samples them all)", "validation_file")
     hp = _resolve(method.hyperparameters(), len(rows))
     seed = request.seed if request.seed is not None else secrets.randbelow(2**31)
     per_epoch = steps_per_epoch(len(rows), hp["batch_size"])
@@ -281,9 +286,10 @@ def build(r, request: JobCreateRequest, who) -> Created:
         group = max(2, round(GROUP_SIZE * hp["compute_multiplier"]))
         config = GRPOConfig(batch_size=hp["batch_size"], group_size=group, iters=iters, learning_rate=lr, seed=seed,
                             checkpoint_every=per_epoch, max_completion_len=hp["max_completion_tokens"],
-                            temperature=hp["temperature"])
-        spec = JobCreate(model_id=request.model, adapter_name=adapter_name, prompts=rows, config=config,
-                         reward=[GraderReward(grader=method.reinforcement.grader)])  # type: ignore[union-attr]
+                            temperature=hp["temperature"], eval_interval=hp["eval_interval"],
+                            eval_samples=hp["eval_samples"])
+        spec = JobCreate(model_id=request.model, adapter_name=adapter_name, prompts=rows, validation_prompts=valid,
+                         config=config, reward=[GraderReward(grader=method.reinforcement.grader)])  # type: ignore[union-attr]
     elif method.type == "dpo":
         config = DPOConfig(batch_size=hp["batch_size"], iters=iters, learning_rate=lr, seed=seed, beta=hp["beta"],
                            steps_per_report=1, steps_per_save=per_epoch, steps_per_eval=per_epoch)
@@ -312,22 +318,27 @@ class ParamError(ValueError):
 # --------------------------------------------------------------------------- reading
 
 
-def adapter_of(name: str, rec: dict[bytes, bytes | None]) -> tuple[str, str] | None:
-    """(model_id, adapter_name) of a fine-tuned model's name, given its job's record fields
-    `summary`, `owner`, `openai` and `status` (as HMGET returns them); None unless the name is
-    exactly that succeeded job's fine_tuned_model."""
-    job_id = job_id_of(name) if name.startswith("ft:") else None
-    if job_id is None or rec.get(b"openai") is None or rec.get(b"status") != b"completed":
+def fine_tuned_model(job_id: str, rec: dict[bytes, bytes | None]) -> tuple[str, str, str] | None:
+    """(name, model_id, adapter_name) of a succeeded OpenAI job's fine-tuned model, given its
+    record fields `summary`, `owner`, `openai` and `status` (as HMGET returns them); None for
+    any other job."""
+    if rec.get(b"openai") is None or rec.get(b"status") != b"completed":
         return None
     summary, ft = json.loads(rec[b"summary"] or "{}"), json.loads(rec[b"openai"])  # type: ignore[arg-type]
     owner = rec.get(b"owner")
-    fields = {"owner": owner.decode() if owner else None}
-    if name != model_name(fields, job_id, ft["suffix"], summary.get("model_id", "")):
-        return None
-    return summary["model_id"], summary["adapter_name"]
+    name = model_name({"owner": owner.decode() if owner else None}, job_id, ft["suffix"], summary.get("model_id", ""))
+    return name, summary["model_id"], summary["adapter_name"]
 
 
-NAME_FIELDS = ("summary", "owner", "openai", "status")  # what adapter_of reads
+def adapter_of(name: str, rec: dict[bytes, bytes | None]) -> tuple[str, str] | None:
+    """(model_id, adapter_name) of a fine-tuned model's name, given its job's record fields
+    (fine_tuned_model); None unless the name is exactly that succeeded job's fine_tuned_model."""
+    job_id = job_id_of(name) if name.startswith("ft:") else None
+    found = None if job_id is None else fine_tuned_model(job_id, rec)
+    return found[1:] if found is not None and found[0] == name else None
+
+
+NAME_FIELDS = ("summary", "owner", "openai", "status")  # what fine_tuned_model reads
 
 
 def fine_tuned_adapter(r, name: str) -> tuple[str, str] | None:
@@ -399,12 +410,30 @@ def _metrics(event: dict) -> dict[str, Any]:
     return out
 
 
+def _rft_scores(data: dict) -> dict[str, Any]:
+    """A reinforcement step's rewards as OpenAI's RFT metrics events also carry them:
+    train_mean_reward, full_valid_mean_reward (a step with an evaluation), and `scores` with
+    train_reward_mean / valid_reward_mean overall and per grader (reward source)."""
+    sources = dict.fromkeys(k.split("/")[1] for k in data
+                            if k.startswith(("rewards/", "val_rewards/")) and k.endswith("/mean"))
+    graders = [{"name": name, "train_reward_mean": data.get(f"rewards/{name}/mean"),
+                "valid_reward_mean": data.get(f"val_rewards/{name}/mean")} for name in sources]
+    scores = {"train_reward_mean": data["reward"], "valid_reward_mean": data.get("val_reward"), "graders": graders}
+    out = {"train_mean_reward": data["reward"], "scores": scores}
+    if "val_reward" in data:
+        out["full_valid_mean_reward"] = data["val_reward"]
+    return out
+
+
 def to_event(stream_id: str, event: dict, kind_step: str, first_step: int) -> FineTuningJobEvent:
     created = int(stream_id.split("-")[0]) // 1000
     kind = event.get("type", "")
     if kind == kind_step:
         data = _metrics({**event, "iter": event["iter"] + 1 - first_step})
-        parts = ", ".join(f"{k}={v:.4g}" for k, v in data.items() if k in ("train_loss", "reward") and v is not None)
+        if "reward" in data:  # a reinforcement job's
+            data.update(_rft_scores(data))
+        parts = ", ".join(f"{k}={v:.4g}" for k, v in data.items()
+                          if k in ("train_loss", "reward", "full_valid_mean_reward") and v is not None)
         return FineTuningJobEvent(id=f"ftevent-{stream_id}", created_at=created, level="info", type="metrics",
                                   message=f"Step {data['step']}/{data['total_steps']}: {parts}", data=data)
     level = "error" if kind == "failed" else "warn" if kind in WARN_EVENTS else "info"

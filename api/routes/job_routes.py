@@ -29,7 +29,6 @@ streams hold no threads. Who may do what (api/auth.py): a viewer's token only re
 changes); a trainer's token sees only the jobs it created (others' are 404).
 """
 
-import re
 from typing import Annotated, Any, Callable, Literal, Union
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
@@ -43,14 +42,12 @@ from api.deps import (ADMIN_ERRORS, PrincipalDep, RedisDep, SettingsDep, WriterD
                       get_stream_redis, require_token)
 from api.json_body import JSONBodyRoute
 from api.routes.adapters import archive_response
-from api.submission import check_datasets, check_spec, prepared, refuse_resume
+from api.submission import check_datasets, check_export, check_spec, prepared, refuse_resume
 from shared import adapters, jobstore, lifecycle, trackers
-from shared.keys import job_key
+from shared.keys import JOB_ID, job_key
 from shared.kinds import KINDS, Kind
 from shared.schemas import Deleted, ErrorBody, JobStatus, JobSummary, UnreadableJob, check_json_values
 
-# Job ids are uuid4 hex; anything with a ':' would name another of the job's keys (mtq:job:<id>:events).
-JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 ERRORS = {
     400: {"model": ErrorBody, "description": "Invalid request: malformed or over-deep JSON, or a field that is "
           "missing or wrong (`detail` says which, in words)."},
@@ -66,7 +63,8 @@ ERRORS = {
 
 # How a family's routes (shared/kinds.py) check a spec beyond its schema. Invalid input is the
 # app's 400 with the seed server's messages (api/main.py `readable`).
-FAMILIES: dict[str, Callable[..., None]] = {"grpo": check_spec, "supervised": check_datasets, "session": refuse_resume}
+FAMILIES: dict[str, Callable[..., None]] = {"grpo": check_spec, "supervised": check_datasets, "session": refuse_resume,
+                                            "export": check_export}
 
 
 class ResumeRequest(BaseModel):

@@ -84,6 +84,7 @@ SAMPLE_TEXT_CHARS = 2000
 SAMPLES_EVENT_CHARS = 262_144
 HISTORY_METRICS = ("loss", "reward", "reward_std", "entropy", "completions/mean_length", "learning_rate", "step_time")
 LENGTH_BUCKET = 16  # pad completion lengths to a multiple of this so the loss compiles for few shapes
+EVAL_STEP = 1_000_002  # evaluations draw from this step's key: past every job's steps (iters is at most 1,000,000)
 
 
 # --------------------------------------------------------------------------- the math
@@ -245,6 +246,28 @@ def cut_at_stop_strings(tokenizer, tokens: list[int], stops: list[str]) -> tuple
     return text[:cut], len(tokens), True
 
 
+def completions(tokenizer, samples: Samples,
+                stops: list[str]) -> tuple[list[list[int]], list[str], list[int], list[bool], mx.array]:
+    """Each sampled row's body (its tokens without its EOS: what its text decodes), its text for
+    the rewards (cut before a stop string), its tokens in the loss (its EOS, or the stop
+    string's last token, included), whether it ended (EOS or a stop string) and the loss mask."""
+    rows = samples.tokens.tolist()
+    lengths = samples.mask.sum(axis=1).tolist()
+    ended = samples.ended.tolist()
+    # A row that ended has its EOS as last token: part of the loss, not of the text.
+    bodies = [r[: n - 1] if e else r[:n] for r, n, e in zip(rows, lengths, ended)]
+    mask = samples.mask
+    if not stops:
+        return bodies, [completion_text(tokenizer, body) for body in bodies], lengths, ended, mask
+    texts, cut = [], []
+    for i, body in enumerate(bodies):
+        text, k, hit = cut_at_stop_strings(tokenizer, body, stops)
+        texts.append(text)
+        cut.append(k if hit else lengths[i])
+        ended[i] = ended[i] or hit
+    return bodies, texts, cut, ended, mx.arange(mask.shape[1])[None, :] < mx.array(cut)[:, None]
+
+
 # --------------------------------------------------------------------------- the trainer
 
 
@@ -252,17 +275,18 @@ class JobDoesNotFitModel(ValueError):
     """The job asks for more than the model has: its context or its vocabulary."""
 
 
-def check_fits_model(model: nn.Module, prompt_ids: list[list[int]], cfg: GRPOConfig, multi_turn: bool = False) -> None:
-    """Before the first step: every prompt (tokenised) plus max_completion_len (a multi-turn
-    job's: max_episode_len) fits the model's context, and top_k is within its vocabulary. (The
-    API could only estimate from characters.)"""
+def check_fits_model(model: nn.Module, prompt_ids: list[list[int]], cfg: GRPOConfig, multi_turn: bool = False,
+                     name: str = "prompts") -> None:
+    """Before the first step: every prompt (tokenised; of the spec's field `name`) plus
+    max_completion_len (a multi-turn job's: max_episode_len) fits the model's context, and top_k
+    is within its vocabulary. (The API could only estimate from characters.)"""
     args = getattr(model, "args", None)
     context = getattr(args, "max_position_embeddings", None)
     longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     after, what = (cfg.episode_len, "max_episode_len") if multi_turn else (cfg.max_completion_len, "max_completion_len")
     if context and len(prompt_ids[longest]) + after > context:
         raise JobDoesNotFitModel(
-            f"prompts[{longest}] is {len(prompt_ids[longest])} tokens; with {what} "
+            f"{name}[{longest}] is {len(prompt_ids[longest])} tokens; with {what} "
             f"{after} that exceeds the model's context of {context} tokens"
         )
     vocab = getattr(args, "vocab_size", None)
@@ -312,10 +336,17 @@ class GRPOTrainer:
         else:  # with the tools' schemas; an environment's first observation comes on top, per episode
             self.prompt_ids = [answerer.conversation(prompt_messages(it.prompt)).prompt_tokens() for it in self.items]
         check_fits_model(model, self.prompt_ids, cfg, answerer is not None)
+        # Validation prompts (a job of one turn's: the schema refuses them with tools or an environment).
+        self.val_items = [as_item(p) for p in spec.validation_prompts or []]
+        self.val_ids = [prompt_token_ids(tokenizer, it, cfg.use_chat_template) for it in self.val_items]
+        if self.val_ids:
+            check_fits_model(model, self.val_ids, cfg, name="validation_prompts")
         self.eos_ids = eos_token_ids(tokenizer)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                        *((rows, cfg.batch_size * cfg.group_size) if gang.size > 1 else ()))
+        # An evaluation's rows are all its own (on a gang it runs on rank 0 alone: grpo_job.py).
+        self.eval_sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
         # Memory: fails here, before anything runs, when even one row cannot fit.
         width = max(len(p) for p in self.prompt_ids) + (cfg.max_completion_len if answerer is None else cfg.episode_len)
         self.memory = plan_memory(
@@ -447,24 +478,7 @@ class GRPOTrainer:
         if samples is None:
             raise Cancelled()
         seconds = time.perf_counter() - t0
-
-        rows = samples.tokens.tolist()
-        lengths = samples.mask.sum(axis=1).tolist()
-        ended = samples.ended.tolist()
-        # A row that ended has its EOS as last token: part of the loss, not of the text.
-        bodies = [r[: n - 1] if e else r[:n] for r, n, e in zip(rows, lengths, ended)]
-        mask = samples.mask
-        if cfg.stop:
-            texts, cut = [], []
-            for i, body in enumerate(bodies):
-                text, k, hit = cut_at_stop_strings(tok, body, cfg.stop)
-                texts.append(text)
-                cut.append(k if hit else lengths[i])
-                ended[i] = ended[i] or hit
-            lengths = cut
-            mask = mx.arange(mask.shape[1])[None, :] < mx.array(cut)[:, None]
-        else:
-            texts = [completion_text(tok, body) for body in bodies]
+        bodies, texts, lengths, ended, mask = completions(tok, samples, cfg.stop)
         return Rollout(idx, [self.items[i] for i in idx], prompt_ids, samples, bodies, texts, lengths, ended, mask, seconds,
                        width, cfg.group_size)
 
@@ -526,6 +540,41 @@ class GRPOTrainer:
             both = np.isnan(rewards) & np.isnan(weighted)
             rewards = np.where(both, np.nan, np.nan_to_num(rewards) + np.nan_to_num(weighted))
         return rewards, metrics
+
+    def evaluate(self, step: int, should_stop: Callable[[], bool]) -> dict[str, float]:
+        """The validation prompts sampled by the current policy, eval_samples completions each, and
+        scored by the job's reward sources: `val_reward` (the mean over scorable completions, 0 when
+        there is none, as `reward`) and each source's `val_rewards/<name>/mean` and `/std`.
+
+        Training goes on as without it: the model samples in eval mode (no LoRA dropout), no
+        gradient is taken, and the draws come from a key of its own (of EVAL_STEP), not from the
+        global random state; so an evaluation also draws the same numbers every time, and two
+        differ by the policy alone. At most
+        max(batch_size x group_size, eval_samples) rows decode at once, as a step's rollout does."""
+        cfg, G = self.cfg, self.cfg.eval_samples
+        per_decode = max(1, cfg.batch_size * cfg.group_size // G)
+        starts = range(0, len(self.val_ids), per_decode)
+        keys = mx.random.split(mx.random.key(step_seed(cfg.seed, EVAL_STEP)), len(starts))
+        self.model.eval()
+        texts, lengths = [], []
+        for start, key in zip(starts, keys):
+            prompts = self.val_ids[start:start + per_decode]
+            samples = sample(self.model, self.decode_step, prompts, G, self.eval_sampling, self.eos_ids, key, should_stop)
+            if samples is None:
+                raise Cancelled()
+            _, chunk_texts, chunk_lengths, _, _ = completions(self.tokenizer, samples, cfg.stop)
+            texts += chunk_texts
+            lengths += chunk_lengths
+
+        def groups(rows: list) -> list[list]:
+            return [rows[i * G:(i + 1) * G] for i in range(len(self.val_items))]
+
+        try:
+            rewards, metrics = self.scorer.score(step, self.val_items, groups(texts), token_counts=groups(lengths),
+                                                 should_stop=should_stop)
+        except RewardStopped:  # cancelled while waiting on a reward server
+            raise Cancelled() from None
+        return {"val_reward": float(np.nan_to_num(nan_mean(rewards))), **{f"val_{k}": v for k, v in metrics.items()}}
 
     def update(self, rollout: Rollout, advantages: np.ndarray, step: int, should_stop: Callable[[], bool],
                on_finite_loss: Callable[[], None]) -> tuple[mx.array, dict, mx.array]:

@@ -2,7 +2,7 @@
 names), the job's reward sources, and the trainer (worker/kinds/grpo.py, where the math is), as
 the Run the job loop drives (worker/runtime/job_loop.py). What is GRPO's own around the steps:
 the reward scorer (closed with the job), progress marks and /metrics timings around scoring,
-and a `samples` event per step."""
+a `samples` event per step, and the evaluations on its validation_prompts (`eval` events)."""
 
 import contextlib
 import functools
@@ -49,9 +49,17 @@ def load(job, spec: JobCreate, settings) -> Iterator[Run]:
                 recorder.observe("mtq_tokens_per_second", metrics["tokens_per_second"])
                 return metrics, [{"type": "samples", **samples}]
 
+            def evaluate(steps_done):
+                job.mark("sampling")
+                return trainer.evaluate(steps_done, job.should_stop)
+
+            # On a gang rank 0 evaluates alone, as the supervised kinds do; the others wait for it
+            # in the next step's first sum across ranks.
             yield Run(module=model, optimizer=trainer.optimizer, step=step,
                       save=lambda out_dir: save_adapter(model, out_dir, adapter_config(cfg)), phase="sampling",
-                      history_metrics=HISTORY_METRICS, steps_per_save=cfg.checkpoint_every)
+                      history_metrics=HISTORY_METRICS, steps_per_save=cfg.checkpoint_every,
+                      evaluate=evaluate if spec.validation_prompts and job.gang.rank == 0 else None,
+                      steps_per_eval=cfg.eval_interval)
         finally:
             remove_adapter_layers(model)  # the process keeps the model for the next job
 

@@ -301,7 +301,7 @@ def load(job, spec, settings, make_trainer: Callable, fine_tune_type: str = "lor
                 step=lambda state, should_stop, on_finite_loss: (trainer.step(state, on_finite_loss), []),
                 save=save, phase="updating", history_metrics=HISTORY_METRICS, steps_per_save=cfg.steps_per_save,
                 steps_per_report=cfg.steps_per_report,
-                evaluate=trainer.evaluate if valid and job.gang.rank == 0 else None,  # rank 0 reports it
+                evaluate=(lambda step: trainer.evaluate()) if valid and job.gang.rank == 0 else None,  # rank 0 reports it
                 steps_per_eval=cfg.steps_per_eval,
                 serves_scoring=not private,  # scoring requests use the shared copy: a private job leaves them to idle workers
                 reference=trainer.reference,

@@ -10,7 +10,7 @@ did. The loop does the rest, the same for every kind:
     until `iters` steps are done:
         a cancel or hand-back stops the job before the step (and inside it: should_stop)
         one optimizer step: its metrics, and events to keep (GRPO's samples)
-        evaluate on the valid rows (first, every steps_per_eval, last)
+        evaluate on the valid rows or prompts (first, every steps_per_eval, last)
         progress every step; a step event every steps_per_report (and at the last); with the
         metrics under the seed server's names too (the kind's seed_aliases), and for SFT
         mlx_lm's reports (worker/runtime/reports.py)
@@ -111,10 +111,10 @@ def train(job, kind: Kind, spec, run: Run, settings: Settings) -> dict:
 
 
 def evaluate(job, run: Run, step: int, reports: Reports | None) -> dict:
-    """The valid rows' metrics after `step` steps, and their `eval` event (mlx_lm's reports: a `val_loss` one too)."""
+    """The validation metrics after `step` steps, and their `eval` event (mlx_lm's reports: a `val_loss` one too)."""
     job.mark("scoring")
     t0 = time.perf_counter()
-    evaluation = run.evaluate()
+    evaluation = run.evaluate(step)
     job.write(event={"type": "eval", "iter": step, **evaluation})
     if reports is not None:
         job.write(event=reports.val_loss_event(step, evaluation["val_loss"], time.perf_counter() - t0))

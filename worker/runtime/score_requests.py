@@ -16,9 +16,9 @@ it with tools=, scored at the tokens an SFT job with assistant_only_loss trains 
 messages of weight 1: worker/kinds/sft_job.py assistant_tokens, the one function for that mask);
 as a row, its prompt is the tokens before the first of them.
 
-A worker busy with a training job answers between optimizer steps, on the model it holds,
-for at most BUDGET_BETWEEN_STEPS_S, and any one request for at most SLICE_S a turn: rows are
-scored CHUNK_TOKENS at a time, and a request with rows left keeps what it has (its parts) and
+A worker busy with a training job answers between optimizer steps, on the model it holds, for
+at most a budget, and any one request for a slice of it a turn (worker/runtime/request_loop.py):
+rows are scored CHUNK_TOKENS at a time, and a request with rows left keeps what it has (its parts) and
 goes back to the head of its owner's list, to continue at a later turn, after a step. So a
 large batch is spread over steps, and other owners' requests go in between. `adapter_swapped`
 (worker/runtime/adapter_layers.py) takes the job's LoRA layers out, puts the requested adapter (or none:
@@ -45,9 +45,7 @@ from shared.datasets import DatasetError
 from shared.jobstore import connect
 from shared.keys import ADAPTERS_INDEX, adapter_key, job_key
 from shared.metrics import recorder
-from shared.routing import model_key, served_models
 from shared.settings import Settings
-from shared.workers import get_worker
 from worker.kinds.reward_head import load_head, score_completions
 from worker.kinds.sft_job import assistant_tokens
 from worker.rewards.batch import RewardError
@@ -59,9 +57,6 @@ from worker.runtime.models import ModelNotFound, get_model
 log = logging.getLogger(__name__)
 ROWS_PER_BATCH = 16  # rows scored in one padded forward pass
 CHUNK_TOKENS = 512  # tokens scored between two looks at the clock (one row at least)
-BUDGET_BETWEEN_STEPS_S = 2.0  # a busy worker answers for at most this long between two steps
-SLICE_S = 0.25  # one request's turn; what is left of it waits for the next
-QUEUES_REREAD_S = 5.0  # an idle process re-reads which models its worker offers this often
 
 
 class AdapterNotFound(Exception):
@@ -250,31 +245,3 @@ def serve_one(r, settings: Settings, request_id: str, request: dict, done: list,
     recorder.flush(r)
     scoring.answer(r, request_id, **answer)
     return True
-
-
-def serve_waiting(r, settings: Settings, model_id: str | None = None, queues: list[str] | None = None,
-                  wait_s: float = 0.0) -> int:
-    """Serve requests in turn for at most BUDGET_BETWEEN_STEPS_S: those for `model_id` (a busy
-    process, between two steps), or those of `queues` (an idle one: the queues of its worker's
-    models, idle_queues; waiting up to wait_s for the first). Each request gets at most SLICE_S
-    a turn. Returns how many turns were served."""
-    deadline = time.monotonic() + BUDGET_BETWEEN_STEPS_S
-    served = 0
-    while time.monotonic() < deadline:
-        if model_id is not None:
-            claimed = scoring.claim(r, model_key(model_id))
-        else:
-            queue = scoring.wait_for_ready(r, queues or [], wait_s if served == 0 else 0.0)
-            claimed = None if queue is None else scoring.claim(r, queue, woken=True)
-        if claimed is None:
-            break
-        serve_one(r, settings, *claimed, until=min(deadline, time.monotonic() + SLICE_S))
-        served += 1
-    return served
-
-
-def idle_queues(r, worker: str, settings: Settings) -> list[str]:
-    """The scoring queues an idle process of `worker` serves: those of the models its worker
-    offers (its advertisement: shared/workers.py), and with --hub the hub's."""
-    advertised = get_worker(r, worker) or {}
-    return sorted(served_models(advertised)) + ([scoring.HUB] if settings.hub else [])

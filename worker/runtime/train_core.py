@@ -189,7 +189,7 @@ class Run:
     history_metrics: tuple[str, ...]  # the metrics of every step kept in the job's history
     steps_per_save: int  # a checkpoint every N steps (and every checkpoint_interval_s)
     steps_per_report: int = 1  # a step event every N steps (and at the last); progress every step
-    evaluate: Callable[[], dict] | None = None  # val_* metrics on the valid rows (None: there are none)
+    evaluate: Callable[[int], dict] | None = None  # val_* metrics after this many steps (None: no validation data)
     steps_per_eval: int = 0
     serves_scoring: bool = True  # answer log-prob requests between steps (False: a private copy of the model)
     # Log-probs kept with the checkpoint (worker/kinds/supervised_trainer.py ReferenceLogps: DPO's reference): arrays() and restore().

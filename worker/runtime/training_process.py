@@ -7,7 +7,8 @@ epoch. It leaves progress marks in memory shared with the supervisor, which ends
 marks stop (a stall), and tells it through the same memory to hand its job back.
 
 A job runs in the job loop (worker/runtime/job_loop.py), with its kind's `load` from the kind's worker
-module (shared/kinds.py names it); a session's job in its own loop (worker/kinds/session_job.py). Only the training process imports this module and MLX: the
+module (shared/kinds.py names it); a session's job in its own loop (worker/kinds/session_job.py), an
+export in its one pass (worker/kinds/export_job.py). Only the training process imports this module and MLX: the
 supervisor starts it in a fresh interpreter.
 """
 
@@ -31,7 +32,7 @@ from shared.jobstore import connect
 from shared.keys import adapter_key, checkpoint_key, events_key
 from shared.metrics import recorder
 from shared.settings import load_settings
-from worker.runtime import gang_group, job_loop, score_requests
+from worker.runtime import gang_group, job_loop, request_loop
 from worker.runtime.memory_plan import device_description
 from worker.runtime.models import loaded_model_ids
 from worker.runtime.train_core import Cancelled
@@ -114,9 +115,9 @@ class JobRun:
             retrying(lambda: self.lease.r.xdel(events_key(self.job_id), old), "drop an old event")
 
     def between_steps(self, model_id: str) -> None:
-        """Answer waiting log-prob requests for the model this job trains (worker/runtime/score_requests.py)."""
+        """Answer waiting scoring and completion requests for the model this job trains (worker/runtime/request_loop.py)."""
         self.marks.mark()
-        retrying(lambda: score_requests.serve_waiting(self.lease.r, load_settings(), model_id), "scoring")
+        retrying(lambda: request_loop.serve_waiting(self.lease.r, load_settings(), model_id), "scoring")
         self.marks.mark()
 
     def publish_loaded(self) -> None:
@@ -201,8 +202,9 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
                          "main_thread": threading.current_thread() is threading.main_thread(),
                          **({} if ranks is None else {"rank": rank, "gang_size": len(ranks[1])})})
         module = importlib.import_module(kind.worker_module)
-        # A session serves its client's calls until it ends (worker/kinds/session_job.py); every other kind steps.
-        fields = (module.run(job, stored.spec) if kind.family == "session"
+        # A session serves its client's calls until it ends (worker/kinds/session_job.py), an export fuses
+        # (worker/kinds/export_job.py); every other kind steps.
+        fields = (module.run(job, stored.spec) if kind.own_loop
                   else job_loop.run(job, kind, stored.spec, module.load))
         if rank > 0:
             return "rank done"
@@ -273,14 +275,14 @@ def main(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str
         # process after the requests already queued (scoring comes before training work).
         try:
             while not conn.poll(0):
-                if time.monotonic() - read_at > score_requests.QUEUES_REREAD_S:
-                    queues = retrying(lambda: score_requests.idle_queues(r, worker, settings), "scoring queues")
+                if time.monotonic() - read_at > request_loop.QUEUES_REREAD_S:
+                    queues = retrying(lambda: request_loop.idle_queues(r, worker, settings), "scoring queues")
                     read_at = time.monotonic()
-                if retrying(lambda: score_requests.serve_waiting(r, settings, queues=queues, wait_s=IDLE_WAIT_S), "scoring"):
+                if retrying(lambda: request_loop.serve_waiting(r, settings, queues=queues, wait_s=IDLE_WAIT_S), "scoring"):
                     publish_changes()  # a request may have loaded a model
                 if os.getppid() != parent_pid:
                     return
-            retrying(lambda: score_requests.serve_waiting(r, settings, queues=queues), "scoring")
+            retrying(lambda: request_loop.serve_waiting(r, settings, queues=queues), "scoring")
             job_id, epoch, ranks = conn.recv()
         except (EOFError, OSError):
             return
