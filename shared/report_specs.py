@@ -19,3 +19,5 @@ class ReportConfig(BaseModel):
         "`report_to`): tensorboard, mlflow, wandb. null: the server's MTQ_REPORT_TO (default none); [] : none.")
     run_name: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[^\x00-\x1f]+$",
                                  description="The run's name in MLflow and wandb (default: the job's adapter name).")
+    wandb_project: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$",
+                                      description="The wandb project (default: the server's MTQ_WANDB_PROJECT).")

@@ -1,5 +1,5 @@
-"""wandb: one run per job (its id the job's, so a resumed run resumes it) in project
-MTQ_WANDB_PROJECT, logged as transformers' WandbCallback logs (`train/loss`, `eval/loss`, against
+"""wandb: one run per job (its id the job's, so a resumed run resumes it) in its config's
+wandb_project (default MTQ_WANDB_PROJECT), logged as transformers' WandbCallback logs (`train/loss`, `eval/loss`, against
 `train/global_step`). Without WANDB_API_KEY (or with WANDB_MODE=offline) it runs offline: the
 run's files go under $MTQ_HOME/trackers/<job id>/wandb, for `wandb sync`. Only this process
 imports wandb, so the environment it reads is set here."""
@@ -29,7 +29,8 @@ class Writer:
         job.dir.mkdir(parents=True, exist_ok=True)
         settings = wandb.Settings(init_timeout=job.settings.tracker_timeout_s, console="off", x_disable_stats=True,
                                   silent=True)
-        self.run = wandb.init(project=job.settings.wandb_project, name=job.run_name, id=job.job_id, resume="allow",
+        project = job.summary["config"].get("wandb_project") or job.settings.wandb_project
+        self.run = wandb.init(project=project, name=job.run_name, id=job.job_id, resume="allow",
                               dir=str(job.dir), config=job.summary["config"], settings=settings, tags=[job.kind.name])
         self.run.define_metric("train/global_step")
         self.run.define_metric("*", step_metric="train/global_step", step_sync=True)
