@@ -1,7 +1,8 @@
-"""Parity of the supervised kinds with the trainers users compare them to, measured in one run:
-DPO against TRL's DPOTrainer, SFT against mlx_lm's own LoRA trainer (`mlx_lm lora`).
+"""Parity of the kinds with the trainers users compare them to, measured in one run: DPO against
+TRL's DPOTrainer, SFT against mlx_lm's own LoRA trainer (`mlx_lm lora`), RLOO against TRL's
+RLOOTrainer.
 
-    python bench/parity.py --trl-python /path/to/trl-env/bin/python [--steps 40] [--json OUT.json]
+    python bench/parity.py --trl-python /path/to/trl-env/bin/python [--steps 40] [--json OUT.json] [--only-rloo]
 
 The TRL side needs torch, transformers, peft, datasets and trl (TRL 1.16 measured), which are
 not this project's dependencies: install them into an environment of their own and name its
@@ -21,6 +22,19 @@ sum the completion tokens' log-probs (EOS included). The tokens must agree: it c
 TRL's tokenised prompt / chosen / rejected rows are this project's (worker/runtime/logprobs.py).
 Printed: each step's loss and rewards/margins on both sides, the largest relative loss
 deviation, and the last step's margin on both sides.
+
+RLOO: TRL's RLOOTrainer samples its own completions, so no run of it can sample what this
+project's does. This project's RLOO trainer (worker/kinds/rloo.py) runs as its job does (the
+initial adapter, the default reward: length in characters) in this process, where its sampled
+tokens can be read; TRL's (`parity.py trl-rloo SPEC OUT`), from the same initial LoRA, replays each
+step: its prompts in order (prompts of one token length: no left padding), its completion
+tokens (EOS included) as TRL's generation, its rewards as TRL's reward function. The same
+hyperparameters: group 4, batch 2, beta 0.05, epsilon 0.2, lr 5e-3 constant, TRL's AdamW,
+clipping at 1, temperature 1, num_iterations 2 (an on-policy update's loss is 0 on both sides;
+the second update's is compared: this project reports a step's last update). TRL's reference is
+a copy of the initial adapter, here the base model: the same, as a fresh LoRA's B is 0. Printed:
+each step's loss and kl on both sides and the largest relative deviations; TRL's tokenised
+prompts are checked to be this project's.
 
 SFT: an mlx_lm data directory (train.jsonl and valid.jsonl, text rows) trained by an SFT job that
 names it by path and by `mlx_lm lora --data DIR` from the same initial adapter (init_adapter /
