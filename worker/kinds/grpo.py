@@ -45,6 +45,10 @@ One step (= one `iter` of the job config), GRPOTrainer.step, in four phases:
          m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  theta *= 1 - lr * weight_decay
          theta -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
 
+The phases are GRPOTrainer's methods (rollout, score, advantages, loss_batch and update, loss):
+the kinds built on this sampler and its reward sources replace phase 3 and the loss (rloo.py,
+reinforce.py).
+
 On a gang of N workers (config.workers, worker/runtime/gang_group.py) each rank runs the four
 phases on every N-th of the step's B prompts with their groups: it pads them to the whole step's
 width and draws each row's random numbers as that row of the whole batch would (so it samples
