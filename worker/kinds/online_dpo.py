@@ -162,22 +162,20 @@ class OnlineDPOTrainer(GRPOTrainer):
             reference = self.reference_rollout(rollout, state.step, should_stop)
             pairs = dataclasses.replace(rollout, texts=interleaved(rollout.texts, reference.texts),
                                         lengths=interleaved(rollout.lengths, reference.lengths))
-            a, b = (make_batch(r.prompt_ids, r.samples, r.mask, np.zeros(len(r.texts)), 1, r.width)
-                    for r in (rollout, reference))
+            a, b = (make_batch(r.prompt_ids, r.samples, r.mask, 1, r.width) for r in (rollout, reference))
             ended = np.stack([rollout.ended, reference.ended], axis=1)
         else:
             pairs = rollout
-            both = make_batch(rollout.prompt_ids, rollout.samples, rollout.mask, np.zeros(len(rollout.texts)), 2,
-                              rollout.width)
-            a, b = (Batch(*(x[side::2] for x in (both.inputs, both.left_pad, both.completion, both.mask,
-                                                  both.old_logp, both.advantages))) for side in (0, 1))
+            both = make_batch(rollout.prompt_ids, rollout.samples, rollout.mask, 2, rollout.width)
+            a, b = (Batch(both.inputs[side::2], both.left_pad[side::2], both.completion[side::2], both.mask[side::2],
+                          both.old_logp[side::2]) for side in (0, 1))
             ended = np.array(rollout.ended).reshape(-1, 2)
         scores, reward_metrics = self.score(pairs, state.step, should_stop)
         scores, a_chosen = judge_pairs(scores, ended, cfg.missing_eos_penalty)
         every = self.whole_batch(scores)  # (B, 2): a gang's ranks' together
         every_ended = self.whole_batch(ended.astype(np.float64)) > 0.5
         _, every_chosen = judge_pairs(every, every_ended, None)
-        loss, stats, grad_norm = self.update(a, b, mx.array(a_chosen), state.step, should_stop, on_finite_loss)
+        loss, stats, grad_norm = self.update_pairs(a, b, mx.array(a_chosen), state.step, on_finite_loss)
 
         tokens = sum(pairs.lengths) + sum(len(p) for p in rollout.prompt_ids) * 2
         state.num_tokens += tokens if self.gang.size == 1 else int(self.gang.sum(mx.array(tokens)).item())
@@ -207,8 +205,8 @@ class OnlineDPOTrainer(GRPOTrainer):
         return dataclasses.replace(rollout, samples=samples, bodies=bodies, texts=texts, lengths=lengths, ended=ended,
                                    mask=mask, seconds=time.perf_counter() - t0)
 
-    def update(self, a: Batch, b: Batch, a_chosen: mx.array, step: int, should_stop: Callable[[], bool],
-               on_finite_loss: Callable[[], None]) -> tuple[mx.array, dict, mx.array]:
+    def update_pairs(self, a: Batch, b: Batch, a_chosen: mx.array, step: int,
+                     on_finite_loss: Callable[[], None]) -> tuple[mx.array, dict, mx.array]:
         """One optimizer step on the pairs (a_i, b_i): the reference's log-probs first, then the
         loss's gradients summed over micro-batches of pairs (and a gang's ranks)."""
         model, n = self.model, len(a_chosen)
