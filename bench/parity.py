@@ -3,6 +3,9 @@ TRL's DPOTrainer, SFT against mlx_lm's own LoRA trainer (`mlx_lm lora`), RLOO ag
 RLOOTrainer.
 
     python bench/parity.py --trl-python /path/to/trl-env/bin/python [--steps 40] [--json OUT.json] [--only-rloo]
+    python bench/parity.py online --trl-python /path/to/trl-env/bin/python [--steps 24] [--json OUT.json]
+
+The second runs Online DPO and XPO against TRL's OnlineDPOTrainer (online_main below says how).
 
 The TRL side needs torch, transformers, peft, datasets and trl (TRL 1.16 measured), which are
 not this project's dependencies: install them into an environment of their own and name its
