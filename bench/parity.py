@@ -3,6 +3,9 @@ TRL's DPOTrainer, SFT against mlx_lm's own LoRA trainer (`mlx_lm lora`), RLOO ag
 RLOOTrainer.
 
     python bench/parity.py --trl-python /path/to/trl-env/bin/python [--steps 40] [--json OUT.json] [--only-rloo]
+    python bench/parity.py online --trl-python /path/to/trl-env/bin/python [--steps 24] [--json OUT.json]
+
+The second runs Online DPO and XPO against TRL's OnlineDPOTrainer (online_main below says how).
 
 The TRL side needs torch, transformers, peft, datasets and trl (TRL 1.16 measured), which are
 not this project's dependencies: install them into an environment of their own and name its
@@ -175,7 +178,7 @@ def our_tokens(model_dir: Path, rows: list[dict]) -> list[dict]:
     return out
 
 
-def rloo_prompts(model_dir: Path) -> list[str]:
+def one_length_prompts(model_dir: Path) -> list[str]:
     """Prompts of one token length: no left padding, whose positions the two sides would count otherwise."""
     import mlx_lm
 
@@ -385,7 +388,7 @@ def trl_rloo(spec_path: str, out_path: str) -> None:
 
 def rloo_parity(trl_python: str, work: Path, model_dir: Path, steps: int) -> dict:
     """RLOO against TRL's RLOOTrainer on this project's sampled completions, replayed (above)."""
-    prompts = rloo_prompts(model_dir)
+    prompts = one_length_prompts(model_dir)
     ours, replay = ours_rloo(model_dir, work / "init", prompts, steps)
     spec = work / "trl_rloo_spec.json"
     spec.write_text(json.dumps({"model_dir": str(model_dir), "init_dir": str(work / "init"), "prompts": prompts,
@@ -411,6 +414,192 @@ def rloo_parity(trl_python: str, work: Path, model_dir: Path, steps: int) -> dic
             "losses": [[o["loss"], t["loss"]] for o, t in zip(ours, theirs)]}
 
 
+# --------------------------------------------------------------------------- Online DPO and XPO
+
+
+ONLINE_CONFIG = {**LORA, "learning_rate": 5e-3, "beta": 0.1, "batch_size": 4, "lr_scheduler": "constant",
+                 "max_grad_norm": 1.0, "weight_decay": 0.0, "max_completion_len": 12, "temperature": 1.0}
+XPO_ALPHA = 1e-2  # TRL's default 1e-5 would leave its term below the loss's printed digits
+
+
+def ours_online(kind: str, model_dir: Path, init_dir: Path, prompts: list[str], steps: int) -> list[dict]:
+    """This project's Online DPO / XPO trainer (worker/kinds/online_dpo.py), in this process, from
+    the initial adapter, judged by the default reward (the completion's length in characters);
+    each step's loss, metrics, prompts, completion tokens (a: the policy's; b: the policy's
+    second, or XPO's reference's) and the judge's scores, for TRL to replay."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from shared.online_specs import OnlineDPOJobCreate, XPOJobCreate
+    from worker.kinds.online_dpo import OnlineDPOTrainer
+    from worker.rewards.scorer import build_scorer
+    from worker.runtime.adapter_layers import attach_adapter
+    from worker.runtime.train_core import TrainState
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    xpo = kind == "xpo"
+    spec = (XPOJobCreate if xpo else OnlineDPOJobCreate)(
+        model_id="tiny", prompts=prompts, config={**ONLINE_CONFIG, "iters": steps, **({"alpha": XPO_ALPHA} if xpo else {})})
+    attach_adapter(model, spec.config, init=init_dir)
+    trainer = OnlineDPOTrainer(model, tokenizer, spec, build_scorer(spec, "parity"))
+    rollouts = []
+
+    def recorded(sample):
+        def run(*args):
+            rollouts.append(sample(*args))
+            return rollouts[-1]
+        return run
+
+    trainer.rollout, trainer.reference_rollout = recorded(trainer.rollout), recorded(trainer.reference_rollout)
+    scores = []
+    score = trainer.score
+    trainer.score = lambda *args: scores.append(score(*args)[0]) or (scores[-1], {})
+    state, out = TrainState(), []
+    for _ in range(steps):
+        rollouts.clear()
+        metrics, _ = trainer.step(state, lambda: False)
+        rows = [[r.samples.tokens[i, :n].tolist() for i, n in enumerate(r.lengths)] for r in rollouts]
+        a, b = (rows[0], rows[1]) if xpo else (rows[0][0::2], rows[0][1::2])
+        out.append({"loss": metrics["loss"], "margin": metrics["rewards/margins"], "kl": metrics["objective/kl"],
+                    "prompt_ids": rollouts[0].prompt_ids, "a": a, "b": b, "scores": scores[-1].tolist()})
+    mx.clear_cache()
+    return out
+
+
+def trl_online(kind: str, spec_path: str, out_path: str) -> None:
+    """TRL 1.16's OnlineDPOTrainer on the spec's model and initial LoRA, replaying this project's
+    completions and judge scores step by step (its `_generate` and reward function answer from
+    the record). XPO: TRL's XPOTrainer is no longer in TRL 1.16; its loss (trl/experimental/xpo/
+    xpo_trainer.py `_compute_losses`, as TRL last shipped it) runs in the same trainer's training_step."""
+    import torch
+    import torch.nn.functional as F
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    model, tokenizer = peft_model(spec)
+    config, record = spec["config"], spec["record"]
+
+    def padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        return ids, torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+
+    class Replay(OnlineDPOTrainer):
+        def _generate(self, model, prompts, images=None):
+            step = record[self.state.global_step]
+            prompt = torch.tensor(step["prompt_ids"]).repeat(2, 1)
+            ids, mask = padded(step["a"] + step["b"])
+            return prompt, torch.ones_like(prompt), ids, mask, None
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if kind != "xpo":
+                return super().training_step(model, inputs, num_items_in_batch)
+            model.train()
+            step = record[self.state.global_step]
+            prompt = torch.tensor(step["prompt_ids"])
+            model_ids, model_mask = padded(step["a"])
+            ref_ids, ref_mask = padded(step["b"])
+
+            def logps(m, ids, mask):
+                return self._forward(m, prompt, torch.ones_like(prompt), ids, mask).masked_fill(mask == 0, 0.0)
+
+            model_logprobs_model_data, model_logprobs_ref_data = logps(model, model_ids, model_mask), logps(model, ref_ids, ref_mask)
+            with torch.no_grad(), self.model.disable_adapter():
+                ref_logprobs_model_data, ref_logprobs_ref_data = logps(model, model_ids, model_mask), logps(model, ref_ids, ref_mask)
+            chosen_mask = torch.tensor([s[0] >= s[1] for s in step["scores"]])
+            # XPOTrainer._compute_losses:
+            model_logprobs_model_data_sum = model_logprobs_model_data.sum(1)
+            model_logprobs_ref_data_sum = model_logprobs_ref_data.sum(1)
+            ref_logprobs_ref_data_sum = ref_logprobs_ref_data.sum(1)
+            ref_logprobs_model_data_sum = ref_logprobs_model_data.sum(1)
+            chosen_model_logprobs = torch.where(chosen_mask, model_logprobs_model_data_sum, model_logprobs_ref_data_sum)
+            chosen_ref_logprobs = torch.where(chosen_mask, ref_logprobs_model_data_sum, ref_logprobs_ref_data_sum)
+            chosen_log_ratios = chosen_model_logprobs - chosen_ref_logprobs
+            rejected_model_logprobs = torch.where(~chosen_mask, model_logprobs_model_data_sum, model_logprobs_ref_data_sum)
+            rejected_ref_logprobs = torch.where(~chosen_mask, ref_logprobs_model_data_sum, ref_logprobs_ref_data_sum)
+            rejected_log_ratios = rejected_model_logprobs - rejected_ref_logprobs
+            logits = chosen_log_ratios - rejected_log_ratios
+            dpo_losses = -F.logsigmoid(self.beta * logits)
+            xpo_losses = config["alpha"] * model_logprobs_ref_data_sum
+            loss = (dpo_losses + xpo_losses).mean()
+            margin = self.beta * (chosen_log_ratios - rejected_log_ratios)
+            kl = (model_logprobs_model_data - ref_logprobs_model_data).sum(1) + (model_logprobs_ref_data - ref_logprobs_ref_data).sum(1)
+            logged = {"rewards/margins": margin.mean().item(), "objective/kl": kl.mean().item() / 2}
+            for key, values in self.stats.items():  # every key once a step: the trainer averages them all
+                values.append(logged.get(key, float("nan")))
+            self.accelerator.backward(loss)
+            return loss.detach()
+
+    def judge(prompts, completions, trainer_state, **kwargs):  # the record's scores: first completions, then second
+        scores = record[trainer_state.global_step]["scores"]
+        return [s[0] for s in scores] + [s[1] for s in scores]
+
+    args = OnlineDPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=config["batch_size"],
+                           max_steps=len(record), learning_rate=config["learning_rate"], beta=config["beta"],
+                           loss_type="sigmoid", lr_scheduler_type=config["lr_scheduler"], warmup_steps=0,
+                           max_grad_norm=config["max_grad_norm"], weight_decay=config["weight_decay"], adam_beta1=0.9,
+                           adam_beta2=0.999, adam_epsilon=1e-8, logging_steps=1, report_to=[], save_strategy="no",
+                           use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=0,
+                           max_new_tokens=config["max_completion_len"], max_length=256)
+    steps: list[dict] = []
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                steps.append({"loss": logs["loss"], "margin": logs["rewards/margins"], "kl": logs["objective/kl"]})
+
+    prompts = [{"prompt": tokenizer.decode(p)} for s in record for p in s["prompt_ids"]]
+    trainer = Replay(model=model, reward_funcs=judge, args=args, train_dataset=Dataset.from_list(prompts),
+                     processing_class=tokenizer, callbacks=[Logs()])
+    trainer.train()
+    Path(out_path).write_text(json.dumps({"steps": steps}))
+
+
+def online_main(argv: list[str]) -> int:
+    """`parity.py online --trl-python PY`: Online DPO and XPO against TRL, on the same sampled completions."""
+    ap = argparse.ArgumentParser(prog="parity.py online")
+    ap.add_argument("--trl-python", required=True, help="an interpreter with torch, transformers, peft, datasets, trl")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--json", help="write the figures here too")
+    args = ap.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT))
+    from worker.runtime.make_model import make_model
+    from worker.supervisor.openblas import reexec_with_openblas
+
+    reexec_with_openblas()
+    work = Path(tempfile.mkdtemp(prefix="mtq-parity-online-"))
+    model_dir = make_model(work / "models" / "tiny", size="tiny", seed=0)
+    initial_adapter(model_dir, work / "init")
+    prompts = one_length_prompts(model_dir)
+    figures = {}
+    for kind in ("online_dpo", "xpo"):
+        ours = ours_online(kind, model_dir, work / "init", prompts, args.steps)
+        spec = work / f"{kind}_spec.json"
+        config = {**ONLINE_CONFIG, "alpha": XPO_ALPHA}
+        spec.write_text(json.dumps({"model_dir": str(model_dir), "init_dir": str(work / "init"), "config": config,
+                                    "record": [{k: s[k] for k in ("prompt_ids", "a", "b", "scores")} for s in ours]}))
+        res = subprocess.run([args.trl_python, __file__, "trl-online", kind, str(spec), str(work / f"{kind}_trl.json")],
+                             capture_output=True, text=True, timeout=1800)
+        assert res.returncode == 0, res.stderr[-4000:]
+        trl = json.loads((work / f"{kind}_trl.json").read_text())["steps"]
+        deviation = [abs(o["loss"] - t["loss"]) / abs(t["loss"]) for o, t in zip(ours, trl)]
+        figures[kind] = {"steps": len(ours), "trl_steps": len(trl), "max_loss_deviation": max(deviation),
+                         "final_loss": [ours[-1]["loss"], trl[-1]["loss"]], "final_margin": [ours[-1]["margin"], trl[-1]["margin"]],
+                         "final_kl": [ours[-1]["kl"], trl[-1]["kl"]]}
+        print(f"{kind}, {len(ours)} steps: step  loss (this project, TRL)  rewards/margins  objective/kl")
+        for k, (o, t) in enumerate(zip(ours, trl)):
+            print(f"  {k:>3}  {o['loss']:.4f} {t['loss']:.4f}  {o['margin']:+.4f} {t['margin']:+.4f}  {o['kl']:+.4f} {t['kl']:+.4f}")
+        print(f"{kind}: largest per-step loss deviation {max(deviation):.2%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    ok = all(f["max_loss_deviation"] <= 0.02 and f["trl_steps"] == f["steps"] for f in figures.values())
+    print("parity: " + ("within 2% (Online DPO and XPO loss)" if ok else "NOT within the bounds"))
+    return 0 if ok else 1
+
+
 # --------------------------------------------------------------------------- the comparison
 
 
@@ -421,6 +610,11 @@ def main() -> int:
     if sys.argv[1:2] == ["trl-rloo"]:
         trl_rloo(*sys.argv[2:4])
         return 0
+    if sys.argv[1:2] == ["trl-online"]:
+        trl_online(*sys.argv[2:5])
+        return 0
+    if sys.argv[1:2] == ["online"]:
+        return online_main(sys.argv[2:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--trl-python", required=True, help="an interpreter with torch, transformers, peft, datasets, trl")
     ap.add_argument("--steps", type=int, default=40)

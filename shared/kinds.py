@@ -12,6 +12,8 @@ the lifecycle, routing and the worker read it; everything else is the same for e
     reward  /admin/api/fine-tune/reward/jobs  RewardJobCreate  worker.kinds.reward_model_job  supervised
     session /admin/api/fine-tune/session/jobs SessionJobCreate worker.kinds.session_job       session
     export  /admin/api/fine-tune/export/jobs  ExportJobCreate  worker.kinds.export_job        export
+    online_dpo /admin/api/fine-tune/online-dpo/jobs OnlineDPOJobCreate worker.kinds.online_dpo grpo
+    xpo     /admin/api/fine-tune/xpo/jobs     XPOJobCreate     worker.kinds.online_dpo        grpo
 
 A job record without a `kind` (written before there were kinds) is GRPO's (`of_record`).
 
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from shared.export_specs import ExportJob, ExportJobCreate
+from shared.online_specs import OnlineDPOJob, OnlineDPOJobCreate, XPOJob, XPOJobCreate
 from shared.reinforce_specs import ReinforceJob, ReinforceJobCreate, RLOOJob, RLOOJobCreate
 from shared.schemas import Job, JobCreate
 from shared.session_specs import SessionJob, SessionJobCreate
@@ -91,6 +94,13 @@ ORPO_CHARTS = (*DPO_CHARTS[:4], Chart("log odds ratio", ("log_odds_ratio", "log_
 KTO_CHARTS = (LOSS, MARGINS, REWARDS, Chart("KL estimate", ("kl", "val_kl")), LOGPS, *OPTIMIZER)
 REWARD_MODEL_CHARTS = (LOSS, Chart("accuracy", ("accuracy", "val_accuracy")), Chart("margin", ("margin", "val_margin")),
                        *OPTIMIZER)
+# Online DPO and XPO: the judge's scores of the policy's samples first (worker/kinds/online_dpo.py).
+JUDGED = (MARGINS, Chart("reward accuracy", ("rewards/accuracies",)), REWARDS, Chart("KL", ("objective/kl",)), LOGPS,
+          *OPTIMIZER)
+ONLINE_DPO_CHARTS = (Chart("judge score", ("objective/scores", "val_reward")), Chart("score margin", ("objective/scores_margin",)),
+                     Chart("loss", ("loss",)), *JUDGED)
+XPO_CHARTS = (Chart("judge score", ("objective/model_scores", "objective/ref_scores", "val_reward")),
+              Chart("score margin", ("objective/scores_margin",)), Chart("loss", ("loss", "loss/dpo", "loss/xpo")), *JUDGED)
 # A session's steps are its clients' optim_steps (the loss: of the forward_backward calls before each).
 SESSION_CHARTS = (Chart("loss", ("loss",)), *OPTIMIZER)
 
@@ -170,6 +180,10 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          SessionJobCreate, SessionJob, (), "worker.kinds.session_job", "session", SESSION_CHARTS),
     Kind(ExportJobCreate.kind, "/admin/api/fine-tune/export/jobs", "Export jobs", "an export job", ExportJobCreate,
          ExportJob, (), "worker.kinds.export_job", "export", ()),
+    Kind(OnlineDPOJobCreate.kind, "/admin/api/fine-tune/online-dpo/jobs", "Online DPO jobs", "an Online DPO job",
+         OnlineDPOJobCreate, OnlineDPOJob, LORA_SHAPE, "worker.kinds.online_dpo", "grpo", ONLINE_DPO_CHARTS),
+    Kind(XPOJobCreate.kind, "/admin/api/fine-tune/xpo/jobs", "XPO jobs", "an XPO job", XPOJobCreate, XPOJob, LORA_SHAPE,
+         "worker.kinds.online_dpo", "grpo", XPO_CHARTS),
 )}
 DEFAULT = KINDS[JobCreate.kind]  # of a record written before there were kinds
 

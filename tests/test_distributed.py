@@ -192,6 +192,25 @@ def test_rloo_with_its_kl_penalty_on_a_gang_of_two_equals_one_worker(stack, clie
     assert loss_diff < 1e-4 and kl_diff < 1e-4 and weight_diff < ADAPTER_TOLERANCE
 
 
+def test_xpo_on_a_gang_of_two_equals_one_worker(stack, client, pair):
+    """XPO (worker/kinds/online_dpo.py): each rank samples its prompts' completions with the policy
+    and with the reference, the judge's scores of the whole step come together, and the DPO loss
+    (a mean over pairs) sums across ranks: one worker's steps."""
+    xpo = "/admin/api/fine-tune/xpo/jobs"
+    config = dict(batch_size=4, max_completion_len=8, iters=3, learning_rate=5e-3, lora_layers=-1, lora_alpha=4, seed=5)
+    solo = submit(client, xpo, {"model_id": "tiny", "prompts": PROMPTS, "adapter_name": "xpo-solo", "config": config})
+    wait_done(stack, xpo, solo)
+    gang = submit(client, xpo, {"model_id": "tiny", "prompts": PROMPTS, "adapter_name": "xpo-gang",
+                                "config": {**config, "workers": 2}})
+    wait_done(stack, xpo, gang)
+    steps = {j: [e for _, e in stack.events(j) if e["type"] == "xpo_step"] for j in (solo, gang)}
+    scores, losses = ([[e[k] for e in steps[j]] for j in (gang, solo)] for k in ("objective/model_scores", "loss"))
+    weight_diff = adapter_diff(adapter(client, "xpo-gang"), adapter(client, "xpo-solo"))
+    print(f"\nXPO gang of 2 vs 1 worker: losses {losses[0]} vs {losses[1]}; adapter difference {weight_diff:.2e}")
+    assert scores[0] == scores[1] and len(scores[0]) == 3  # the same completions were sampled and judged
+    assert rel_diff(*losses) < LOSS_TOLERANCE and weight_diff < ADAPTER_TOLERANCE and losses[1][0] != losses[1][-1]
+
+
 TOOL_PROMPTS = ["What color is the apple?", "Color of snow?", "Color of sky?", "hi"]
 GREETINGS = ["hi", "hello", "hey there", "good morning"]
 TOOL_CONFIG = {"batch_size": 4, "group_size": 2, "max_turns": 2, "max_completion_len": 32, "max_tool_output_tokens": 8,

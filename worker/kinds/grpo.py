@@ -464,7 +464,7 @@ class GRPOTrainer:
         in its place (NaN stays NaN: the others add 0 there)."""
         if self.gang.size == 1:
             return rewards
-        every = np.zeros((self.cfg.batch_size, self.cfg.group_size))
+        every = np.zeros((self.cfg.batch_size, rewards.shape[1]))
         every[self.positions] = rewards
         return np.array(self.gang.sum(mx.array(every, dtype=mx.float32)), dtype=np.float64)
 

@@ -28,7 +28,8 @@ from worker.runtime.train_core import Run
 
 @contextlib.contextmanager
 def load(job, spec: JobCreate, settings, trainer_class: type[GRPOTrainer] = GRPOTrainer) -> Iterator[Run]:
-    """trainer_class: GRPO's, or that of a kind built on its phases (rloo.py, reinforce.py)."""
+    """trainer_class: GRPO's, or that of a kind built on its phases (rloo.py, reinforce.py,
+    online_dpo.py)."""
     cfg = spec.config
     t0 = time.perf_counter()
     model, tokenizer, cached = get_model(spec.model_id, settings)
