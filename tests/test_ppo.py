@@ -139,6 +139,10 @@ def test_ppo_raises_its_reward_against_an_lr_0_control_and_resumes_after_kill_9(
     last = steps(stack, job_id)[-1]
     assert all(k in last for k in TRL_METRICS) and last["iter"] == 11
     assert np.isclose(last["objective/rlhf_reward"], last["objective/non_score_reward"] + last["objective/scores"])
+    # The web page's and `mtq plot`'s curves (GET /admin/api/kinds) are all in its step events.
+    kind = {k["name"]: k for k in client.get("/admin/api/kinds").json()}["ppo"]
+    drawn = {m for c in kind["charts"] for m in c["metrics"] if "*" not in m and not m.startswith("val_")}
+    assert kind["step_event"] == "ppo_step" and kind["headline"] == "reward" and drawn <= last.keys(), drawn - last.keys()
 
     control = submit(client, {"config": {**LEARN, "iters": 6, "learning_rate": 0.0}})
     wait_done(stack, PPO, control, timeout=240)
@@ -162,14 +166,15 @@ def test_ppo_raises_its_reward_against_an_lr_0_control_and_resumes_after_kill_9(
     assert started_from["loss/value_avg"] < fresh["loss/value_avg"] / 2
 
 
-@pytest.mark.parametrize("config,words", [
-    ({"beta": 0.1}, "beta: GRPO's, not PPO's"),
-    ({"num_iterations": 2, "loss_type": "dr_grpo"}, "num_iterations, loss_type: GRPO's"),
-    ({"workers": 2}, "a PPO job runs on one worker"),
-    ({"lora_dropout": 0.1}, "PPO trains without dropout"),
-    ({"batch_size": 4, "num_mini_batches": 3}, "num_mini_batches 3 must divide"),
-    ({"gamma": 1.5}, "gamma"),
+@pytest.mark.parametrize("body,words", [
+    ({"config": {"beta": 0.1}}, "beta: GRPO's, not PPO's"),
+    ({"config": {"num_iterations": 2, "loss_type": "dr_grpo"}}, "num_iterations, loss_type: GRPO's"),
+    ({"config": {"workers": 2}}, "a PPO job runs on one worker"),
+    ({"config": {"lora_dropout": 0.1}}, "PPO trains without dropout"),
+    ({"config": {"batch_size": 4, "num_mini_batches": 3}}, "num_mini_batches 3 must divide"),
+    ({"config": {"gamma": 1.5}}, "gamma"),
+    ({"environment": {"url": "http://127.0.0.1:9"}}, "PPO jobs are of one turn"),
 ])
-def test_what_ppo_does_not_take_is_a_400(client, config, words):
-    res = client.post(PPO, json={"model_id": "tiny", "prompts": PROMPTS, "config": config})
+def test_what_ppo_does_not_take_is_a_400(client, body, words):
+    res = client.post(PPO, json={"model_id": "tiny", "prompts": PROMPTS, **body})
     assert res.status_code == 400 and words in res.text, res.text
