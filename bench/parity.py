@@ -315,7 +315,8 @@ def ours_ppo(model_dir: Path, init_dir: Path, head_dir: Path, prompts: list[str]
     import mlx_lm
 
     from shared.ppo_specs import PPOJobCreate
-    from worker.kinds.ppo import PPOTrainer, new_head, save_head
+    from worker.kinds.ppo import PPOTrainer
+    from worker.kinds.reward_head import new_head, save_head
     from worker.rewards.scorer import build_scorer
     from worker.runtime.adapter_layers import attach_adapter
     from worker.runtime.train_core import TrainState

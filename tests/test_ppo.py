@@ -144,8 +144,10 @@ def test_ppo_raises_its_reward_against_an_lr_0_control_and_resumes_after_kill_9(
     drawn = {m for c in kind["charts"] for m in c["metrics"] if "*" not in m and not m.startswith("val_")}
     assert kind["step_event"] == "ppo_step" and kind["headline"] == "reward" and drawn <= last.keys(), drawn - last.keys()
 
-    control = submit(client, {"config": {**LEARN, "iters": 6, "learning_rate": 0.0}})
+    control = submit(client, {"config": {**LEARN, "iters": 6, "learning_rate": 0.0}, "validation_prompts": PROMPTS[:2]})
     wait_done(stack, PPO, control, timeout=240)
+    evals = [e for _, e in read_events(stack.redis, control, count=1000) if e["type"] == "eval"]
+    assert [e["iter"] for e in evals] == [0, 1, 6] and all(0 <= e["val_reward"] <= 10 for e in evals)
     learned = [h["reward"] for h in history]
     frozen = [h["reward"] for h in client.get(f"{PPO}/{control}/history").json()["history"]]
     print(f"\nPPO reward: lr 5e-2 {learned[0]:.2f} -> {np.mean(learned[-4:]):.2f}; lr 0 {frozen[0]:.2f} -> {np.mean(frozen[-4:]):.2f}")
