@@ -1,8 +1,9 @@
 """Parity of the kinds with the trainers users compare them to, measured in one run: DPO against
-TRL's DPOTrainer, SFT against mlx_lm's own LoRA trainer (`mlx_lm lora`), PPO against TRL's
-PPOTrainer.
+TRL's DPOTrainer, SFT against mlx_lm's own LoRA trainer (`mlx_lm lora`), RLOO against TRL's
+RLOOTrainer, PPO against TRL's PPOTrainer.
 
-    python bench/parity.py --trl-python /path/to/trl-env/bin/python [--trl-ppo-path DIR] [--steps 40] [--json OUT.json] [--only-ppo]
+    python bench/parity.py --trl-python /path/to/trl-env/bin/python [--trl-ppo-path DIR] [--steps 40] [--json OUT.json]
+                           [--only-rloo | --only-ppo]
 
 The TRL side needs torch, transformers, peft, datasets and trl (TRL 1.16 measured), which are
 not this project's dependencies: install them into an environment of their own and name its
@@ -22,6 +23,19 @@ sum the completion tokens' log-probs (EOS included). The tokens must agree: it c
 TRL's tokenised prompt / chosen / rejected rows are this project's (worker/runtime/logprobs.py).
 Printed: each step's loss and rewards/margins on both sides, the largest relative loss
 deviation, and the last step's margin on both sides.
+
+RLOO: TRL's RLOOTrainer samples its own completions, so no run of it can sample what this
+project's does. This project's RLOO trainer (worker/kinds/rloo.py) runs as its job does (the
+initial adapter, the default reward: length in characters) in this process, where its sampled
+tokens can be read; TRL's (`parity.py trl-rloo SPEC OUT`), from the same initial LoRA, replays each
+step: its prompts in order (prompts of one token length: no left padding), its completion
+tokens (EOS included) as TRL's generation, its rewards as TRL's reward function. The same
+hyperparameters: group 4, batch 2, beta 0.05, epsilon 0.2, lr 5e-3 constant, TRL's AdamW,
+clipping at 1, temperature 1, num_iterations 2 (an on-policy update's loss is 0 on both sides;
+the second update's is compared: this project reports a step's last update). TRL's reference is
+a copy of the initial adapter, here the base model: the same, as a fresh LoRA's B is 0. Printed:
+each step's loss and kl on both sides and the largest relative deviations; TRL's tokenised
+prompts are checked to be this project's.
 
 PPO: TRL 1.16 has no PPOTrainer (1.13 removed trl.experimental.ppo); `--trl-ppo-path DIR` names
 a directory with TRL 1.12 (`pip install --no-deps --target DIR trl==1.12.0`), put first on the
@@ -75,6 +89,11 @@ LORA = {"lora_layers": -1, "lora_rank": 8, "lora_alpha": 2.0}
 DPO_CONFIG = {**LORA, "learning_rate": 5e-3, "beta": 0.1, "batch_size": 4, "lr_scheduler": "constant",
               "max_grad_norm": 1.0, "weight_decay": 0.0, "steps_per_report": 1}
 SFT_CONFIG = {**LORA, "learning_rate": 1e-3, "steps_per_report": 5, "steps_per_eval": 1000, "val_batches": 1}
+# num_iterations 2: an on-policy RLOO update's loss is 0 (a group's leave-one-out advantages sum to 0),
+# the second update's on the same completions is not.
+RLOO_CONFIG = {**LORA, "group_size": 4, "batch_size": 2, "num_iterations": 2, "beta": 0.05, "learning_rate": 5e-3,
+               "lr_scheduler": "constant", "max_grad_norm": 1.0, "weight_decay": 0.0, "max_completion_len": 16,
+               "temperature": 1.0, "clip_ratio": 0.2, "seed": 0}
 # TRL's PPO loop does not clip gradients: max_grad_norm null here. Seed 2: its first row to end before
 # max_completion_len comes at step 21 (seed 0: 18, 1: 9, 3: 0); the PPO section of the docstring says why it matters.
 PPO_CONFIG = {**LORA, "batch_size": 4, "max_completion_len": 12, "temperature": 1.0, "learning_rate": 1e-3, "seed": 2,
@@ -185,6 +204,59 @@ def our_tokens(model_dir: Path, rows: list[dict]) -> list[dict]:
     return out
 
 
+def one_length_prompts(model_dir: Path) -> list[str]:
+    """Prompts of one token length: no left padding, whose positions the two sides would count otherwise."""
+    import mlx_lm
+
+    _, tokenizer = mlx_lm.load(str(model_dir))
+    by_length: dict[int, list[str]] = {}
+    for word in WORDS:
+        prompt = f"Say something about {word}."
+        by_length.setdefault(len(tokenizer.encode(prompt)), []).append(prompt)
+    return max(by_length.values(), key=len)
+
+
+def ours_rloo(model_dir: Path, init_dir: Path, prompts: list[str], steps: int) -> tuple[list[dict], list[dict]]:
+    """This project's RLOO trainer (worker/kinds/rloo.py) as an RLOO job runs it (grpo_job.load: the
+    initial adapter, the job's reward sources: here the default, length in characters), in this
+    process so that its sampled tokens can be read: each step's metrics, and what it sampled and
+    scored (prompt indices, prompt and completion token ids, rewards) for TRL to replay."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from shared.reinforce_specs import RLOOJobCreate
+    from worker.kinds.rloo import RLOOTrainer
+    from worker.rewards.scorer import build_scorer
+    from worker.runtime.adapter_layers import attach_adapter
+    from worker.runtime.train_core import TrainState
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    spec = RLOOJobCreate(model_id=model_dir.name, prompts=prompts, config={**RLOO_CONFIG, "iters": steps})
+    mx.random.seed(spec.config.seed)
+    attach_adapter(model, spec.config, init=init_dir)
+    replay: list[dict] = []
+    with build_scorer(spec, "parity") as scorer:
+        trainer = RLOOTrainer(model, tokenizer, spec, scorer)
+        rollout, score = trainer.rollout, trainer.score
+
+        def recorded_rollout(step, should_stop):
+            r = rollout(step, should_stop)
+            tokens = r.samples.tokens.tolist()
+            replay.append({"prompt_indices": r.indices, "prompt_ids": r.prompt_ids,
+                           "completions": [row[:n] for row, n in zip(tokens, r.lengths)]})
+            return r
+
+        def recorded_score(r, step, should_stop):
+            rewards, metrics = score(r, step, should_stop)
+            replay[-1]["rewards"] = rewards.tolist()
+            return rewards, metrics
+
+        trainer.rollout, trainer.score = recorded_rollout, recorded_score
+        state = TrainState()
+        metrics = [trainer.step(state, lambda: False)[0] for _ in range(steps)]
+    return [{"loss": m["loss"], "kl": m["kl"]} for m in metrics], replay
+
+
 def sft_rows(model_dir: Path, n: int) -> tuple[list[dict], int]:
     """n text rows of one token length (EOS included, as mlx_lm's TextDataset adds it), and that length."""
     import random
@@ -291,19 +363,84 @@ def trl_dpo(spec_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps({"steps": steps, "tokens": tokens}))
 
 
+def trl_rloo(spec_path: str, out_path: str) -> None:
+    """TRL's RLOOTrainer from the spec's initial LoRA, generating nothing: each generation replays
+    this project's step (its prompts in order, its sampled completion tokens, EOS included, and
+    their rewards). Its per-step logs and its tokenised prompts."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import RLOOConfig, RLOOTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    model, tokenizer = peft_model(spec)
+    config, replay = spec["config"], spec["replay"]
+    rows = [{"prompt": spec["prompts"][i]} for step in replay for i in step["prompt_indices"]]
+    calls = {"generate": 0, "reward": 0}
+    prompt_ids: list[list[list[int]]] = []
+
+    def replayed_rewards(prompts, completions, **kwargs):
+        step = replay[calls["reward"]]
+        calls["reward"] += 1
+        return [r for group in step["rewards"] for r in group]
+
+    class Replayed(RLOOTrainer):
+        def _generate_single_turn(self, ids, images, multimodal_fields):
+            prompt_ids.append([list(p) for p in ids])
+            step = replay[calls["generate"]]
+            calls["generate"] += 1
+            return [list(c) for c in step["completions"]]
+
+    G, mu = config["group_size"], config["num_iterations"]
+    args = RLOOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=config["batch_size"] * G,
+                      num_generations=G, num_iterations=mu, beta=config["beta"], epsilon=config["clip_ratio"],
+                      normalize_advantages=False, max_steps=len(replay) * mu, learning_rate=config["learning_rate"],
+                      lr_scheduler_type=config["lr_scheduler"], warmup_steps=0, max_grad_norm=config["max_grad_norm"],
+                      weight_decay=config["weight_decay"], adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                      max_completion_length=config["max_completion_len"], temperature=config["temperature"], top_p=1.0,
+                      top_k=0, shuffle_dataset=False, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                      bf16=False, fp16=False, gradient_checkpointing=False, seed=0)
+    steps: list[dict] = []
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                steps.append({"loss": logs["loss"], "kl": logs.get("kl")})
+
+    trainer = Replayed(model=model, reward_funcs=replayed_rewards, args=args, train_dataset=Dataset.from_list(rows),
+                       processing_class=tokenizer, callbacks=[Logs()])
+    trainer.train()
+    Path(out_path).write_text(json.dumps({"steps": steps, "prompt_ids": prompt_ids}))
+
+
+def rloo_parity(trl_python: str, work: Path, model_dir: Path, steps: int) -> dict:
+    """RLOO against TRL's RLOOTrainer on this project's sampled completions, replayed (above)."""
+    prompts = one_length_prompts(model_dir)
+    ours, replay = ours_rloo(model_dir, work / "init", prompts, steps)
+    spec = work / "trl_rloo_spec.json"
+    spec.write_text(json.dumps({"model_dir": str(model_dir), "init_dir": str(work / "init"), "prompts": prompts,
+                                "replay": replay, "config": RLOO_CONFIG}))
+    res = subprocess.run([trl_python, __file__, "trl-rloo", str(spec), str(work / "trl_rloo.json")],
+                         capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-4000:]
+    trl = json.loads((work / "trl_rloo.json").read_text())
+    for k, step in enumerate(replay):
+        ids = [p for p in step["prompt_ids"] for _ in range(RLOO_CONFIG["group_size"])]
+        assert sorted(trl["prompt_ids"][k]) == sorted(ids), f"TRL tokenises step {k}'s prompts otherwise"
+    mu = RLOO_CONFIG["num_iterations"]
+    # This project reports a step's last update; TRL logs every update, the KL at a step's first.
+    theirs = [{"loss": trl["steps"][k * mu + mu - 1]["loss"], "kl": trl["steps"][k * mu]["kl"]} for k in range(len(ours))]
+    first_updates = [trl["steps"][k * mu]["loss"] for k in range(len(ours))]
+    deviation = [abs(o["loss"] - t["loss"]) / abs(t["loss"]) for o, t in zip(ours, theirs)]
+    kl_deviation = [abs(o["kl"] - t["kl"]) / abs(t["kl"]) for o, t in zip(ours[1:], theirs[1:])]  # step 0's is ~0
+    print(f"RLOO, {steps} steps of {mu} updates: step  loss of the last update (this project, TRL)  kl (this project, TRL)")
+    for k, (o, t) in enumerate(zip(ours, theirs)):
+        print(f"  {k:>3}  {o['loss']:+.6f} {t['loss']:+.6f}  {o['kl']:+.6f} {t['kl']:+.6f}")
+    return {"steps": len(ours), "trl_updates": len(trl["steps"]), "max_loss_deviation": max(deviation),
+            "max_kl_deviation": max(kl_deviation), "largest_first_update_loss": max(abs(x) for x in first_updates),
+            "losses": [[o["loss"], t["loss"]] for o, t in zip(ours, theirs)]}
+
+
 # --------------------------------------------------------------------------- PPO (both sides)
-
-
-def one_length_prompts(model_dir: Path) -> list[str]:
-    """Prompts of one token length: no left padding, whose positions the two sides would count otherwise."""
-    import mlx_lm
-
-    _, tokenizer = mlx_lm.load(str(model_dir))
-    by_length: dict[int, list[str]] = {}
-    for word in WORDS:
-        prompt = f"Say something about {word}."
-        by_length.setdefault(len(tokenizer.encode(prompt)), []).append(prompt)
-    return max(by_length.values(), key=len)
 
 
 def ours_ppo(model_dir: Path, init_dir: Path, head_dir: Path, prompts: list[str], steps: int) -> tuple[list[dict], list[dict]]:
@@ -486,6 +623,9 @@ def main() -> int:
     if sys.argv[1:2] == ["trl-dpo"]:
         trl_dpo(*sys.argv[2:4])
         return 0
+    if sys.argv[1:2] == ["trl-rloo"]:
+        trl_rloo(*sys.argv[2:4])
+        return 0
     if sys.argv[1:2] == ["trl-ppo"]:
         trl_ppo(*sys.argv[2:4])
         return 0
@@ -494,6 +634,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--pairs", type=int, default=16)
     ap.add_argument("--json", help="write the figures here too")
+    ap.add_argument("--only-rloo", action="store_true", help="only the RLOO comparison")
     ap.add_argument("--trl-ppo-path", default="", help="a directory with TRL 1.12 (`pip install --no-deps --target DIR "
                     "trl==1.12.0`): TRL 1.13 removed PPOTrainer")
     ap.add_argument("--only-ppo", action="store_true", help="only the PPO comparison")
@@ -519,6 +660,14 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"ppo": ppo}, indent=2))
         return 0 if ppo["max_loss_deviation"] <= 0.02 else 1
+    rloo = rloo_parity(args.trl_python, work, model_dir, args.steps)
+    rloo_line = (f"RLOO: largest per-step loss deviation {rloo['max_loss_deviation']:.2%} (kl {rloo['max_kl_deviation']:.2%}); "
+                 f"first updates' losses at most {rloo['largest_first_update_loss']:.1e} (on-policy: 0)")
+    if args.only_rloo:
+        print(rloo_line)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rloo": rloo}, indent=2))
+        return 0 if rloo["max_loss_deviation"] <= 0.02 else 1
     rows = pairs(args.pairs)
     ordered = [rows[i] for i in batch_order(len(rows), DPO_CONFIG["batch_size"], args.steps)]
 
@@ -559,7 +708,7 @@ def main() -> int:
                        "final_margin": [ours[-1]["margin"], trl["steps"][-1]["margin"]],
                        "final_margin_deviation": abs(ours[-1]["margin"] - trl["steps"][-1]["margin"]) / abs(trl["steps"][-1]["margin"]),
                        "first_logps_chosen": [ours[0]["logps_chosen"], trl["steps"][0]["logps_chosen"]]},
-               "sft": {}, "ppo": ppo}
+               "sft": {}, "rloo": rloo, "ppo": ppo}
     print(f"DPO, {args.steps} steps: step  loss (this project, TRL)  rewards/margins (this project, TRL)")
     for k, (o, t) in enumerate(zip(ours, trl["steps"])):
         print(f"  {k:>3}  {o['loss']:.4f} {t['loss']:.4f}  {o['margin']:+.4f} {t['margin']:+.4f}")
@@ -575,12 +724,14 @@ def main() -> int:
           f"vs {d['final_loss'][1]:.4f}")
     for name, f in figures["sft"].items():
         print(f"SFT ({name}): largest per-report train loss deviation from mlx_lm lora {f['max_deviation']:.3%}")
+    print(rloo_line)
     print(ppo_line)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     ok = d["max_loss_deviation"] <= 0.02 and d["final_margin_deviation"] <= 0.05 and \
-        all(f["max_deviation"] <= 0.01 for f in figures["sft"].values()) and ppo["max_loss_deviation"] <= 0.02
-    print("parity: " + ("within 2% (DPO and PPO loss), 5% (DPO margin), 1% (SFT loss)" if ok else "NOT within the bounds"))
+        all(f["max_deviation"] <= 0.01 for f in figures["sft"].values()) and rloo["max_loss_deviation"] <= 0.02 and \
+        ppo["max_loss_deviation"] <= 0.02
+    print("parity: " + ("within 2% (DPO, RLOO and PPO loss), 5% (DPO margin), 1% (SFT loss)" if ok else "NOT within the bounds"))
     return 0 if ok else 1
 
 

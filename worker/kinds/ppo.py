@@ -64,7 +64,7 @@ from mlx.utils import tree_map
 from shared.adapters import HEAD_FILE, init_adapter_dir
 from shared.metrics import recorder
 from shared.ppo_specs import PPOJobCreate
-from worker.kinds.grpo import GRPOTrainer, make_batch, samples_event, step_metrics
+from worker.kinds.grpo import GRPOTrainer, samples_event, step_metrics
 from worker.kinds.grpo_job import MarkedScorer
 from worker.kinds.reward_head import RewardModel, load_head, new_head, save_head
 from worker.rewards.scorer import build_scorer
@@ -204,8 +204,7 @@ class PPOTrainer(GRPOTrainer):
         if cfg.missing_eos_penalty is not None:
             scores = scores - cfg.missing_eos_penalty * ~np.array(rollout.ended)
 
-        batch = make_batch(rollout.prompt_ids, rollout.samples, rollout.mask, np.zeros(len(scores)), rollout.rows_per_prompt,
-                           rollout.width)
+        batch = self.loss_batch(rollout)  # beta is 0: no reference pass there (kl_coef's is below)
         mask = np.array(batch.mask, dtype=np.float64)
         old_logp, old_values = self.rollout_values(batch)
         if cfg.kl_coef > 0:
@@ -222,7 +221,7 @@ class PPOTrainer(GRPOTrainer):
         advantages = masked_whiten(advantages, mask) * mask
         as_mx = functools.partial(mx.array, dtype=mx.float32)
         arrays = (as_mx(old_logp), as_mx(values), as_mx(advantages), as_mx(returns))
-        updates, grad_norm = self.update(batch, arrays, state.step, should_stop, on_finite_loss)
+        updates, grad_norm = self.ppo_updates(batch, arrays, state.step, should_stop, on_finite_loss)
 
         tokens = sum(rollout.lengths) + sum(len(p) for p in rollout.prompt_ids) * rollout.rows_per_prompt
         state.num_tokens += tokens
@@ -246,8 +245,8 @@ class PPOTrainer(GRPOTrainer):
         state.step += 1
         return metrics, samples_event(rollout, rewards)
 
-    def update(self, batch, arrays: tuple[mx.array, ...], step: int, should_stop: Callable[[], bool],
-               on_finite_loss: Callable[[], None]) -> tuple[list[dict[str, float]], mx.array]:
+    def ppo_updates(self, batch, arrays: tuple[mx.array, ...], step: int, should_stop: Callable[[], bool],
+                    on_finite_loss: Callable[[], None]) -> tuple[list[dict[str, float]], mx.array]:
         """Phase 4: num_ppo_epochs x num_mini_batches updates. Returns each update's loss and
         statistics, and the last one's gradient norm."""
         cfg = self.cfg
