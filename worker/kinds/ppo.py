@@ -185,6 +185,7 @@ class PPOTrainer(GRPOTrainer):
         return logp, module.head(mx.stop_gradient(hidden).astype(mx.float32))[..., 0]
 
     def rollout_values(self, batch) -> tuple[np.ndarray, np.ndarray]:
+        """Phase 3's old_logp and V at the rollout's weights (no gradient), micro-batch by micro-batch."""
         parts = []
         for rows in self.micro_batches(batch):
             part = self.policy_and_values(self.module, batch.inputs[rows], batch.left_pad[rows], batch.completion[rows])
@@ -255,7 +256,7 @@ class PPOTrainer(GRPOTrainer):
         shuffle = np.random.RandomState(step_seed(cfg.seed, step) % 2**32)  # as before on resume
         updates, grad_norm = [], None
         self.model.train()
-        for epoch in range(cfg.num_ppo_epochs):
+        for _ in range(cfg.num_ppo_epochs):
             order = shuffle.permutation(n)
             for j in range(cfg.num_mini_batches):
                 if updates and should_stop():
