@@ -1,8 +1,9 @@
 """Parity of the kinds with the trainers users compare them to, measured in one run: DPO against
 TRL's DPOTrainer, SFT against mlx_lm's own LoRA trainer (`mlx_lm lora`), RLOO against TRL's
-RLOOTrainer.
+RLOOTrainer, PPO against TRL's PPOTrainer, Online DPO and XPO against TRL's OnlineDPOTrainer.
 
-    python bench/parity.py --trl-python /path/to/trl-env/bin/python [--steps 40] [--json OUT.json] [--only-rloo]
+    python bench/parity.py --trl-python /path/to/trl-env/bin/python [--trl-ppo-path DIR] [--steps 40] [--json OUT.json]
+                           [--only-rloo | --only-ppo]
     python bench/parity.py online --trl-python /path/to/trl-env/bin/python [--steps 24] [--json OUT.json]
 
 The second runs Online DPO and XPO against TRL's OnlineDPOTrainer (online_main below says how).
@@ -38,6 +39,27 @@ the second update's is compared: this project reports a step's last update). TRL
 a copy of the initial adapter, here the base model: the same, as a fresh LoRA's B is 0. Printed:
 each step's loss and kl on both sides and the largest relative deviations; TRL's tokenised
 prompts are checked to be this project's.
+
+PPO: TRL 1.16 has no PPOTrainer (1.13 removed trl.experimental.ppo); `--trl-ppo-path DIR` names
+a directory with TRL 1.12 (`pip install --no-deps --target DIR trl==1.12.0`), put first on the
+TRL interpreter's path. PPO samples its own completions, so the two sides cannot sample alike:
+this project's PPO trainer (worker/kinds/ppo.py) runs as a PPO job does, in this process, where
+its samples can be read, and TRL's (`parity.py trl-ppo SPEC OUT`) replays each step: its
+generation gives back this project's completion tokens (with the policy's logits on them), its
+reward model their scores (a tenth of the length in characters). The same initial LoRA and value
+head (a linear head, weight 0, on the policy's last hidden state with its gradient stopped:
+TRL's value model is given exactly that), prompts of one token length, a pad token no row
+holds, and the same hyperparameters: batch 4, 12 tokens, temperature 1, kl_coef 0.05 (k1),
+cliprange 0.2, cliprange_value 0.2, vf_coef 0.1, gamma 1, lam 0.95, 4 PPO epochs of 1
+minibatch, lr 1e-3 constant, TRL's AdamW, no gradient clipping (TRL's loop has none). Compared:
+each step's loss (loss/policy_avg + vf_coef loss/value_avg, the mean over its updates), value
+loss, policy loss and approxkl, over the steps before the first completion that ends before
+max_completion_len: there TRL's code puts the score one position past the EOS and trains a value
+there, this project at the EOS (docs/kinds.md#ppo); the run says where that step is and the
+deviation over all steps. Seed 2's first such completion is at step 21. At lr 5e-3 (seed 0) the
+two sides agree to 1e-5 for 8 steps and part at the ninth (approxkl 6% apart, every clip
+decision the same), where two TRL runs (of 12 and of 20 steps) replaying the same rollouts part
+from each other too (value loss 4.12 and 4.20 at step 10).
 
 SFT: an mlx_lm data directory (train.jsonl and valid.jsonl, text rows) trained by an SFT job that
 names it by path and by `mlx_lm lora --data DIR` from the same initial adapter (init_adapter /
@@ -75,6 +97,13 @@ SFT_CONFIG = {**LORA, "learning_rate": 1e-3, "steps_per_report": 5, "steps_per_e
 RLOO_CONFIG = {**LORA, "group_size": 4, "batch_size": 2, "num_iterations": 2, "beta": 0.05, "learning_rate": 5e-3,
                "lr_scheduler": "constant", "max_grad_norm": 1.0, "weight_decay": 0.0, "max_completion_len": 16,
                "temperature": 1.0, "clip_ratio": 0.2, "seed": 0}
+# TRL's PPO loop does not clip gradients: max_grad_norm null here. Seed 2: its first row to end before
+# max_completion_len comes at step 21 (seed 0: 18, 1: 9, 3: 0); the PPO section of the docstring says why it matters.
+PPO_CONFIG = {**LORA, "batch_size": 4, "max_completion_len": 12, "temperature": 1.0, "learning_rate": 1e-3, "seed": 2,
+              "lr_scheduler": "constant", "max_grad_norm": None, "weight_decay": 0.0, "kl_coef": 0.05, "cliprange": 0.2,
+              "cliprange_value": 0.2, "vf_coef": 0.1, "gamma": 1.0, "lam": 0.95, "num_ppo_epochs": 4, "num_mini_batches": 1}
+PPO_REWARD = [{"type": "length", "weight": 0.1}]  # a tenth of the length in characters
+PPO_COMPARED = ("loss", "loss/policy_avg", "loss/value_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/clipfrac_avg")
 
 
 def pairs(n: int) -> list[dict]:
@@ -600,6 +629,182 @@ def online_main(argv: list[str]) -> int:
     return 0 if ok else 1
 
 
+# --------------------------------------------------------------------------- PPO (both sides)
+
+
+def ours_ppo(model_dir: Path, init_dir: Path, head_dir: Path, prompts: list[str], steps: int) -> tuple[list[dict], list[dict]]:
+    """This project's PPO trainer (worker/kinds/ppo.py) as a PPO job runs it (ppo.load: the initial
+    adapter, a fresh value head, saved into head_dir for TRL), in this process so that its sampled
+    tokens can be read: each step's metrics, and each step's prompt and completion token ids and
+    scores, for TRL to replay."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from shared.ppo_specs import PPOJobCreate
+    from worker.kinds.ppo import PPOTrainer
+    from worker.kinds.reward_head import new_head, save_head
+    from worker.rewards.scorer import build_scorer
+    from worker.runtime.adapter_layers import attach_adapter
+    from worker.runtime.train_core import TrainState
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    spec = PPOJobCreate(model_id=model_dir.name, prompts=prompts, reward=PPO_REWARD, config={**PPO_CONFIG, "iters": steps})
+    mx.random.seed(spec.config.seed)
+    attach_adapter(model, spec.config, init=init_dir)
+    head = new_head(model)
+    head_dir.mkdir(parents=True)
+    save_head(head, head_dir)
+    replay: list[dict] = []
+    with build_scorer(spec, "parity") as scorer:
+        trainer = PPOTrainer(model, tokenizer, spec, scorer, head)
+        rollout, score = trainer.rollout, trainer.score
+
+        def recorded_rollout(step, should_stop):
+            r = rollout(step, should_stop)
+            tokens = r.samples.tokens.tolist()
+            replay.append({"prompt_ids": r.prompt_ids, "completions": [row[:n] for row, n in zip(tokens, r.lengths)]})
+            return r
+
+        def recorded_score(r, step, should_stop):
+            rewards, metrics = score(r, step, should_stop)
+            replay[-1]["scores"] = rewards.reshape(-1).tolist()
+            return rewards, metrics
+
+        trainer.rollout, trainer.score = recorded_rollout, recorded_score
+        state = TrainState()
+        metrics = [trainer.step(state, lambda: False)[0] for _ in range(steps)]
+    return [{k: m[k] for k in PPO_COMPARED} for m in metrics], replay
+
+
+def trl_ppo(spec_path: str, out_path: str) -> None:
+    """TRL's PPOTrainer (TRL 1.12's trl.experimental.ppo: TRL 1.13 removed it) from the spec's
+    initial LoRA and value head, replaying this project's rollouts: its generation gives back
+    this project's completion tokens (and the policy's logits on them), its reward model their
+    scores. The value model is this project's: a linear head on the policy's last hidden state,
+    its gradient stopped (worker/kinds/ppo.py). Its per-step logs."""
+    from types import SimpleNamespace
+
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer, ppo_trainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    policy, tokenizer = peft_model(spec)
+    config, replay = spec["config"], iter(spec["replay"])
+    used = {t for step in spec["replay"] for row in step["prompt_ids"] + step["completions"] for t in row}
+    tokenizer.pad_token_id = min(set(range(len(tokenizer))) - used)  # a pad token no row holds: nothing masked
+    pad, length, temperature = tokenizer.pad_token_id, config["max_completion_len"], config["temperature"]
+
+    class Trunk(torch.nn.Module):
+        """The policy's last hidden states (after its final norm), detached."""
+
+        def forward(self, **kwargs):
+            return SimpleNamespace(hidden_states=(policy(**kwargs).hidden_states[-1].detach(),))
+
+    class Critic(torch.nn.Module):
+        base_model_prefix = "trunk"
+
+        def __init__(self):
+            super().__init__()
+            self.trunk = Trunk()
+            head = load_file(str(Path(spec["head_dir"]) / "value_head.safetensors"))
+            self.score = torch.nn.Linear(head["weight"].shape[1], 1)
+            with torch.no_grad():
+                self.score.weight.copy_(head["weight"])
+                self.score.bias.copy_(head["bias"])
+
+    reward_model = torch.nn.Linear(1, 1)  # never run: its scores are replayed
+    step_scores: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def replayed_generation(model, queries, batch_size, pad_token_id, generation_config):
+        step = next(replay)
+        rows = [p + c + [pad] * (length - len(c)) for p, c in zip(step["prompt_ids"], step["completions"])]
+        query_responses = torch.tensor(rows)
+        assert query_responses.shape[1] == queries.shape[1] + length
+        step_scores.append(torch.tensor(step["scores"], dtype=torch.float32))
+        logits = ppo_trainer.forward(model, query_responses, pad).logits[:, queries.shape[1] - 1:-1]
+        return query_responses, logits / (temperature + 1e-7)
+
+    def replayed_reward(model, query_responses, pad_token_id, context_length):
+        if model is reward_model:
+            return None, step_scores[-1], None
+        return real_reward(model, query_responses, pad_token_id, context_length)
+
+    real_reward = ppo_trainer.get_reward
+    ppo_trainer.batch_generation, ppo_trainer.get_reward = replayed_generation, replayed_reward
+    batch = config["batch_size"]
+    args = PPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+                     num_mini_batches=config["num_mini_batches"], total_episodes=spec["steps"] * batch,
+                     num_ppo_epochs=config["num_ppo_epochs"], learning_rate=config["learning_rate"],
+                     lr_scheduler_type=config["lr_scheduler"], warmup_steps=0, weight_decay=config["weight_decay"],
+                     adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, kl_coef=config["kl_coef"], kl_estimator="k1",
+                     cliprange=config["cliprange"], cliprange_value=config["cliprange_value"], vf_coef=config["vf_coef"],
+                     gamma=config["gamma"], lam=config["lam"], whiten_rewards=False, temperature=temperature,
+                     response_length=length, stop_token=None, missing_eos_penalty=None, num_sample_generations=0,
+                     local_rollout_forward_batch_size=batch, logging_steps=1, report_to=[], save_strategy="no",
+                     use_cpu=True, bf16=False, fp16=False, seed=0)
+    steps: list[dict] = []
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss/policy_avg" in logs:
+                steps.append({k: logs[k] for k in PPO_COMPARED if k != "loss"})
+
+    prompts = Dataset.from_list([{"input_ids": ids} for ids in spec["prompt_ids"]])
+    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=None, reward_model=reward_model,
+                         train_dataset=prompts, value_model=Critic(), eval_dataset=prompts, callbacks=[Logs()])
+    trainer.train()
+    with torch.no_grad():  # the trunk is what the head reads: the hidden state the output head reads
+        ids = torch.tensor(spec["prompt_ids"][:1])
+        out = policy(input_ids=ids, output_hidden_states=True)
+        assert torch.allclose(policy.get_output_embeddings()(out.hidden_states[-1]), out.logits, atol=1e-4)
+    for s in steps:
+        s["loss"] = s["loss/policy_avg"] + config["vf_coef"] * s["loss/value_avg"]
+    Path(out_path).write_text(json.dumps({"steps": steps}))
+
+
+def ppo_parity(trl_python: str, trl_ppo_path: str, work: Path, model_dir: Path, steps: int) -> dict:
+    """TRL's PPOTrainer replaying this project's PPO rollouts from the same initial LoRA and head:
+    the per-step losses on both sides and their largest relative deviations. trl_ppo_path: a
+    directory holding TRL 1.12 (put first on the TRL interpreter's path), or "" when its own TRL has PPO."""
+    import mlx_lm
+
+    prompts = one_length_prompts(model_dir)
+    ours, replay = ours_ppo(model_dir, work / "init", work / "ppo-head", prompts, steps)
+    _, tokenizer = mlx_lm.load(str(model_dir))
+    spec = work / "trl_ppo_spec.json"
+    spec.write_text(json.dumps({"model_dir": str(model_dir), "init_dir": str(work / "init"), "head_dir": str(work / "ppo-head"),
+                                "steps": steps, "config": PPO_CONFIG, "replay": replay,
+                                "prompt_ids": [tokenizer.encode(p) for p in prompts]}))
+    env = {**os.environ, "PYTHONPATH": trl_ppo_path, "TRL_EXPERIMENTAL_SILENCE": "1"}
+    res = subprocess.run([trl_python, __file__, "trl-ppo", str(spec), str(work / "trl_ppo.json")],
+                         capture_output=True, text=True, timeout=1800, env=env)
+    assert res.returncode == 0, res.stderr[-4000:]
+    trl = json.loads((work / "trl_ppo.json").read_text())["steps"]
+    length = PPO_CONFIG["max_completion_len"]
+    ended = sum(len(c) < length for step in replay for c in step["completions"])
+    print(f"PPO, {len(ours)} steps: step  loss  loss/value_avg  loss/policy_avg (this project, TRL)")
+    for k, (o, t) in enumerate(zip(ours, trl)):
+        print(f"  {k:>3}  {o['loss']:.5f} {t['loss']:.5f}  {o['loss/value_avg']:.5f} {t['loss/value_avg']:.5f}  "
+              f"{o['loss/policy_avg']:+.6f} {t['loss/policy_avg']:+.6f}")
+
+    # The steps before the first row that ended early (there the two conventions part: the docstring).
+    first_ended = next((k for k, step in enumerate(replay) if any(len(c) < length for c in step["completions"])), len(replay))
+    compared = list(zip(ours, trl))
+
+    def deviation(key, upto=first_ended):
+        return max(abs(o[key] - t[key]) / abs(t[key]) for o, t in compared[:upto])
+
+    return {"steps": len(ours), "trl_steps": len(trl), "rows_ended_early": ended, "first_step_with_an_ended_row": first_ended,
+            "max_loss_deviation": deviation("loss"), "max_value_loss_deviation": deviation("loss/value_avg"),
+            "max_policy_loss_difference": max(abs(o["loss/policy_avg"] - t["loss/policy_avg"]) for o, t in compared[:first_ended]),
+            "max_approxkl_deviation": deviation("policy/approxkl_avg"),
+            "max_loss_deviation_all_steps": deviation("loss", len(compared)), "steps_compared": [list(p) for p in compared]}
+
+
 # --------------------------------------------------------------------------- the comparison
 
 
@@ -613,6 +818,9 @@ def main() -> int:
     if sys.argv[1:2] == ["trl-online"]:
         trl_online(*sys.argv[2:5])
         return 0
+    if sys.argv[1:2] == ["trl-ppo"]:
+        trl_ppo(*sys.argv[2:4])
+        return 0
     if sys.argv[1:2] == ["online"]:
         return online_main(sys.argv[2:])
     ap = argparse.ArgumentParser()
@@ -621,6 +829,9 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=16)
     ap.add_argument("--json", help="write the figures here too")
     ap.add_argument("--only-rloo", action="store_true", help="only the RLOO comparison")
+    ap.add_argument("--trl-ppo-path", default="", help="a directory with TRL 1.12 (`pip install --no-deps --target DIR "
+                    "trl==1.12.0`): TRL 1.13 removed PPOTrainer")
+    ap.add_argument("--only-ppo", action="store_true", help="only the PPO comparison")
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
@@ -632,6 +843,17 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="mtq-parity-"))
     model_dir = make_model(work / "models" / "tiny", size="tiny", seed=0)
     init_archive = initial_adapter(model_dir, work / "init")
+    ppo = ppo_parity(args.trl_python, args.trl_ppo_path, work, model_dir, args.steps)
+    ppo_line = (f"PPO: largest per-step loss deviation over its first {ppo['first_step_with_an_ended_row']} steps "
+                f"{ppo['max_loss_deviation']:.2%} (value loss {ppo['max_value_loss_deviation']:.2%}, policy loss at most "
+                f"{ppo['max_policy_loss_difference']:.1e} apart, approxkl {ppo['max_approxkl_deviation']:.2%}); over all "
+                f"{ppo['steps']}, with {ppo['rows_ended_early']} rows ended before max_completion_len, "
+                f"{ppo['max_loss_deviation_all_steps']:.2%}")
+    if args.only_ppo:
+        print(ppo_line)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"ppo": ppo}, indent=2))
+        return 0 if ppo["max_loss_deviation"] <= 0.02 else 1
     rloo = rloo_parity(args.trl_python, work, model_dir, args.steps)
     rloo_line = (f"RLOO: largest per-step loss deviation {rloo['max_loss_deviation']:.2%} (kl {rloo['max_kl_deviation']:.2%}); "
                  f"first updates' losses at most {rloo['largest_first_update_loss']:.1e} (on-policy: 0)")
@@ -680,7 +902,7 @@ def main() -> int:
                        "final_margin": [ours[-1]["margin"], trl["steps"][-1]["margin"]],
                        "final_margin_deviation": abs(ours[-1]["margin"] - trl["steps"][-1]["margin"]) / abs(trl["steps"][-1]["margin"]),
                        "first_logps_chosen": [ours[0]["logps_chosen"], trl["steps"][0]["logps_chosen"]]},
-               "sft": {}, "rloo": rloo}
+               "sft": {}, "rloo": rloo, "ppo": ppo}
     print(f"DPO, {args.steps} steps: step  loss (this project, TRL)  rewards/margins (this project, TRL)")
     for k, (o, t) in enumerate(zip(ours, trl["steps"])):
         print(f"  {k:>3}  {o['loss']:.4f} {t['loss']:.4f}  {o['margin']:+.4f} {t['margin']:+.4f}")
@@ -697,11 +919,13 @@ def main() -> int:
     for name, f in figures["sft"].items():
         print(f"SFT ({name}): largest per-report train loss deviation from mlx_lm lora {f['max_deviation']:.3%}")
     print(rloo_line)
+    print(ppo_line)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     ok = d["max_loss_deviation"] <= 0.02 and d["final_margin_deviation"] <= 0.05 and \
-        all(f["max_deviation"] <= 0.01 for f in figures["sft"].values()) and rloo["max_loss_deviation"] <= 0.02
-    print("parity: " + ("within 2% (DPO and RLOO loss), 5% (DPO margin), 1% (SFT loss)" if ok else "NOT within the bounds"))
+        all(f["max_deviation"] <= 0.01 for f in figures["sft"].values()) and rloo["max_loss_deviation"] <= 0.02 and \
+        ppo["max_loss_deviation"] <= 0.02
+    print("parity: " + ("within 2% (DPO, RLOO and PPO loss), 5% (DPO margin), 1% (SFT loss)" if ok else "NOT within the bounds"))
     return 0 if ok else 1
 
 

@@ -10,12 +10,14 @@ the lifecycle, routing and the worker read it; everything else is the same for e
     orpo    /admin/api/fine-tune/orpo/jobs    ORPOJobCreate    worker.kinds.dpo_job           supervised
     kto     /admin/api/fine-tune/kto/jobs     KTOJobCreate     worker.kinds.kto_job           supervised
     reward  /admin/api/fine-tune/reward/jobs  RewardJobCreate  worker.kinds.reward_model_job  supervised
+    ppo     /admin/api/fine-tune/ppo/jobs     PPOJobCreate     worker.kinds.ppo               grpo
     session /admin/api/fine-tune/session/jobs SessionJobCreate worker.kinds.session_job       session
     export  /admin/api/fine-tune/export/jobs  ExportJobCreate  worker.kinds.export_job        export
     online_dpo /admin/api/fine-tune/online-dpo/jobs OnlineDPOJobCreate worker.kinds.online_dpo grpo
     xpo     /admin/api/fine-tune/xpo/jobs     XPOJobCreate     worker.kinds.online_dpo        grpo
 
 A job record without a `kind` (written before there were kinds) is GRPO's (`of_record`).
+PPO is of GRPO's family: it samples and scores its completions as GRPO does.
 
 The family says how a kind's jobs are checked, estimated and answered: GRPO samples its own
 completions from prompts (its memory estimate reads the prompts and group_size; its invalid
@@ -46,6 +48,7 @@ from pydantic import BaseModel
 
 from shared.export_specs import ExportJob, ExportJobCreate
 from shared.online_specs import OnlineDPOJob, OnlineDPOJobCreate, XPOJob, XPOJobCreate
+from shared.ppo_specs import PPOJob, PPOJobCreate
 from shared.reinforce_specs import ReinforceJob, ReinforceJobCreate, RLOOJob, RLOOJobCreate
 from shared.schemas import Job, JobCreate
 from shared.session_specs import SessionJob, SessionJobCreate
@@ -77,6 +80,13 @@ class Chart:
 GRPO_CHARTS = (
     Chart("reward", ("reward", "val_reward")), Chart("reward std", ("reward_std",)), Chart("loss", ("loss",)),
     Chart("KL", ("kl",)), Chart("entropy", ("entropy",)), Chart("completion length", ("completions/mean_length",)),
+    Chart("learning rate", ("learning_rate",)), Chart("rewards by source", ("rewards/*/mean", "val_rewards/*/mean")),
+)
+# PPO's (worker/kinds/ppo.py), under TRL's names.
+PPO_CHARTS = (
+    Chart("reward", ("reward", "val_reward")), Chart("RLHF reward", ("objective/rlhf_reward", "objective/scores")),
+    Chart("loss", ("loss/policy_avg", "loss/value_avg")), Chart("KL", ("objective/kl", "policy/approxkl_avg")),
+    Chart("clip fraction", ("policy/clipfrac_avg", "val/clipfrac_avg")), Chart("completion length", ("completions/mean_length",)),
     Chart("learning rate", ("learning_rate",)), Chart("rewards by source", ("rewards/*/mean", "val_rewards/*/mean")),
 )
 # The supervised kinds': validation metrics (val_*) beside the training ones.
@@ -176,6 +186,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     _supervised(RewardJobCreate, "/admin/api/fine-tune/reward/jobs", "Reward-model jobs", "a reward-model job",
                 "worker.kinds.reward_model_job", REWARD_MODEL_CHARTS, 2, first_step=0,
                 seed_aliases=(("reward_margin", "margin"), ("acc_chosen", "accuracy"), ("n_pairs", "examples"))),
+    Kind(PPOJobCreate.kind, "/admin/api/fine-tune/ppo/jobs", "PPO jobs", "a PPO job", PPOJobCreate, PPOJob, LORA_SHAPE,
+         "worker.kinds.ppo", "grpo", PPO_CHARTS, first_step=0),
     Kind(SessionJobCreate.kind, "/admin/api/fine-tune/session/jobs", "Training sessions", "a training session",
          SessionJobCreate, SessionJob, (), "worker.kinds.session_job", "session", SESSION_CHARTS),
     Kind(ExportJobCreate.kind, "/admin/api/fine-tune/export/jobs", "Export jobs", "an export job", ExportJobCreate,
