@@ -8,6 +8,7 @@ the lifecycle, routing and the worker read it; everything else is the same for e
     orpo    /admin/api/fine-tune/orpo/jobs    ORPOJobCreate    worker.kinds.dpo_job           supervised
     kto     /admin/api/fine-tune/kto/jobs     KTOJobCreate     worker.kinds.kto_job           supervised
     reward  /admin/api/fine-tune/reward/jobs  RewardJobCreate  worker.kinds.reward_model_job  supervised
+    gkd     /admin/api/fine-tune/gkd/jobs     GKDJobCreate     worker.kinds.gkd_job           supervised
     session /admin/api/fine-tune/session/jobs SessionJobCreate worker.kinds.session_job       session
     export  /admin/api/fine-tune/export/jobs  ExportJobCreate  worker.kinds.export_job        export
 
@@ -45,6 +46,8 @@ from shared.schemas import Job, JobCreate
 from shared.session_specs import SessionJob, SessionJobCreate
 from shared.train_specs import (
     DPOJobCreate,
+    GKDJob,
+    GKDJobCreate,
     KTOJobCreate,
     ORPOJobCreate,
     PreferenceJob,
@@ -88,6 +91,9 @@ ORPO_CHARTS = (*DPO_CHARTS[:4], Chart("log odds ratio", ("log_odds_ratio", "log_
 KTO_CHARTS = (LOSS, MARGINS, REWARDS, Chart("KL estimate", ("kl", "val_kl")), LOGPS, *OPTIMIZER)
 REWARD_MODEL_CHARTS = (LOSS, Chart("accuracy", ("accuracy", "val_accuracy")), Chart("margin", ("margin", "val_margin")),
                        *OPTIMIZER)
+# GKD's loss is the generalized JSD to the teacher; on_policy: 1 for a step on the student's own samples.
+GKD_CHARTS = (LOSS, Chart("student entropy", ("entropy", "val_entropy")), Chart("on-policy steps", ("on_policy",)),
+              Chart("completion length", ("completions/mean_length",)), *OPTIMIZER)
 # A session's steps are its clients' optim_steps (the loss: of the forward_backward calls before each).
 SESSION_CHARTS = (Chart("loss", ("loss",)), *OPTIMIZER)
 
@@ -159,6 +165,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     _supervised(RewardJobCreate, "/admin/api/fine-tune/reward/jobs", "Reward-model jobs", "a reward-model job",
                 "worker.kinds.reward_model_job", REWARD_MODEL_CHARTS, 2, first_step=0,
                 seed_aliases=(("reward_margin", "margin"), ("acc_chosen", "accuracy"), ("n_pairs", "examples"))),
+    _supervised(GKDJobCreate, "/admin/api/fine-tune/gkd/jobs", "GKD jobs", "a GKD (distillation) job",
+                "worker.kinds.gkd_job", GKD_CHARTS, 1, job_model=GKDJob),
     Kind(SessionJobCreate.kind, "/admin/api/fine-tune/session/jobs", "Training sessions", "a training session",
          SessionJobCreate, SessionJob, (), "worker.kinds.session_job", "session", SESSION_CHARTS),
     Kind(ExportJobCreate.kind, "/admin/api/fine-tune/export/jobs", "Export jobs", "an export job", ExportJobCreate,

@@ -135,7 +135,8 @@ def test_a_planted_circle_is_found_through_an_import_in_a_function(tmp_path):
     assert forbidden(edges, external, ["api.routes"]) == ["shared.heavy"]
 
 
-DECODING_KINDS = ("worker.kinds.grpo", "worker.kinds.grpo_job", "worker.kinds.session_job")  # the kinds that sample
+DECODING_KINDS = ("worker.kinds.grpo", "worker.kinds.grpo_job", "worker.kinds.session_job",  # the kinds that sample
+                  "worker.kinds.gkd_job")
 LOADING = ("worker.runtime.models", "worker.runtime.memory_plan")  # what every kind loads a model with
 
 
