@@ -28,6 +28,7 @@ full-vocabulary logits of each model exist at a time, as TRL's chunked divergenc
 """
 
 import math
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,7 +45,7 @@ from worker.runtime.adapter_layers import lora_disabled
 from worker.runtime.logprobs import PaddingMaskCache, eos_token_ids, left_pad, lm_head, log_softmax
 from worker.runtime.memory_plan import logits_chunk_tokens
 from worker.runtime.models import ModelNotFound, UnsupportedBase, get_model
-from worker.runtime.train_core import step_seed
+from worker.runtime.train_core import Cancelled, step_seed
 
 # --------------------------------------------------------------------------- the math
 
@@ -94,8 +95,9 @@ def completion_hidden(model: nn.Module, inputs: mx.array, pad: mx.array, L: int)
 
 class GKDTrainer(Trainer):
     def __init__(self, model, tokenizer, spec, train: list[dict], valid: list[dict] | None, teacher: nn.Module,
-                 teacher_tokenizer):
+                 teacher_tokenizer, should_stop: Callable[[], bool] = lambda: False):
         cfg = spec.config
+        self.should_stop = should_stop  # the job's: a cancel stops sampling between its chunks
         check_same_vocabulary(model, tokenizer, spec.model_id, teacher, teacher_tokenizer, spec.teacher_model_id)
         self.teacher = teacher
         self.train_tok, n_cut = completion_rows(tokenizer, [(r["prompt"], r["completion"]) for r in train],
@@ -142,7 +144,9 @@ class GKDTrainer(Trainer):
         """The student's completion of each prompt (its EOS included when it ended)."""
         self.key, key = mx.random.split(self.key)
         self.module.eval()  # no LoRA dropout in sampling
-        samples = sample(self.module, self.decode_step, prompts, 1, self.sampling, self.eos_ids, key)
+        samples = sample(self.module, self.decode_step, prompts, 1, self.sampling, self.eos_ids, key, self.should_stop)
+        if samples is None:
+            raise Cancelled()
         return [row[:n] for row, n in zip(samples.tokens.tolist(), samples.mask.sum(axis=1).tolist())]
 
     def loss(self, model, inputs, pad, mask, teacher_hidden):
@@ -193,6 +197,6 @@ def load(job, spec, settings):
             raise ModelNotFound(f"teacher_model_id: {e}") from None
         if not cached:
             job.publish_loaded()
-        return GKDTrainer(model, tokenizer, spec, train, valid, teacher, teacher_tokenizer)
+        return GKDTrainer(model, tokenizer, spec, train, valid, teacher, teacher_tokenizer, job.should_stop)
 
     return supervised_trainer.load(job, spec, settings, make_trainer)
