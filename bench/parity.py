@@ -1,7 +1,9 @@
 """Parity of the supervised kinds with the trainers users compare them to, measured in one run:
-DPO against TRL's DPOTrainer, SFT against mlx_lm's own LoRA trainer (`mlx_lm lora`).
+DPO against TRL's DPOTrainer, SFT against mlx_lm's own LoRA trainer (`mlx_lm lora`), GKD against
+TRL's GKDTrainer.
 
     python bench/parity.py --trl-python /path/to/trl-env/bin/python [--steps 40] [--json OUT.json]
+    python bench/parity.py gkd --trl-python /path/to/trl-env/bin/python [--steps 40] [--json OUT.json]   (GKD alone)
 
 The TRL side needs torch, transformers, peft, datasets and trl (TRL 1.16 measured), which are
 not this project's dependencies: install them into an environment of their own and name its
@@ -34,6 +36,14 @@ part, 3.3% apart at the last). Compared: every report's train loss (mlx_lm print
 decimals). The rows are all of one token length and max_seq_length is that length:
 mlx_lm 0.32's default_loss counts one target past each row's end (the padding after it:
 `steps <= lengths`), which this project does not; without padding there is none to count.
+
+GKD: the tiny model as the student (the same initial LoRA as DPO's) and the tiny model made with
+seed 1 as the teacher (the same tokenizer), lmbda 0 (every step on the rows' completions: TRL
+samples with torch's generator, which no other sampler reproduces), beta 0.5 (the generalized
+JSD; `--gkd-beta`), the same optimizer as DPO's, batch 4, the rows in this project's order. TRL
+gets this project's tokens (prompt, completion + EOS) through a collator of this script's, so
+both see the same rows; it pads on the right where this project pads prompts on the left (RoPE:
+the same attention). Compared: each step's loss.
 """
 
 import argparse
@@ -53,6 +63,7 @@ LORA = {"lora_layers": -1, "lora_rank": 8, "lora_alpha": 2.0}
 DPO_CONFIG = {**LORA, "learning_rate": 5e-3, "beta": 0.1, "batch_size": 4, "lr_scheduler": "constant",
               "max_grad_norm": 1.0, "weight_decay": 0.0, "steps_per_report": 1}
 SFT_CONFIG = {**LORA, "learning_rate": 1e-3, "steps_per_report": 5, "steps_per_eval": 1000, "val_batches": 1}
+GKD_CONFIG = {**DPO_CONFIG, "lmbda": 0.0, "beta": 0.5}
 
 
 def pairs(n: int) -> list[dict]:
@@ -206,19 +217,13 @@ def mlx_lm_sft(model_dir: Path, data_dir: Path, init: Path, config: dict, optimi
 # --------------------------------------------------------------------------- TRL's side (run by --trl-python)
 
 
-def trl_dpo(spec_path: str, out_path: str) -> None:
-    """TRL's DPOTrainer on the spec's model, initial LoRA and ordered rows; its per-step logs and tokens."""
+def peft_student(spec: dict):
+    """The spec's model (float32) with PEFT's LoRA set to the spec's initial adapter."""
     import torch
-    from datasets import Dataset
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
+    from transformers import AutoModelForCausalLM
 
-    spec = json.loads(Path(spec_path).read_text())
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     lora = LoraConfig(r=LORA["lora_rank"], lora_alpha=LORA["lora_alpha"] * LORA["lora_rank"], lora_dropout=0.0,
                       target_modules=list(PROJECTIONS), task_type="CAUSAL_LM")
@@ -232,7 +237,21 @@ def trl_dpo(spec_path: str, out_path: str) -> None:
             target = f"base_model.model.{base}.lora_{leaf[-1].upper()}.default.weight"
             params.pop(target).copy_(value.T)
     assert not [n for n in params if "lora_" in n], "PEFT LoRA weights without a counterpart"
+    return model
 
+
+def trl_dpo(spec_path: str, out_path: str) -> None:
+    """TRL's DPOTrainer on the spec's model, initial LoRA and ordered rows; its per-step logs and tokens."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = peft_student(spec)
     config = spec["config"]
     args = DPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=config["batch_size"],
                      max_steps=spec["steps"], learning_rate=config["learning_rate"], beta=config["beta"],
@@ -255,6 +274,107 @@ def trl_dpo(spec_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps({"steps": steps, "tokens": tokens}))
 
 
+def trl_gkd(spec_path: str, out_path: str) -> None:
+    """TRL's GKDTrainer on the spec's student (its initial LoRA), teacher and ordered token rows; its per-step losses."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = peft_student(spec)
+    teacher = AutoModelForCausalLM.from_pretrained(spec["teacher_dir"], dtype=torch.float32)
+
+    def collate(rows: list[dict]) -> dict:
+        """This project's tokens, right-padded; labels -100 but on the completion (EOS included)."""
+        width = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+        ids, attention, labels = [], [], []
+        for r in rows:
+            pad = width - len(r["prompt_ids"]) - len(r["completion_ids"])
+            ids.append(r["prompt_ids"] + r["completion_ids"] + [tokenizer.pad_token_id] * pad)
+            attention.append([1] * (width - pad) + [0] * pad)
+            labels.append([-100] * len(r["prompt_ids"]) + r["completion_ids"] + [-100] * pad)
+        return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(attention), "labels": torch.tensor(labels)}
+
+    config = spec["config"]
+    args = GKDConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=config["batch_size"],
+                     max_steps=spec["steps"], learning_rate=config["learning_rate"], lmbda=config["lmbda"],
+                     beta=config["beta"], lr_scheduler_type=config["lr_scheduler"], warmup_steps=0,
+                     max_grad_norm=config["max_grad_norm"], weight_decay=config["weight_decay"], adam_beta1=0.9,
+                     adam_beta2=0.999, adam_epsilon=1e-8, logging_steps=1, report_to=[], save_strategy="no",
+                     use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=0,
+                     train_sampling_strategy="sequential", dataloader_drop_last=False, max_length=1024)
+    steps: list[dict] = []
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                steps.append({"loss": logs["loss"]})
+
+    trainer = GKDTrainer(model=model, teacher_model=teacher, args=args, data_collator=collate,
+                         train_dataset=Dataset.from_list(spec["rows"]), processing_class=tokenizer, callbacks=[Logs()])
+    trainer.train()
+    Path(out_path).write_text(json.dumps({"steps": steps}))
+
+
+def gkd_parity(trl_python: str, work: Path, model_dir: Path, init_archive: Path, steps: int, beta: float) -> dict:
+    """GKD (lmbda 0) through a private stack and through TRL's GKDTrainer, the teacher the tiny
+    model of seed 1; each step's loss on both sides and the largest relative deviation."""
+    from bench.private_stack import private_stack
+    from worker.runtime.make_model import make_model
+
+    teacher = make_model(model_dir.parent / "teacher", size="tiny", seed=1)
+    config = {**GKD_CONFIG, "beta": beta, "iters": steps}
+    rows = pairs(16)  # their chosen completions
+    ordered = our_tokens(model_dir, [rows[i] for i in batch_order(len(rows), config["batch_size"], steps)])
+    spec = work / "trl_gkd_spec.json"
+    spec.write_text(json.dumps({"model_dir": str(model_dir), "init_dir": str(work / "init"), "teacher_dir": str(teacher),
+                                "steps": steps, "config": config,
+                                "rows": [{"prompt_ids": r["prompt_ids"], "completion_ids": r["chosen_ids"]} for r in ordered]}))
+    res = subprocess.run([trl_python, __file__, "trl-gkd", str(spec), str(work / "trl_gkd.json")],
+                         capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-4000:]
+    trl = json.loads((work / "trl_gkd.json").read_text())["steps"]
+    with private_stack(model_dir) as (stack, client, log):
+        wait_up(client, stack, log)
+        events = run_job(client, "/admin/api/fine-tune/gkd/jobs", {
+            "model_id": model_dir.name, "teacher_model_id": teacher.name, "init_adapter": {"file_id": upload(client, init_archive)},
+            "dataset": [{"prompt": r["prompt"], "completion": r["chosen"]} for r in rows], "config": config}, ("gkd_step",))
+    ours = [e["loss"] for e in events["gkd_step"]]
+    print(f"GKD, beta {beta}, {steps} steps: step  loss (this project, TRL)")
+    for k, (o, t) in enumerate(zip(ours, trl)):
+        print(f"  {k:>3}  {o:.6f} {t['loss']:.6f}")
+    deviation = [abs(o - t["loss"]) / abs(t["loss"]) for o, t in zip(ours, trl)]
+    return {"steps": len(ours), "trl_steps": len(trl), "beta": beta, "max_loss_deviation": max(deviation),
+            "first_loss": [ours[0], trl[0]["loss"]], "final_loss": [ours[-1], trl[-1]["loss"]]}
+
+
+def gkd_main(argv: list[str]) -> int:
+    """`parity.py gkd`: GKD's comparison alone."""
+    ap = argparse.ArgumentParser(prog="parity.py gkd")
+    ap.add_argument("--trl-python", required=True)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--gkd-beta", type=float, default=GKD_CONFIG["beta"])
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from worker.runtime.make_model import make_model
+    from worker.supervisor.openblas import reexec_with_openblas
+
+    reexec_with_openblas()
+    work = Path(tempfile.mkdtemp(prefix="mtq-parity-"))
+    model_dir = make_model(work / "models" / "tiny", size="tiny", seed=0)
+    figures = gkd_parity(args.trl_python, work, model_dir, initial_adapter(model_dir, work / "init"), args.steps, args.gkd_beta)
+    print(f"GKD: largest per-step loss deviation from TRL's GKDTrainer {figures['max_loss_deviation']:.3%} over "
+          f"{figures['steps']} steps; final loss {figures['final_loss'][0]:.6f} vs {figures['final_loss'][1]:.6f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"gkd": figures}, indent=2))
+    return 0 if figures["max_loss_deviation"] <= 0.02 else 1
+
+
 # --------------------------------------------------------------------------- the comparison
 
 
@@ -262,6 +382,11 @@ def main() -> int:
     if sys.argv[1:2] == ["trl-dpo"]:
         trl_dpo(*sys.argv[2:4])
         return 0
+    if sys.argv[1:2] == ["trl-gkd"]:
+        trl_gkd(*sys.argv[2:4])
+        return 0
+    if sys.argv[1:2] == ["gkd"]:
+        return gkd_main(sys.argv[2:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--trl-python", required=True, help="an interpreter with torch, transformers, peft, datasets, trl")
     ap.add_argument("--steps", type=int, default=40)
@@ -312,8 +437,9 @@ def main() -> int:
             sft[name] = (ours_sft(client, model_dir.name, data_dir, init_file, {**sft_config, **our_fields}),
                          mlx_lm_sft(model_dir, data_dir, work / "init", sft_config, mlx_fields, work / f"mlx_lm-{i}"))
 
+    gkd = gkd_parity(args.trl_python, work, model_dir, init_archive, args.steps, GKD_CONFIG["beta"])
     deviation = [abs(o["loss"] - t["loss"]) / abs(t["loss"]) for o, t in zip(ours, trl["steps"])]
-    figures = {"dpo": {"steps": len(ours), "trl_steps": len(trl["steps"]),
+    figures = {"gkd": gkd, "dpo": {"steps": len(ours), "trl_steps": len(trl["steps"]),
                        "max_loss_deviation": max(deviation), "final_loss": [ours[-1]["loss"], trl["steps"][-1]["loss"]],
                        "final_margin": [ours[-1]["margin"], trl["steps"][-1]["margin"]],
                        "final_margin_deviation": abs(ours[-1]["margin"] - trl["steps"][-1]["margin"]) / abs(trl["steps"][-1]["margin"]),
@@ -334,11 +460,12 @@ def main() -> int:
           f"vs {d['final_loss'][1]:.4f}")
     for name, f in figures["sft"].items():
         print(f"SFT ({name}): largest per-report train loss deviation from mlx_lm lora {f['max_deviation']:.3%}")
+    print(f"GKD: largest per-step loss deviation from TRL's GKDTrainer {gkd['max_loss_deviation']:.3%}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     ok = d["max_loss_deviation"] <= 0.02 and d["final_margin_deviation"] <= 0.05 and \
-        all(f["max_deviation"] <= 0.01 for f in figures["sft"].values())
-    print("parity: " + ("within 2% (DPO loss), 5% (DPO margin), 1% (SFT loss)" if ok else "NOT within the bounds"))
+        all(f["max_deviation"] <= 0.01 for f in figures["sft"].values()) and gkd["max_loss_deviation"] <= 0.02
+    print("parity: " + ("within 2% (DPO and GKD loss), 5% (DPO margin), 1% (SFT loss)" if ok else "NOT within the bounds"))
     return 0 if ok else 1
 
 

@@ -209,18 +209,30 @@ def test_gkd_lowers_the_kl_to_the_teacher_and_a_zero_lr_control_does_not(stack, 
     assert evals[-1]["val_loss"] == pytest.approx(kl_to_teacher(stack.tiny_model, stack.teacher, done["adapter_path"]),
                                                   rel=1e-3)
     assert len({round(e["val_loss"], 7) for e in control}) == 1  # lr 0: the student stays its base
+    # The worker keeps both models loaded: the second job found them so.
+    assert events(stack, frozen, "model_ready")[0]["cached"] is True
+
+    def loaded() -> dict:
+        return {m["model_id"]: m["loaded"] for m in client.get("/admin/api/fine-tune/models").json()}
+
+    wait_for(lambda: loaded()["tiny"] and loaded()[str(stack.teacher)], 10, "both models advertised as loaded")
 
 
-def test_a_teacher_of_another_vocabulary_fails_the_job_and_a_missing_one_waits(stack, client):
+def test_a_teacher_of_another_vocabulary_a_missing_one_or_a_prompt_too_long_fails_the_job(stack, client):
     job = submit(client, {"model_id": "tiny", "teacher_model_id": str(stack.other_vocabulary), "dataset": ROWS,
                           "config": {**CONFIG, "iters": 2}})
     failed = wait_done(stack, GKD, job, status="failed")
     assert "another vocabulary" in failed["error"] and "tokenizer" in failed["error"]
     assert "Traceback" not in failed["error"]
+    long_prompt = {"prompt": " ".join(WORDS * 4), "completion": " red"}
+    job = submit(client, {"model_id": "tiny", "teacher_model_id": str(stack.teacher), "dataset": [*ROWS, long_prompt],
+                          "config": {**CONFIG, "iters": 2}})
+    failed = wait_done(stack, GKD, job, status="failed")
+    assert failed["error"].startswith(f"dataset[{len(ROWS)}]: its prompt is") and "max_seq_length (64)" in failed["error"]
+    # A worker with the student takes the job from the student's queue; without the teacher it fails it.
     job = submit(client, {"model_id": "tiny", "teacher_model_id": "no-such-teacher", "dataset": ROWS})
-    waiting = wait_for(lambda: client.get(f"{GKD}/{job}").json()["waiting_for_worker"], 30, "the waiting reason")
-    assert "teacher 'no-such-teacher'" in waiting
-    assert client.post(f"{GKD}/{job}/cancel").status_code == 200
+    failed = wait_done(stack, GKD, job, status="failed")
+    assert failed["error"] == "teacher_model_id: model not found: 'no-such-teacher' (no model of that name in the models directory)"
 
 
 @pytest.mark.parametrize("change,words", [
