@@ -275,3 +275,24 @@ def test_kill_9_of_the_training_process_resumes_with_every_step_once_and_the_sam
         assert e["on_policy"] == on_policy_step(0.5, 0, e["iter"] - 1)
         by_iter.setdefault(e["iter"], []).append(e["loss"])
     assert all(max(v) == pytest.approx(min(v), rel=1e-4) for v in by_iter.values())
+
+
+def test_a_cancel_stops_the_students_sampling(stack):
+    """In the training process's code, without a worker: should_stop, asked between decode chunks, ends the step."""
+    import mlx_lm
+
+    from shared.train_specs import GKDJobCreate
+    from worker.kinds.gkd_job import GKDTrainer
+    from worker.runtime.adapter_layers import attach_adapter
+    from worker.runtime.train_core import Cancelled, TrainState
+
+    model, tokenizer = mlx_lm.load(str(stack.tiny_model))
+    teacher, teacher_tokenizer = mlx_lm.load(str(stack.teacher))
+    spec = GKDJobCreate(model_id="tiny", teacher_model_id=str(stack.teacher), dataset=ROWS,
+                        config={**CONFIG, "lmbda": 1.0, "max_new_tokens": 48})
+    attach_adapter(model, spec.config)
+    asked = []
+    trainer = GKDTrainer(model, tokenizer, spec, ROWS, None, teacher, teacher_tokenizer, lambda: asked.append(1) or True)
+    with pytest.raises(Cancelled):
+        trainer.step(TrainState())
+    assert asked == [1]  # after the first chunk of tokens, not at the end of the decode
