@@ -1,9 +1,9 @@
-"""Parity of the supervised kinds with the trainers users compare them to, measured in one run:
-DPO against TRL's DPOTrainer, SFT against mlx_lm's own LoRA trainer (`mlx_lm lora`), GKD against
-TRL's GKDTrainer.
+"""Parity of the kinds with the trainers users compare them to, measured in one run: DPO against
+TRL's DPOTrainer, SFT against mlx_lm's own LoRA trainer (`mlx_lm lora`), RLOO against TRL's
+RLOOTrainer, GKD against TRL's GKDTrainer.
 
-    python bench/parity.py --trl-python /path/to/trl-env/bin/python [--steps 40] [--json OUT.json]
-    python bench/parity.py gkd --trl-python /path/to/trl-env/bin/python [--steps 40] [--json OUT.json]   (GKD alone)
+    python bench/parity.py --trl-python /path/to/trl-env/bin/python [--steps 40] [--json OUT.json] [--only-rloo]
+    python bench/parity.py --trl-python /path/to/trl-env/bin/python --only-gkd [--gkd-beta 0.5] [--steps 40]
 
 The TRL side needs torch, transformers, peft, datasets and trl (TRL 1.16 measured), which are
 not this project's dependencies: install them into an environment of their own and name its
@@ -24,6 +24,28 @@ TRL's tokenised prompt / chosen / rejected rows are this project's (worker/runti
 Printed: each step's loss and rewards/margins on both sides, the largest relative loss
 deviation, and the last step's margin on both sides.
 
+RLOO: TRL's RLOOTrainer samples its own completions, so no run of it can sample what this
+project's does. This project's RLOO trainer (worker/kinds/rloo.py) runs as its job does (the
+initial adapter, the default reward: length in characters) in this process, where its sampled
+tokens can be read; TRL's (`parity.py trl-rloo SPEC OUT`), from the same initial LoRA, replays each
+step: its prompts in order (prompts of one token length: no left padding), its completion
+tokens (EOS included) as TRL's generation, its rewards as TRL's reward function. The same
+hyperparameters: group 4, batch 2, beta 0.05, epsilon 0.2, lr 5e-3 constant, TRL's AdamW,
+clipping at 1, temperature 1, num_iterations 2 (an on-policy update's loss is 0 on both sides;
+the second update's is compared: this project reports a step's last update). TRL's reference is
+a copy of the initial adapter, here the base model: the same, as a fresh LoRA's B is 0. Printed:
+each step's loss and kl on both sides and the largest relative deviations; TRL's tokenised
+prompts are checked to be this project's.
+
+GKD: the tiny model as the student (DPO's initial LoRA) and the tiny model made with seed 1 as
+the teacher (the same tokenizer), lmbda 0 (every step on the rows' completions: TRL samples
+with torch's generator, which no other sampler reproduces), beta 0.5 (the generalized JSD;
+`--gkd-beta`), DPO's optimizer and batch, the pairs' chosen completions as the rows, in this
+project's order. TRL (`parity.py trl-gkd SPEC OUT`) gets this project's tokens (prompt,
+completion + EOS) through a collator of this script's, so both see the same rows; it pads on
+the right where this project pads prompts on the left (RoPE: the same attention). Compared:
+each step's loss.
+
 SFT: an mlx_lm data directory (train.jsonl and valid.jsonl, text rows) trained by an SFT job that
 names it by path and by `mlx_lm lora --data DIR` from the same initial adapter (init_adapter /
 --resume-adapter-file), one batch of all rows per step (so the order cannot differ), twice:
@@ -36,14 +58,6 @@ part, 3.3% apart at the last). Compared: every report's train loss (mlx_lm print
 decimals). The rows are all of one token length and max_seq_length is that length:
 mlx_lm 0.32's default_loss counts one target past each row's end (the padding after it:
 `steps <= lengths`), which this project does not; without padding there is none to count.
-
-GKD: the tiny model as the student (the same initial LoRA as DPO's) and the tiny model made with
-seed 1 as the teacher (the same tokenizer), lmbda 0 (every step on the rows' completions: TRL
-samples with torch's generator, which no other sampler reproduces), beta 0.5 (the generalized
-JSD; `--gkd-beta`), the same optimizer as DPO's, batch 4, the rows in this project's order. TRL
-gets this project's tokens (prompt, completion + EOS) through a collator of this script's, so
-both see the same rows; it pads on the right where this project pads prompts on the left (RoPE:
-the same attention). Compared: each step's loss.
 """
 
 import argparse
@@ -63,6 +77,11 @@ LORA = {"lora_layers": -1, "lora_rank": 8, "lora_alpha": 2.0}
 DPO_CONFIG = {**LORA, "learning_rate": 5e-3, "beta": 0.1, "batch_size": 4, "lr_scheduler": "constant",
               "max_grad_norm": 1.0, "weight_decay": 0.0, "steps_per_report": 1}
 SFT_CONFIG = {**LORA, "learning_rate": 1e-3, "steps_per_report": 5, "steps_per_eval": 1000, "val_batches": 1}
+# num_iterations 2: an on-policy RLOO update's loss is 0 (a group's leave-one-out advantages sum to 0),
+# the second update's on the same completions is not.
+RLOO_CONFIG = {**LORA, "group_size": 4, "batch_size": 2, "num_iterations": 2, "beta": 0.05, "learning_rate": 5e-3,
+               "lr_scheduler": "constant", "max_grad_norm": 1.0, "weight_decay": 0.0, "max_completion_len": 16,
+               "temperature": 1.0, "clip_ratio": 0.2, "seed": 0}
 GKD_CONFIG = {**DPO_CONFIG, "lmbda": 0.0, "beta": 0.5}
 
 
@@ -167,6 +186,59 @@ def our_tokens(model_dir: Path, rows: list[dict]) -> list[dict]:
     return out
 
 
+def rloo_prompts(model_dir: Path) -> list[str]:
+    """Prompts of one token length: no left padding, whose positions the two sides would count otherwise."""
+    import mlx_lm
+
+    _, tokenizer = mlx_lm.load(str(model_dir))
+    by_length: dict[int, list[str]] = {}
+    for word in WORDS:
+        prompt = f"Say something about {word}."
+        by_length.setdefault(len(tokenizer.encode(prompt)), []).append(prompt)
+    return max(by_length.values(), key=len)
+
+
+def ours_rloo(model_dir: Path, init_dir: Path, prompts: list[str], steps: int) -> tuple[list[dict], list[dict]]:
+    """This project's RLOO trainer (worker/kinds/rloo.py) as an RLOO job runs it (grpo_job.load: the
+    initial adapter, the job's reward sources: here the default, length in characters), in this
+    process so that its sampled tokens can be read: each step's metrics, and what it sampled and
+    scored (prompt indices, prompt and completion token ids, rewards) for TRL to replay."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from shared.reinforce_specs import RLOOJobCreate
+    from worker.kinds.rloo import RLOOTrainer
+    from worker.rewards.scorer import build_scorer
+    from worker.runtime.adapter_layers import attach_adapter
+    from worker.runtime.train_core import TrainState
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    spec = RLOOJobCreate(model_id=model_dir.name, prompts=prompts, config={**RLOO_CONFIG, "iters": steps})
+    mx.random.seed(spec.config.seed)
+    attach_adapter(model, spec.config, init=init_dir)
+    replay: list[dict] = []
+    with build_scorer(spec, "parity") as scorer:
+        trainer = RLOOTrainer(model, tokenizer, spec, scorer)
+        rollout, score = trainer.rollout, trainer.score
+
+        def recorded_rollout(step, should_stop):
+            r = rollout(step, should_stop)
+            tokens = r.samples.tokens.tolist()
+            replay.append({"prompt_indices": r.indices, "prompt_ids": r.prompt_ids,
+                           "completions": [row[:n] for row, n in zip(tokens, r.lengths)]})
+            return r
+
+        def recorded_score(r, step, should_stop):
+            rewards, metrics = score(r, step, should_stop)
+            replay[-1]["rewards"] = rewards.tolist()
+            return rewards, metrics
+
+        trainer.rollout, trainer.score = recorded_rollout, recorded_score
+        state = TrainState()
+        metrics = [trainer.step(state, lambda: False)[0] for _ in range(steps)]
+    return [{"loss": m["loss"], "kl": m["kl"]} for m in metrics], replay
+
+
 def sft_rows(model_dir: Path, n: int) -> tuple[list[dict], int]:
     """n text rows of one token length (EOS included, as mlx_lm's TextDataset adds it), and that length."""
     import random
@@ -217,13 +289,16 @@ def mlx_lm_sft(model_dir: Path, data_dir: Path, init: Path, config: dict, optimi
 # --------------------------------------------------------------------------- TRL's side (run by --trl-python)
 
 
-def peft_student(spec: dict):
-    """The spec's model (float32) with PEFT's LoRA set to the spec's initial adapter."""
+def peft_model(spec: dict):
+    """The spec's model in float32 with PEFT's LoRA holding this project's initial adapter, and its tokenizer."""
     import torch
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     lora = LoraConfig(r=LORA["lora_rank"], lora_alpha=LORA["lora_alpha"] * LORA["lora_rank"], lora_dropout=0.0,
                       target_modules=list(PROJECTIONS), task_type="CAUSAL_LM")
@@ -237,21 +312,17 @@ def peft_student(spec: dict):
             target = f"base_model.model.{base}.lora_{leaf[-1].upper()}.default.weight"
             params.pop(target).copy_(value.T)
     assert not [n for n in params if "lora_" in n], "PEFT LoRA weights without a counterpart"
-    return model
+    return model, tokenizer
 
 
 def trl_dpo(spec_path: str, out_path: str) -> None:
     """TRL's DPOTrainer on the spec's model, initial LoRA and ordered rows; its per-step logs and tokens."""
-    import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     spec = json.loads(Path(spec_path).read_text())
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    model = peft_student(spec)
+    model, tokenizer = peft_model(spec)
     config = spec["config"]
     args = DPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=config["batch_size"],
                      max_steps=spec["steps"], learning_rate=config["learning_rate"], beta=config["beta"],
@@ -274,18 +345,95 @@ def trl_dpo(spec_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps({"steps": steps, "tokens": tokens}))
 
 
+def trl_rloo(spec_path: str, out_path: str) -> None:
+    """TRL's RLOOTrainer from the spec's initial LoRA, generating nothing: each generation replays
+    this project's step (its prompts in order, its sampled completion tokens, EOS included, and
+    their rewards). Its per-step logs and its tokenised prompts."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import RLOOConfig, RLOOTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    model, tokenizer = peft_model(spec)
+    config, replay = spec["config"], spec["replay"]
+    rows = [{"prompt": spec["prompts"][i]} for step in replay for i in step["prompt_indices"]]
+    calls = {"generate": 0, "reward": 0}
+    prompt_ids: list[list[list[int]]] = []
+
+    def replayed_rewards(prompts, completions, **kwargs):
+        step = replay[calls["reward"]]
+        calls["reward"] += 1
+        return [r for group in step["rewards"] for r in group]
+
+    class Replayed(RLOOTrainer):
+        def _generate_single_turn(self, ids, images, multimodal_fields):
+            prompt_ids.append([list(p) for p in ids])
+            step = replay[calls["generate"]]
+            calls["generate"] += 1
+            return [list(c) for c in step["completions"]]
+
+    G, mu = config["group_size"], config["num_iterations"]
+    args = RLOOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=config["batch_size"] * G,
+                      num_generations=G, num_iterations=mu, beta=config["beta"], epsilon=config["clip_ratio"],
+                      normalize_advantages=False, max_steps=len(replay) * mu, learning_rate=config["learning_rate"],
+                      lr_scheduler_type=config["lr_scheduler"], warmup_steps=0, max_grad_norm=config["max_grad_norm"],
+                      weight_decay=config["weight_decay"], adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                      max_completion_length=config["max_completion_len"], temperature=config["temperature"], top_p=1.0,
+                      top_k=0, shuffle_dataset=False, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                      bf16=False, fp16=False, gradient_checkpointing=False, seed=0)
+    steps: list[dict] = []
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                steps.append({"loss": logs["loss"], "kl": logs.get("kl")})
+
+    trainer = Replayed(model=model, reward_funcs=replayed_rewards, args=args, train_dataset=Dataset.from_list(rows),
+                       processing_class=tokenizer, callbacks=[Logs()])
+    trainer.train()
+    Path(out_path).write_text(json.dumps({"steps": steps, "prompt_ids": prompt_ids}))
+
+
+def rloo_parity(trl_python: str, work: Path, model_dir: Path, steps: int) -> dict:
+    """RLOO against TRL's RLOOTrainer on this project's sampled completions, replayed (above)."""
+    prompts = rloo_prompts(model_dir)
+    ours, replay = ours_rloo(model_dir, work / "init", prompts, steps)
+    spec = work / "trl_rloo_spec.json"
+    spec.write_text(json.dumps({"model_dir": str(model_dir), "init_dir": str(work / "init"), "prompts": prompts,
+                                "replay": replay, "config": RLOO_CONFIG}))
+    res = subprocess.run([trl_python, __file__, "trl-rloo", str(spec), str(work / "trl_rloo.json")],
+                         capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-4000:]
+    trl = json.loads((work / "trl_rloo.json").read_text())
+    for k, step in enumerate(replay):
+        ids = [p for p in step["prompt_ids"] for _ in range(RLOO_CONFIG["group_size"])]
+        assert sorted(trl["prompt_ids"][k]) == sorted(ids), f"TRL tokenises step {k}'s prompts otherwise"
+    mu = RLOO_CONFIG["num_iterations"]
+    # This project reports a step's last update; TRL logs every update, the KL at a step's first.
+    theirs = [{"loss": trl["steps"][k * mu + mu - 1]["loss"], "kl": trl["steps"][k * mu]["kl"]} for k in range(len(ours))]
+    first_updates = [trl["steps"][k * mu]["loss"] for k in range(len(ours))]
+    deviation = [abs(o["loss"] - t["loss"]) / abs(t["loss"]) for o, t in zip(ours, theirs)]
+    kl_deviation = [abs(o["kl"] - t["kl"]) / abs(t["kl"]) for o, t in zip(ours[1:], theirs[1:])]  # step 0's is ~0
+    print(f"RLOO, {steps} steps of {mu} updates: step  loss of the last update (this project, TRL)  kl (this project, TRL)")
+    for k, (o, t) in enumerate(zip(ours, theirs)):
+        print(f"  {k:>3}  {o['loss']:+.6f} {t['loss']:+.6f}  {o['kl']:+.6f} {t['kl']:+.6f}")
+    return {"steps": len(ours), "trl_updates": len(trl["steps"]), "max_loss_deviation": max(deviation),
+            "max_kl_deviation": max(kl_deviation), "largest_first_update_loss": max(abs(x) for x in first_updates),
+            "losses": [[o["loss"], t["loss"]] for o, t in zip(ours, theirs)]}
+
+
+# --------------------------------------------------------------------------- the comparison
+
+
 def trl_gkd(spec_path: str, out_path: str) -> None:
     """TRL's GKDTrainer on the spec's student (its initial LoRA), teacher and ordered token rows; its per-step losses."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     spec = json.loads(Path(spec_path).read_text())
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    model = peft_student(spec)
+    model, tokenizer = peft_model(spec)
     teacher = AutoModelForCausalLM.from_pretrained(spec["teacher_dir"], dtype=torch.float32)
 
     def collate(rows: list[dict]) -> dict:
@@ -352,46 +500,24 @@ def gkd_parity(trl_python: str, work: Path, model_dir: Path, init_archive: Path,
             "first_loss": [ours[0], trl[0]["loss"]], "final_loss": [ours[-1], trl[-1]["loss"]]}
 
 
-def gkd_main(argv: list[str]) -> int:
-    """`parity.py gkd`: GKD's comparison alone."""
-    ap = argparse.ArgumentParser(prog="parity.py gkd")
-    ap.add_argument("--trl-python", required=True)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--gkd-beta", type=float, default=GKD_CONFIG["beta"])
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
-    from worker.runtime.make_model import make_model
-    from worker.supervisor.openblas import reexec_with_openblas
-
-    reexec_with_openblas()
-    work = Path(tempfile.mkdtemp(prefix="mtq-parity-"))
-    model_dir = make_model(work / "models" / "tiny", size="tiny", seed=0)
-    figures = gkd_parity(args.trl_python, work, model_dir, initial_adapter(model_dir, work / "init"), args.steps, args.gkd_beta)
-    print(f"GKD: largest per-step loss deviation from TRL's GKDTrainer {figures['max_loss_deviation']:.3%} over "
-          f"{figures['steps']} steps; final loss {figures['final_loss'][0]:.6f} vs {figures['final_loss'][1]:.6f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"gkd": figures}, indent=2))
-    return 0 if figures["max_loss_deviation"] <= 0.02 else 1
-
-
-# --------------------------------------------------------------------------- the comparison
-
-
 def main() -> int:
     if sys.argv[1:2] == ["trl-dpo"]:
         trl_dpo(*sys.argv[2:4])
         return 0
+    if sys.argv[1:2] == ["trl-rloo"]:
+        trl_rloo(*sys.argv[2:4])
+        return 0
     if sys.argv[1:2] == ["trl-gkd"]:
         trl_gkd(*sys.argv[2:4])
         return 0
-    if sys.argv[1:2] == ["gkd"]:
-        return gkd_main(sys.argv[2:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--trl-python", required=True, help="an interpreter with torch, transformers, peft, datasets, trl")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--pairs", type=int, default=16)
     ap.add_argument("--json", help="write the figures here too")
+    ap.add_argument("--only-rloo", action="store_true", help="only the RLOO comparison")
+    ap.add_argument("--only-gkd", action="store_true", help="only the GKD comparison")
+    ap.add_argument("--gkd-beta", type=float, default=GKD_CONFIG["beta"], help="GKD's beta")
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
@@ -403,6 +529,20 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="mtq-parity-"))
     model_dir = make_model(work / "models" / "tiny", size="tiny", seed=0)
     init_archive = initial_adapter(model_dir, work / "init")
+    if args.only_gkd:
+        gkd = gkd_parity(args.trl_python, work, model_dir, init_archive, args.steps, args.gkd_beta)
+        print(f"GKD: largest per-step loss deviation {gkd['max_loss_deviation']:.4%} over {gkd['steps']} steps")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"gkd": gkd}, indent=2))
+        return 0 if gkd["max_loss_deviation"] <= 0.02 else 1
+    rloo = rloo_parity(args.trl_python, work, model_dir, args.steps)
+    rloo_line = (f"RLOO: largest per-step loss deviation {rloo['max_loss_deviation']:.2%} (kl {rloo['max_kl_deviation']:.2%}); "
+                 f"first updates' losses at most {rloo['largest_first_update_loss']:.1e} (on-policy: 0)")
+    if args.only_rloo:
+        print(rloo_line)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rloo": rloo}, indent=2))
+        return 0 if rloo["max_loss_deviation"] <= 0.02 else 1
     rows = pairs(args.pairs)
     ordered = [rows[i] for i in batch_order(len(rows), DPO_CONFIG["batch_size"], args.steps)]
 
@@ -437,14 +577,14 @@ def main() -> int:
             sft[name] = (ours_sft(client, model_dir.name, data_dir, init_file, {**sft_config, **our_fields}),
                          mlx_lm_sft(model_dir, data_dir, work / "init", sft_config, mlx_fields, work / f"mlx_lm-{i}"))
 
-    gkd = gkd_parity(args.trl_python, work, model_dir, init_archive, args.steps, GKD_CONFIG["beta"])
+    gkd = gkd_parity(args.trl_python, work, model_dir, init_archive, args.steps, args.gkd_beta)
     deviation = [abs(o["loss"] - t["loss"]) / abs(t["loss"]) for o, t in zip(ours, trl["steps"])]
-    figures = {"gkd": gkd, "dpo": {"steps": len(ours), "trl_steps": len(trl["steps"]),
+    figures = {"dpo": {"steps": len(ours), "trl_steps": len(trl["steps"]),
                        "max_loss_deviation": max(deviation), "final_loss": [ours[-1]["loss"], trl["steps"][-1]["loss"]],
                        "final_margin": [ours[-1]["margin"], trl["steps"][-1]["margin"]],
                        "final_margin_deviation": abs(ours[-1]["margin"] - trl["steps"][-1]["margin"]) / abs(trl["steps"][-1]["margin"]),
                        "first_logps_chosen": [ours[0]["logps_chosen"], trl["steps"][0]["logps_chosen"]]},
-               "sft": {}}
+               "sft": {}, "rloo": rloo, "gkd": gkd}
     print(f"DPO, {args.steps} steps: step  loss (this project, TRL)  rewards/margins (this project, TRL)")
     for k, (o, t) in enumerate(zip(ours, trl["steps"])):
         print(f"  {k:>3}  {o['loss']:.4f} {t['loss']:.4f}  {o['margin']:+.4f} {t['margin']:+.4f}")
@@ -460,12 +600,14 @@ def main() -> int:
           f"vs {d['final_loss'][1]:.4f}")
     for name, f in figures["sft"].items():
         print(f"SFT ({name}): largest per-report train loss deviation from mlx_lm lora {f['max_deviation']:.3%}")
-    print(f"GKD: largest per-step loss deviation from TRL's GKDTrainer {gkd['max_loss_deviation']:.3%}")
+    print(rloo_line)
+    print(f"GKD: largest per-step loss deviation {gkd['max_loss_deviation']:.4%}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     ok = d["max_loss_deviation"] <= 0.02 and d["final_margin_deviation"] <= 0.05 and \
-        all(f["max_deviation"] <= 0.01 for f in figures["sft"].values()) and gkd["max_loss_deviation"] <= 0.02
-    print("parity: " + ("within 2% (DPO and GKD loss), 5% (DPO margin), 1% (SFT loss)" if ok else "NOT within the bounds"))
+        all(f["max_deviation"] <= 0.01 for f in figures["sft"].values()) and rloo["max_loss_deviation"] <= 0.02 and \
+        gkd["max_loss_deviation"] <= 0.02
+    print("parity: " + ("within 2% (DPO, RLOO and GKD loss), 5% (DPO margin), 1% (SFT loss)" if ok else "NOT within the bounds"))
     return 0 if ok else 1
 
 

@@ -180,16 +180,13 @@ class ApiClient:
         a zip or tar archive of its files), unpacked into out_dir as mlx_lm loads it. job_id
         may also be an OpenAI job's id (ftjob-...) or its fine-tuned model's name (ft:...)."""
         job_id = job_id_of(job_id) or job_id
-        archive = self.request("GET", f"{self.job_path(job_id)}/adapter", timeout=300).content
-        files = _unpack(archive)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        written = []
-        for name, data in files.items():
-            path = out_dir / name
-            path.write_bytes(data)
-            written.append(path)
-        return written
+        return _write(_unpack(self.request("GET", f"{self.job_path(job_id)}/adapter", timeout=300).content), out_dir)
 
+    def download_tensorboard(self, job_id: str, out_dir: Path) -> list[Path]:
+        """The job's TensorBoard event files (GET .../tensorboard: docs/trackers.md) into out_dir,
+        for `tensorboard --logdir out_dir`."""
+        return _write(_archive_files(self.request("GET", f"{self.job_path(job_id)}/tensorboard", timeout=300).content),
+                      out_dir)
 
     # ------------------------------------------------------------------ chat
 
@@ -243,7 +240,27 @@ def _detail(response: httpx.Response) -> Any:
         return response.text[:500]
 
 
+def _write(files: dict[str, bytes], out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, data in files.items():
+        path = out_dir / name
+        path.write_bytes(data)
+        written.append(path)
+    return written
+
+
 def _unpack(archive: bytes) -> dict[str, bytes]:
+    """An adapter's files (_archive_files), which must be there."""
+    files = _archive_files(archive)
+    missing = [] if any(name.endswith(".safetensors") for name in files) else ["adapters.safetensors"]
+    missing += [] if CONFIG_FILE in files or MODEL_CONFIG_FILE in files else [CONFIG_FILE]
+    if missing:
+        raise ApiError(200, f"the adapter archive lacks {', '.join(missing)}")
+    return files
+
+
+def _archive_files(archive: bytes) -> dict[str, bytes]:
     """The regular files of a zip or tar(.gz) archive, by base name: nothing from the archive
     decides where a file is written."""
     files: dict[str, bytes] = {}
@@ -257,8 +274,4 @@ def _unpack(archive: bytes) -> dict[str, bytes]:
             for member in t.getmembers():
                 if member.isfile():
                     files[Path(member.name).name] = t.extractfile(member).read()
-    missing = [] if any(name.endswith(".safetensors") for name in files) else ["adapters.safetensors"]
-    missing += [] if CONFIG_FILE in files or MODEL_CONFIG_FILE in files else [CONFIG_FILE]
-    if missing:
-        raise ApiError(200, f"the adapter archive lacks {', '.join(missing)}")
     return {name: data for name, data in files.items() if name and not name.startswith(".")}

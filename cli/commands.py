@@ -170,7 +170,8 @@ def cmd_watch(client: ApiClient, args: argparse.Namespace) -> int:
 
 
 def cmd_download(client: ApiClient, args: argparse.Namespace) -> int:
-    for path in client.download_adapter(args.job_id, Path(args.dir)):
+    download = client.download_tensorboard if args.tensorboard else client.download_adapter
+    for path in download(args.job_id, Path(args.dir)):
         console.print(str(path))
     return 0
 
@@ -286,6 +287,8 @@ def add_client_commands(commands) -> None:
     download = add("download", cmd_download, "download a completed job's adapter into DIR")
     download.add_argument("job_id", metavar="ID", help="a job id, an OpenAI job id (ftjob-...) or fine-tuned model (ft:...)")
     download.add_argument("dir", metavar="DIR")
+    download.add_argument("--tensorboard", action="store_true",
+                          help="its TensorBoard event files instead (a job with report_to tensorboard: docs/trackers.md)")
 
     chat = add("chat", cmd_chat, "chat with a trained model in the terminal (or one answer with -p)")
     chat.add_argument("model", metavar="JOB_OR_MODEL", help="a job id, an OpenAI job id (ftjob-...), a fine-tuned "

@@ -32,6 +32,11 @@ def adapter_key(job_id: str) -> str:
     return f"mtq:job:{job_id}:adapter"
 
 
+def trackers_key(job_id: str) -> str:
+    """Hash: its experiment trackers' states and TensorBoard event files (shared/trackers.py)."""
+    return f"mtq:job:{job_id}:trackers"
+
+
 def lease_key(job_id: str) -> str:
     """String with a TTL: '<worker>:<epoch>' while a live worker holds the job; its heartbeat renews it."""
     return f"mtq:job:{job_id}:lease"

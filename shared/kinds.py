@@ -3,6 +3,8 @@ the lifecycle, routing and the worker read it; everything else is the same for e
 
     kind    routes                            spec             worker module                  family
     grpo    /admin/api/fine-tune/grpo/jobs    JobCreate        worker.kinds.grpo_job          grpo
+    rloo    /admin/api/fine-tune/rloo/jobs    RLOOJobCreate    worker.kinds.rloo              grpo
+    reinforce /admin/api/fine-tune/reinforce/jobs ReinforceJobCreate worker.kinds.reinforce   grpo
     sft     /admin/api/fine-tune/jobs         SFTJobCreate     worker.kinds.sft_job           supervised
     dpo     /admin/api/fine-tune/dpo/jobs     DPOJobCreate     worker.kinds.dpo_job           supervised
     orpo    /admin/api/fine-tune/orpo/jobs    ORPOJobCreate    worker.kinds.dpo_job           supervised
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from shared.export_specs import ExportJob, ExportJobCreate
+from shared.reinforce_specs import ReinforceJob, ReinforceJobCreate, RLOOJob, RLOOJobCreate
 from shared.schemas import Job, JobCreate
 from shared.session_specs import SessionJob, SessionJobCreate
 from shared.train_specs import (
@@ -154,6 +157,10 @@ PREFERENCE_SEED = dict(first_step=0, seed_aliases=PAIR_METRICS)
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind(JobCreate.kind, "/admin/api/fine-tune/grpo/jobs", "GRPO jobs", "a GRPO job", JobCreate, Job, LORA_SHAPE,
          "worker.kinds.grpo_job", "grpo", GRPO_CHARTS, first_step=0),
+    Kind(RLOOJobCreate.kind, "/admin/api/fine-tune/rloo/jobs", "RLOO jobs", "an RLOO job", RLOOJobCreate, RLOOJob,
+         LORA_SHAPE, "worker.kinds.rloo", "grpo", GRPO_CHARTS, first_step=0),
+    Kind(ReinforceJobCreate.kind, "/admin/api/fine-tune/reinforce/jobs", "REINFORCE jobs", "a REINFORCE job",
+         ReinforceJobCreate, ReinforceJob, LORA_SHAPE, "worker.kinds.reinforce", "grpo", GRPO_CHARTS, first_step=0),
     _supervised(SFTJobCreate, "/admin/api/fine-tune/jobs", "SFT jobs", "an SFT job", "worker.kinds.sft_job", SFT_CHARTS, 1,
                 (*LORA_SHAPE, "fine_tune_type", "quantize_base", "quant_bits"), SFTJob, mlx_reports=True, unset_time=None),
     _supervised(DPOJobCreate, "/admin/api/fine-tune/dpo/jobs", "DPO jobs", "a DPO job",

@@ -11,6 +11,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from shared.agentic_specs import OpenEnvEnvironment, PythonTool
 from shared.model_ids import MODEL_ID_RE
+from shared.report_specs import ReportConfig
 from shared.reward_specs import RewardSource
 
 SEED_MAX = 2**32 - 1
@@ -124,7 +125,7 @@ class OptimizerConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0, le=1_000_000, description="Updates of linear warmup from 0.")
 
 
-class GRPOConfig(OptimizerConfig):
+class GRPOConfig(OptimizerConfig, ReportConfig):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     # The seed server's fields and defaults.

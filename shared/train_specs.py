@@ -27,6 +27,7 @@ from shared.datasets import (
     sft_loss_error,
 )
 from shared.model_ids import MODEL_ID_RE
+from shared.report_specs import ReportConfig
 from shared.schemas import (
     DEFAULT_LANE,
     GANG_DESCRIPTION,
@@ -55,7 +56,7 @@ class LRSchedule(BaseModel):
     warmup_init: float = Field(0.0, ge=0.0)
 
 
-class TrainConfig(OptimizerConfig):
+class TrainConfig(OptimizerConfig, ReportConfig):
     """Fields every supervised kind shares (the seed's SFT names and defaults)."""
 
     lora_layers: int = Field(16, ge=-1, le=4096, description="Transformer blocks (from the top) that get LoRA; -1 = all.")

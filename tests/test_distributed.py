@@ -169,6 +169,29 @@ def test_grpo_on_a_gang_of_two_equals_one_worker(stack, client, pair):
     assert loss_diff < 1e-6 and norm_diff < LOSS_TOLERANCE and weight_diff < ADAPTER_TOLERANCE
 
 
+def test_rloo_with_its_kl_penalty_on_a_gang_of_two_equals_one_worker(stack, client, pair):
+    """RLOO's baselines, KL penalties and normalize_advantages are the whole step's: each rank's
+    KL penalties are summed into the whole batch of rewards (worker/kinds/rloo.py). num_iterations
+    2: the second update's loss is not 0 (an on-policy RLOO loss is)."""
+    path = "/admin/api/fine-tune/rloo/jobs"
+    config = {k: v for k, v in GRPO_CONFIG.items() if k not in ("scale_rewards", "eval_interval", "eval_samples")}
+    config.update(beta=0.05, normalize_advantages=True, num_iterations=2)
+    solo = submit(client, path, {"model_id": "tiny", "prompts": PROMPTS, "adapter_name": "rloo-solo", "config": config})
+    wait_done(stack, path, solo)
+    gang = submit(client, path, {"model_id": "tiny", "prompts": PROMPTS, "adapter_name": "rloo-gang",
+                                 "config": {**config, "workers": 2}})
+    wait_done(stack, path, gang)
+    steps = {j: [e for _, e in stack.events(j) if e["type"] == "rloo_step"] for j in (solo, gang)}
+    (a, b), (kl_a, kl_b) = ([[e[k] for e in steps[j]] for j in (gang, solo)] for k in ("loss", "kl"))
+    loss_diff, kl_diff = rel_diff(a, b), rel_diff(kl_a, kl_b)
+    weight_diff = adapter_diff(adapter(client, "rloo-gang"), adapter(client, "rloo-solo"))
+    print(f"\nRLOO gang of 2 vs 1 worker: losses {a} vs {b}, kl {kl_a} vs {kl_b}; differences: losses {loss_diff:.2e}, "
+          f"kl {kl_diff:.2e}, adapter {weight_diff:.2e}")
+    assert [e["reward"] for e in steps[gang]] == [e["reward"] for e in steps[solo]]  # the same completions
+    assert len(a) == config["iters"] and min(abs(x) for x in b) > 1e-4 and kl_b[-1] != 0
+    assert loss_diff < 1e-4 and kl_diff < 1e-4 and weight_diff < ADAPTER_TOLERANCE
+
+
 TOOL_PROMPTS = ["What color is the apple?", "Color of snow?", "Color of sky?", "hi"]
 GREETINGS = ["hi", "hello", "hey there", "good morning"]
 TOOL_CONFIG = {"batch_size": 4, "group_size": 2, "max_turns": 2, "max_completion_len": 32, "max_tool_output_tokens": 8,
