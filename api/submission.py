@@ -37,11 +37,14 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def common_errors(spec, settings: Settings) -> list[str]:
-    """What every kind's spec must satisfy: the model id's allow-list, the server's cap on
+    """What every kind's spec must satisfy: the model id's allow-list (a teacher's too), the server's cap on
     stall_timeout_s, and the size the spec takes stored."""
     errors = []
     if error := model_id_error(spec.model_id, settings):
         errors.append(error)
+    teacher = getattr(spec, "teacher_model_id", None)  # GKD's, under the same allow-list
+    if teacher and (error := model_id_error(teacher, settings)):
+        errors.append(f"teacher_model_id: {error}")
     if spec.config.stall_timeout_s > settings.max_stall_timeout_s:
         errors.append(f"config.stall_timeout_s {spec.config.stall_timeout_s:g}; the limit is "
                       f"{settings.max_stall_timeout_s:g} (MTQ_MAX_STALL_TIMEOUT_S)")

@@ -1,12 +1,14 @@
 """Parity of the kinds with the trainers users compare them to, measured in one run: DPO against
 TRL's DPOTrainer, SFT against mlx_lm's own LoRA trainer (`mlx_lm lora`), RLOO against TRL's
-RLOOTrainer, PPO against TRL's PPOTrainer, Online DPO and XPO against TRL's OnlineDPOTrainer.
+RLOOTrainer, PPO against TRL's PPOTrainer, Online DPO and XPO against TRL's OnlineDPOTrainer,
+GKD against TRL's GKDTrainer.
 
     python bench/parity.py --trl-python /path/to/trl-env/bin/python [--trl-ppo-path DIR] [--steps 40] [--json OUT.json]
                            [--only-rloo | --only-ppo]
+    python bench/parity.py --trl-python /path/to/trl-env/bin/python --only-gkd [--gkd-beta 0.5] [--steps 40]
     python bench/parity.py online --trl-python /path/to/trl-env/bin/python [--steps 24] [--json OUT.json]
 
-The second runs Online DPO and XPO against TRL's OnlineDPOTrainer (online_main below says how).
+The last runs Online DPO and XPO against TRL's OnlineDPOTrainer (online_main below says how).
 
 The TRL side needs torch, transformers, peft, datasets and trl (TRL 1.16 measured), which are
 not this project's dependencies: install them into an environment of their own and name its
@@ -60,6 +62,14 @@ deviation over all steps. Seed 2's first such completion is at step 21. At lr 5e
 two sides agree to 1e-5 for 8 steps and part at the ninth (approxkl 6% apart, every clip
 decision the same), where two TRL runs (of 12 and of 20 steps) replaying the same rollouts part
 from each other too (value loss 4.12 and 4.20 at step 10).
+GKD: the tiny model as the student (DPO's initial LoRA) and the tiny model made with seed 1 as
+the teacher (the same tokenizer), lmbda 0 (every step on the rows' completions: TRL samples
+with torch's generator, which no other sampler reproduces), beta 0.5 (the generalized JSD;
+`--gkd-beta`), DPO's optimizer and batch, the pairs' chosen completions as the rows, in this
+project's order. TRL (`parity.py trl-gkd SPEC OUT`) gets this project's tokens (prompt,
+completion + EOS) through a collator of this script's, so both see the same rows; it pads on
+the right where this project pads prompts on the left (RoPE: the same attention). Compared:
+each step's loss.
 
 SFT: an mlx_lm data directory (train.jsonl and valid.jsonl, text rows) trained by an SFT job that
 names it by path and by `mlx_lm lora --data DIR` from the same initial adapter (init_adapter /
@@ -104,6 +114,7 @@ PPO_CONFIG = {**LORA, "batch_size": 4, "max_completion_len": 12, "temperature": 
               "cliprange_value": 0.2, "vf_coef": 0.1, "gamma": 1.0, "lam": 0.95, "num_ppo_epochs": 4, "num_mini_batches": 1}
 PPO_REWARD = [{"type": "length", "weight": 0.1}]  # a tenth of the length in characters
 PPO_COMPARED = ("loss", "loss/policy_avg", "loss/value_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/clipfrac_avg")
+GKD_CONFIG = {**DPO_CONFIG, "lmbda": 0.0, "beta": 0.5}
 
 
 def pairs(n: int) -> list[dict]:
@@ -805,6 +816,84 @@ def ppo_parity(trl_python: str, trl_ppo_path: str, work: Path, model_dir: Path, 
             "max_loss_deviation_all_steps": deviation("loss", len(compared)), "steps_compared": [list(p) for p in compared]}
 
 
+# --------------------------------------------------------------------------- GKD (both sides)
+
+
+def trl_gkd(spec_path: str, out_path: str) -> None:
+    """TRL's GKDTrainer on the spec's student (its initial LoRA), teacher and ordered token rows; its per-step losses."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    model, tokenizer = peft_model(spec)
+    teacher = AutoModelForCausalLM.from_pretrained(spec["teacher_dir"], dtype=torch.float32)
+
+    def collate(rows: list[dict]) -> dict:
+        """This project's tokens, right-padded; labels -100 but on the completion (EOS included)."""
+        width = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+        ids, attention, labels = [], [], []
+        for r in rows:
+            pad = width - len(r["prompt_ids"]) - len(r["completion_ids"])
+            ids.append(r["prompt_ids"] + r["completion_ids"] + [tokenizer.pad_token_id] * pad)
+            attention.append([1] * (width - pad) + [0] * pad)
+            labels.append([-100] * len(r["prompt_ids"]) + r["completion_ids"] + [-100] * pad)
+        return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(attention), "labels": torch.tensor(labels)}
+
+    config = spec["config"]
+    args = GKDConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=config["batch_size"],
+                     max_steps=spec["steps"], learning_rate=config["learning_rate"], lmbda=config["lmbda"],
+                     beta=config["beta"], lr_scheduler_type=config["lr_scheduler"], warmup_steps=0,
+                     max_grad_norm=config["max_grad_norm"], weight_decay=config["weight_decay"], adam_beta1=0.9,
+                     adam_beta2=0.999, adam_epsilon=1e-8, logging_steps=1, report_to=[], save_strategy="no",
+                     use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=0,
+                     train_sampling_strategy="sequential", dataloader_drop_last=False, max_length=1024)
+    steps: list[dict] = []
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                steps.append({"loss": logs["loss"]})
+
+    trainer = GKDTrainer(model=model, teacher_model=teacher, args=args, data_collator=collate,
+                         train_dataset=Dataset.from_list(spec["rows"]), processing_class=tokenizer, callbacks=[Logs()])
+    trainer.train()
+    Path(out_path).write_text(json.dumps({"steps": steps}))
+
+
+def gkd_parity(trl_python: str, work: Path, model_dir: Path, init_archive: Path, steps: int, beta: float) -> dict:
+    """GKD (lmbda 0) through a private stack and through TRL's GKDTrainer, the teacher the tiny
+    model of seed 1; each step's loss on both sides and the largest relative deviation."""
+    from bench.private_stack import private_stack
+    from worker.runtime.make_model import make_model
+
+    teacher = make_model(model_dir.parent / "teacher", size="tiny", seed=1)
+    config = {**GKD_CONFIG, "beta": beta, "iters": steps}
+    rows = pairs(16)  # their chosen completions
+    ordered = our_tokens(model_dir, [rows[i] for i in batch_order(len(rows), config["batch_size"], steps)])
+    spec = work / "trl_gkd_spec.json"
+    spec.write_text(json.dumps({"model_dir": str(model_dir), "init_dir": str(work / "init"), "teacher_dir": str(teacher),
+                                "steps": steps, "config": config,
+                                "rows": [{"prompt_ids": r["prompt_ids"], "completion_ids": r["chosen_ids"]} for r in ordered]}))
+    res = subprocess.run([trl_python, __file__, "trl-gkd", str(spec), str(work / "trl_gkd.json")],
+                         capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-4000:]
+    trl = json.loads((work / "trl_gkd.json").read_text())["steps"]
+    with private_stack(model_dir) as (stack, client, log):
+        wait_up(client, stack, log)
+        events = run_job(client, "/admin/api/fine-tune/gkd/jobs", {
+            "model_id": model_dir.name, "teacher_model_id": teacher.name, "init_adapter": {"file_id": upload(client, init_archive)},
+            "dataset": [{"prompt": r["prompt"], "completion": r["chosen"]} for r in rows], "config": config}, ("gkd_step",))
+    ours = [e["loss"] for e in events["gkd_step"]]
+    print(f"GKD, beta {beta}, {steps} steps: step  loss (this project, TRL)")
+    for k, (o, t) in enumerate(zip(ours, trl)):
+        print(f"  {k:>3}  {o:.6f} {t['loss']:.6f}")
+    deviation = [abs(o - t["loss"]) / abs(t["loss"]) for o, t in zip(ours, trl)]
+    return {"steps": len(ours), "trl_steps": len(trl), "beta": beta, "max_loss_deviation": max(deviation),
+            "first_loss": [ours[0], trl[0]["loss"]], "final_loss": [ours[-1], trl[-1]["loss"]]}
+
+
 # --------------------------------------------------------------------------- the comparison
 
 
@@ -823,6 +912,9 @@ def main() -> int:
         return 0
     if sys.argv[1:2] == ["online"]:
         return online_main(sys.argv[2:])
+    if sys.argv[1:2] == ["trl-gkd"]:
+        trl_gkd(*sys.argv[2:4])
+        return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--trl-python", required=True, help="an interpreter with torch, transformers, peft, datasets, trl")
     ap.add_argument("--steps", type=int, default=40)
@@ -832,6 +924,8 @@ def main() -> int:
     ap.add_argument("--trl-ppo-path", default="", help="a directory with TRL 1.12 (`pip install --no-deps --target DIR "
                     "trl==1.12.0`): TRL 1.13 removed PPOTrainer")
     ap.add_argument("--only-ppo", action="store_true", help="only the PPO comparison")
+    ap.add_argument("--only-gkd", action="store_true", help="only the GKD comparison")
+    ap.add_argument("--gkd-beta", type=float, default=GKD_CONFIG["beta"], help="GKD's beta")
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
@@ -843,6 +937,12 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="mtq-parity-"))
     model_dir = make_model(work / "models" / "tiny", size="tiny", seed=0)
     init_archive = initial_adapter(model_dir, work / "init")
+    if args.only_gkd:
+        gkd = gkd_parity(args.trl_python, work, model_dir, init_archive, args.steps, args.gkd_beta)
+        print(f"GKD: largest per-step loss deviation {gkd['max_loss_deviation']:.4%} over {gkd['steps']} steps")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"gkd": gkd}, indent=2))
+        return 0 if gkd["max_loss_deviation"] <= 0.02 else 1
     ppo = ppo_parity(args.trl_python, args.trl_ppo_path, work, model_dir, args.steps)
     ppo_line = (f"PPO: largest per-step loss deviation over its first {ppo['first_step_with_an_ended_row']} steps "
                 f"{ppo['max_loss_deviation']:.2%} (value loss {ppo['max_value_loss_deviation']:.2%}, policy loss at most "
@@ -896,13 +996,14 @@ def main() -> int:
             sft[name] = (ours_sft(client, model_dir.name, data_dir, init_file, {**sft_config, **our_fields}),
                          mlx_lm_sft(model_dir, data_dir, work / "init", sft_config, mlx_fields, work / f"mlx_lm-{i}"))
 
+    gkd = gkd_parity(args.trl_python, work, model_dir, init_archive, args.steps, args.gkd_beta)
     deviation = [abs(o["loss"] - t["loss"]) / abs(t["loss"]) for o, t in zip(ours, trl["steps"])]
     figures = {"dpo": {"steps": len(ours), "trl_steps": len(trl["steps"]),
                        "max_loss_deviation": max(deviation), "final_loss": [ours[-1]["loss"], trl["steps"][-1]["loss"]],
                        "final_margin": [ours[-1]["margin"], trl["steps"][-1]["margin"]],
                        "final_margin_deviation": abs(ours[-1]["margin"] - trl["steps"][-1]["margin"]) / abs(trl["steps"][-1]["margin"]),
                        "first_logps_chosen": [ours[0]["logps_chosen"], trl["steps"][0]["logps_chosen"]]},
-               "sft": {}, "rloo": rloo, "ppo": ppo}
+               "sft": {}, "rloo": rloo, "ppo": ppo, "gkd": gkd}
     print(f"DPO, {args.steps} steps: step  loss (this project, TRL)  rewards/margins (this project, TRL)")
     for k, (o, t) in enumerate(zip(ours, trl["steps"])):
         print(f"  {k:>3}  {o['loss']:.4f} {t['loss']:.4f}  {o['margin']:+.4f} {t['margin']:+.4f}")
@@ -920,12 +1021,14 @@ def main() -> int:
         print(f"SFT ({name}): largest per-report train loss deviation from mlx_lm lora {f['max_deviation']:.3%}")
     print(rloo_line)
     print(ppo_line)
+    print(f"GKD: largest per-step loss deviation {gkd['max_loss_deviation']:.4%}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     ok = d["max_loss_deviation"] <= 0.02 and d["final_margin_deviation"] <= 0.05 and \
         all(f["max_deviation"] <= 0.01 for f in figures["sft"].values()) and rloo["max_loss_deviation"] <= 0.02 and \
-        ppo["max_loss_deviation"] <= 0.02
-    print("parity: " + ("within 2% (DPO, RLOO and PPO loss), 5% (DPO margin), 1% (SFT loss)" if ok else "NOT within the bounds"))
+        ppo["max_loss_deviation"] <= 0.02 and gkd["max_loss_deviation"] <= 0.02
+    print("parity: " + ("within 2% (DPO, RLOO, PPO and GKD loss), 5% (DPO margin), 1% (SFT loss)" if ok else
+                        "NOT within the bounds"))
     return 0 if ok else 1
 
 

@@ -83,11 +83,16 @@ def build_spec(client: ApiClient, args: argparse.Namespace) -> dict:
         spec["model_id"] = args.model
     if args.adapter_name:
         spec["adapter_name"] = args.adapter_name
+    if args.teacher:
+        if "teacher_model_id" not in fields:
+            raise ApiError(0, f"--teacher: not for {kind.name} jobs (GKD's teacher_model_id)")
+        spec["teacher_model_id"] = args.teacher
     if args.set:
         spec["config"] = {**spec.get("config", {}), **parse_sets(args.set)}
     missing = [name for name, info in fields.items() if info.is_required() and name not in spec and name not in given]
     if missing:
         raise ApiError(0, f"the job needs {' and '.join(missing)} (from FILE.json, --model, "
+                          f"{'--teacher, ' if 'teacher_model_id' in fields else ''}"
                           f"{', '.join(flag for field, (flag, _) in FILE_FLAGS.items() if field in fields)})")
     for field, path in given.items():
         spec[field] = FILE_FLAGS[field][1](client, Path(path))
@@ -256,6 +261,7 @@ def add_client_commands(commands) -> None:
     submit.add_argument("--pairs", dest="preference_pairs", metavar="FILE",
                         help="preference pairs {prompt, chosen, rejected}: a JSON list or JSON Lines (DPO, ORPO, reward)")
     submit.add_argument("--adapter-name")
+    submit.add_argument("--teacher", metavar="MODEL_ID", help="GKD's teacher_model_id")
     submit.add_argument("--set", nargs="+", metavar="KEY=VALUE", help="config fields, e.g. iters=20 learning_rate=5e-6")
     submit.add_argument("--watch", action="store_true", help="then follow it as `mtq watch` does")
 

@@ -11,6 +11,7 @@ the lifecycle, routing and the worker read it; everything else is the same for e
     kto     /admin/api/fine-tune/kto/jobs     KTOJobCreate     worker.kinds.kto_job           supervised
     reward  /admin/api/fine-tune/reward/jobs  RewardJobCreate  worker.kinds.reward_model_job  supervised
     ppo     /admin/api/fine-tune/ppo/jobs     PPOJobCreate     worker.kinds.ppo               grpo
+    gkd     /admin/api/fine-tune/gkd/jobs     GKDJobCreate     worker.kinds.gkd_job           supervised
     session /admin/api/fine-tune/session/jobs SessionJobCreate worker.kinds.session_job       session
     export  /admin/api/fine-tune/export/jobs  ExportJobCreate  worker.kinds.export_job        export
     online_dpo /admin/api/fine-tune/online-dpo/jobs OnlineDPOJobCreate worker.kinds.online_dpo grpo
@@ -54,6 +55,8 @@ from shared.schemas import Job, JobCreate
 from shared.session_specs import SessionJob, SessionJobCreate
 from shared.train_specs import (
     DPOJobCreate,
+    GKDJob,
+    GKDJobCreate,
     KTOJobCreate,
     ORPOJobCreate,
     PreferenceJob,
@@ -111,6 +114,9 @@ ONLINE_DPO_CHARTS = (Chart("judge score", ("objective/scores", "val_reward")), C
                      Chart("loss", ("loss",)), *JUDGED)
 XPO_CHARTS = (Chart("judge score", ("objective/model_scores", "objective/ref_scores", "val_reward")),
               Chart("score margin", ("objective/scores_margin",)), Chart("loss", ("loss", "loss/dpo", "loss/xpo")), *JUDGED)
+# GKD's loss is the generalized JSD to the teacher; on_policy: 1 for a step on the student's own samples.
+GKD_CHARTS = (LOSS, Chart("student entropy", ("entropy", "val_entropy")), Chart("on-policy steps", ("on_policy",)),
+              Chart("completion length", ("completions/mean_length",)), *OPTIMIZER)
 # A session's steps are its clients' optim_steps (the loss: of the forward_backward calls before each).
 SESSION_CHARTS = (Chart("loss", ("loss",)), *OPTIMIZER)
 
@@ -188,6 +194,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                 seed_aliases=(("reward_margin", "margin"), ("acc_chosen", "accuracy"), ("n_pairs", "examples"))),
     Kind(PPOJobCreate.kind, "/admin/api/fine-tune/ppo/jobs", "PPO jobs", "a PPO job", PPOJobCreate, PPOJob, LORA_SHAPE,
          "worker.kinds.ppo", "grpo", PPO_CHARTS, first_step=0),
+    _supervised(GKDJobCreate, "/admin/api/fine-tune/gkd/jobs", "GKD jobs", "a GKD (distillation) job",
+                "worker.kinds.gkd_job", GKD_CHARTS, 1, job_model=GKDJob),
     Kind(SessionJobCreate.kind, "/admin/api/fine-tune/session/jobs", "Training sessions", "a training session",
          SessionJobCreate, SessionJob, (), "worker.kinds.session_job", "session", SESSION_CHARTS),
     Kind(ExportJobCreate.kind, "/admin/api/fine-tune/export/jobs", "Export jobs", "an export job", ExportJobCreate,

@@ -137,7 +137,7 @@ def test_a_planted_circle_is_found_through_an_import_in_a_function(tmp_path):
 
 DECODING_KINDS = ("worker.kinds.grpo", "worker.kinds.grpo_job", "worker.kinds.session_job",  # the kinds that sample
                   "worker.kinds.rloo", "worker.kinds.reinforce", "worker.kinds.online_dpo",
-                  "worker.kinds.ppo")
+                  "worker.kinds.ppo", "worker.kinds.gkd_job")
 LOADING = ("worker.runtime.models", "worker.runtime.memory_plan")  # what every kind loads a model with
 
 
