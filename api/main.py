@@ -5,6 +5,7 @@ import mlx (nor anything from worker/), so that it starts fast and runs anywhere
 """
 
 import logging
+import re
 from urllib.parse import unquote_plus
 
 from fastapi import FastAPI, Request
@@ -21,13 +22,17 @@ from api.routes import (adapters, files, health, logprob, metrics, models, opena
 from api.routes.job_routes import ROUTERS as JOB_ROUTERS
 
 get_tokens()  # a broken MTQ_TOKENS_FILE stops the API at start, not at its first request
-TOKEN_PARAMS = ("key", "api_key")  # api/deps.py query_token
+# Query parameters whose values the access log never shows: api/deps.py query_token's (key,
+# api_key) and whatever a client may have meant as one (KEY, access_token, Api-Key, ...), which
+# the auth refuses but the log would keep.
+SECRET_PARAM = re.compile(r"key|token|secret|passw|auth|sig", re.IGNORECASE)
 
 
 def without_query_tokens(path: str) -> str:
-    """A request path as the access log may show it: the values of ?key= / ?api_key= replaced."""
+    """A request path as the access log may show it: the values of parameters that may hold a
+    token (SECRET_PARAM, in any case and percent-encoding of the name) replaced."""
     base, sep, query = path.partition("?")
-    parts = [f"{name}=<redacted>" if unquote_plus(name) in TOKEN_PARAMS else f"{name}{eq}{value}"
+    parts = [f"{name}=<redacted>" if SECRET_PARAM.search(unquote_plus(name)) else f"{name}{eq}{value}"
              for name, eq, value in (part.partition("=") for part in query.split("&"))]
     return base + sep + "&".join(parts) if sep else path
 

@@ -6,8 +6,9 @@ Both answer 400 (api/routes/job_routes.py FAMILIES says in which form).
 
 Before those checks a new spec is `prepared`: its init_adapter resolved to the job whose
 adapter it names (checked against the job's shape: 400; a source this token may not see: 404),
-and a GRPO job's reward endpoint that is this service's own reward/score route made a
-`reward_model` source, scored on the job's worker without HTTP (own_reward_model)."""
+a GRPO job's reward endpoint that is this service's own reward/score route made a
+`reward_model` source, scored on the job's worker without HTTP (own_reward_model), and an
+export's source resolved to its job and that job's base (export_source)."""
 
 import json
 from urllib.parse import parse_qs
@@ -17,12 +18,13 @@ from fastapi.exceptions import RequestValidationError
 
 from api.auth import Principal
 from shared import adapters, graders
-from shared.adapters import CONFIG_FILE, adapter_shape, shape_mismatches
+from shared.adapters import CONFIG_FILE, HEAD_FILE, WEIGHTS_FILE, adapter_shape, shape_mismatches
 from shared.agentic_specs import tool_error
 from shared.datasets import FileRef, load_rows, path_error, visible_file
-from shared.keys import adapter_key, job_key
+from shared.export_specs import ExportJobCreate
+from shared.keys import JOB_ID, adapter_key, job_key
 from shared.kinds import KINDS
-from shared.model_ids import model_id_error
+from shared.model_ids import job_id_of, model_id_error
 from shared.reward_specs import (
     EndpointReward, GraderReward, PythonReward, RegexReward, RewardModelReward, disallowed_endpoint_hosts, endpoint_urls,
     parse_reward_url, python_reward_error,
@@ -35,11 +37,14 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def common_errors(spec, settings: Settings) -> list[str]:
-    """What every kind's spec must satisfy: the model id's allow-list, the server's cap on
+    """What every kind's spec must satisfy: the model id's allow-list (a teacher's too), the server's cap on
     stall_timeout_s, and the size the spec takes stored."""
     errors = []
     if error := model_id_error(spec.model_id, settings):
         errors.append(error)
+    teacher = getattr(spec, "teacher_model_id", None)  # GKD's, under the same allow-list
+    if teacher and (error := model_id_error(teacher, settings)):
+        errors.append(f"teacher_model_id: {error}")
     if spec.config.stall_timeout_s > settings.max_stall_timeout_s:
         errors.append(f"config.stall_timeout_s {spec.config.stall_timeout_s:g}; the limit is "
                       f"{settings.max_stall_timeout_s:g} (MTQ_MAX_STALL_TIMEOUT_S)")
@@ -145,6 +150,14 @@ def check_datasets(r, spec, settings: Settings, who: Principal, loc: tuple = ("b
         raise HTTPException(status.HTTP_400_BAD_REQUEST, "; ".join(errors))
 
 
+def check_export(r, spec: ExportJobCreate, settings: Settings, who: Principal, loc: tuple = ("body",)) -> None:
+    """An export's common_errors (its source was checked as it was prepared: export_source; on
+    resume, one that is gone since fails the job, saying so)."""
+    errors = common_errors(spec, settings)
+    if errors:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, "; ".join(errors))
+
+
 # --------------------------------------------------------------------------- preparing a new spec
 
 
@@ -157,12 +170,49 @@ def refuse_resume(r, spec, settings: Settings, who: Principal, loc: tuple = ("bo
 
 
 def prepared(r, spec, who: Principal, request: Request):
-    """The spec as it is stored: init_adapter resolved, this service's reward/score as a reward model."""
-    if spec.init_adapter is not None:
+    """The spec as it is stored: init_adapter resolved, this service's reward/score as a reward model,
+    an export's source resolved."""
+    if getattr(spec, "init_adapter", None) is not None:  # an export has none
         spec = spec.model_copy(update={"init_adapter": resolved_init_adapter(r, spec, who)})
     if isinstance(spec, JobCreate):
         spec = with_own_reward_model(spec, own_addresses(request))
+    if isinstance(spec, ExportJobCreate):
+        spec = export_source(r, spec, who)
     return spec
+
+
+def export_source(r, spec: ExportJobCreate, who: Principal) -> ExportJobCreate:
+    """The export with its source as the job's id (an OpenAI id or ft: name resolved) and its
+    model_id as that job's base, after checking that this token may see the job (else 404, the
+    words of a job that is not there, as a download's), that it has completed (409) and that
+    what it stored is an adapter of a language model (400; 404 once it is gone)."""
+    job_id = job_id_of(spec.source) or spec.source
+    # Never a key of another shape (mtq:job:<id>:events...): a source that is no job id is no job.
+    raw_spec, owner, job_status = (r.hmget(job_key(job_id), "spec", "owner", "status") if JOB_ID.fullmatch(job_id)
+                                   else (None,) * 3)
+    if raw_spec is None or not who.sees(owner and owner.decode()):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"source: Job not found: {spec.source[:100]}")
+    if job_status != b"completed":
+        raise HTTPException(status.HTTP_409_CONFLICT, f"source: job {job_id} is {job_status.decode()}; only a "
+                            "completed job's adapter can be exported")
+    names = {name.decode() for name in r.hkeys(adapter_key(job_id))}
+    if not names:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"source: Adapter not found for job: {job_id} (it stored "
+                            "none, or it was deleted, or expired after MTQ_JOB_RETENTION_S)")
+    if WEIGHTS_FILE not in names:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"source: job {job_id} stored a whole model (a full "
+                            "fine-tune's or an export's), not an adapter to fuse: download it as it is (mtq download)")
+    if HEAD_FILE in names:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"source: job {job_id} is a reward model: its value head "
+                            "has no place in an mlx_lm language model, so there is no model to export")
+    try:
+        model_id = json.loads(raw_spec)["model_id"]
+    except (ValueError, KeyError, TypeError):
+        raise HTTPException(status.HTTP_409_CONFLICT, f"source: job {job_id}'s stored record cannot be read") from None
+    if spec.model_id is not None and spec.model_id != model_id:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"model_id: job {job_id}'s adapter was trained on "
+                            f"{model_id!r}, not {spec.model_id!r} (leave model_id out: it is the source's)")
+    return spec.model_copy(update={"source": job_id, "model_id": model_id})
 
 
 def resolved_init_adapter(r, spec, who: Principal) -> InitAdapter:

@@ -27,8 +27,9 @@ FILES = "/admin/api/fine-tune/files"
 TERMINAL_EVENTS = ("done", "failed", "cancelled")
 RECONNECT_DELAYS_S = (0.5, 1, 2, 4, 8)  # then every 8 s
 RECONNECT_GIVE_UP_S = 300.0  # a stream down this long (API gone) ends the command
-JOB_ID = re.compile(r"^[0-9a-f]{32}$")
+NEW_JOB_ID = re.compile(r"^[0-9a-f]{32}$")  # the ids the service gives jobs (uuid4 hex), not a model id
 CONFIG_FILE = "adapter_config.json"  # with adapters.safetensors, or a full fine-tune's model*.safetensors
+MODEL_CONFIG_FILE = "config.json"  # an export's model directory (docs/export.md) has no adapter_config.json
 
 
 class ApiError(Exception):
@@ -175,20 +176,17 @@ class ApiClient:
         return [steps[i] for i in sorted(steps)]
 
     def download_adapter(self, job_id: str, out_dir: Path) -> list[Path]:
-        """The finished job's adapter, or a full fine-tune's model directory (GET .../adapter:
+        """The finished job's adapter, or a full fine-tune's or an export's model directory (GET .../adapter:
         a zip or tar archive of its files), unpacked into out_dir as mlx_lm loads it. job_id
         may also be an OpenAI job's id (ftjob-...) or its fine-tuned model's name (ft:...)."""
         job_id = job_id_of(job_id) or job_id
-        archive = self.request("GET", f"{self.job_path(job_id)}/adapter", timeout=300).content
-        files = _unpack(archive)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        written = []
-        for name, data in files.items():
-            path = out_dir / name
-            path.write_bytes(data)
-            written.append(path)
-        return written
+        return _write(_unpack(self.request("GET", f"{self.job_path(job_id)}/adapter", timeout=300).content), out_dir)
 
+    def download_tensorboard(self, job_id: str, out_dir: Path) -> list[Path]:
+        """The job's TensorBoard event files (GET .../tensorboard: docs/trackers.md) into out_dir,
+        for `tensorboard --logdir out_dir`."""
+        return _write(_archive_files(self.request("GET", f"{self.job_path(job_id)}/tensorboard", timeout=300).content),
+                      out_dir)
 
     # ------------------------------------------------------------------ chat
 
@@ -201,7 +199,7 @@ class ApiClient:
             if not job.get("fine_tuned_model"):
                 raise ApiError(0, f"job {name} has no fine-tuned model (it is {job.get('status')})")
             return job["fine_tuned_model"], None
-        if JOB_ID.fullmatch(name):
+        if NEW_JOB_ID.fullmatch(name):
             job = self.job(name)
             if job.get("status") != "completed" or not job.get("adapter_name"):
                 raise ApiError(0, f"job {name} has no adapter to chat with (it is {job.get('status')})")
@@ -242,7 +240,27 @@ def _detail(response: httpx.Response) -> Any:
         return response.text[:500]
 
 
+def _write(files: dict[str, bytes], out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, data in files.items():
+        path = out_dir / name
+        path.write_bytes(data)
+        written.append(path)
+    return written
+
+
 def _unpack(archive: bytes) -> dict[str, bytes]:
+    """An adapter's files (_archive_files), which must be there."""
+    files = _archive_files(archive)
+    missing = [] if any(name.endswith(".safetensors") for name in files) else ["adapters.safetensors"]
+    missing += [] if CONFIG_FILE in files or MODEL_CONFIG_FILE in files else [CONFIG_FILE]
+    if missing:
+        raise ApiError(200, f"the adapter archive lacks {', '.join(missing)}")
+    return files
+
+
+def _archive_files(archive: bytes) -> dict[str, bytes]:
     """The regular files of a zip or tar(.gz) archive, by base name: nothing from the archive
     decides where a file is written."""
     files: dict[str, bytes] = {}
@@ -256,8 +274,4 @@ def _unpack(archive: bytes) -> dict[str, bytes]:
             for member in t.getmembers():
                 if member.isfile():
                     files[Path(member.name).name] = t.extractfile(member).read()
-    missing = [] if any(name.endswith(".safetensors") for name in files) else ["adapters.safetensors"]
-    missing += [] if CONFIG_FILE in files else [CONFIG_FILE]
-    if missing:
-        raise ApiError(200, f"the adapter archive lacks {', '.join(missing)}")
     return {name: data for name, data in files.items() if name and not name.startswith(".")}

@@ -1,5 +1,5 @@
 """The client commands (`mtq submit`, `jobs`, `show`, `watch`, `logs`, `cancel`, `resume`,
-`download`, `plot`): the REST API over HTTP (cli/client.py), MTQ_API_URL and MTQ_API_TOKEN.
+`download`, `export`, `plot`): the REST API over HTTP (cli/client.py), MTQ_API_URL and MTQ_API_TOKEN.
 `submit` takes any kind of the registry (shared/kinds.py); the others take a job of any kind
 by its id. They never import the worker or mlx."""
 
@@ -83,11 +83,16 @@ def build_spec(client: ApiClient, args: argparse.Namespace) -> dict:
         spec["model_id"] = args.model
     if args.adapter_name:
         spec["adapter_name"] = args.adapter_name
+    if args.teacher:
+        if "teacher_model_id" not in fields:
+            raise ApiError(0, f"--teacher: not for {kind.name} jobs (GKD's teacher_model_id)")
+        spec["teacher_model_id"] = args.teacher
     if args.set:
         spec["config"] = {**spec.get("config", {}), **parse_sets(args.set)}
     missing = [name for name, info in fields.items() if info.is_required() and name not in spec and name not in given]
     if missing:
         raise ApiError(0, f"the job needs {' and '.join(missing)} (from FILE.json, --model, "
+                          f"{'--teacher, ' if 'teacher_model_id' in fields else ''}"
                           f"{', '.join(flag for field, (flag, _) in FILE_FLAGS.items() if field in fields)})")
     for field, path in given.items():
         spec[field] = FILE_FLAGS[field][1](client, Path(path))
@@ -165,7 +170,22 @@ def cmd_watch(client: ApiClient, args: argparse.Namespace) -> int:
 
 
 def cmd_download(client: ApiClient, args: argparse.Namespace) -> int:
-    for path in client.download_adapter(args.job_id, Path(args.dir)):
+    download = client.download_tensorboard if args.tensorboard else client.download_adapter
+    for path in download(args.job_id, Path(args.dir)):
+        console.print(str(path))
+    return 0
+
+
+def cmd_export(client: ApiClient, args: argparse.Namespace) -> int:
+    """An export job of the job's adapter (docs/export.md), followed as `mtq watch` does, its model
+    directory then unpacked into DIR. The exit code is watch's when the export does not complete."""
+    kind = KINDS["export"]
+    job = client.submit(kind, {"source": args.job_id, "dequantize": args.dequantize, "gguf": args.gguf})
+    console.print(f"submitted export job [bold]{job['job_id']}[/] of job {job['source']} ({job['model_id']})")
+    code = watch(client, job["job_id"], console)
+    if code:
+        return code
+    for path in client.download_adapter(job["job_id"], Path(args.dir)):
         console.print(str(path))
     return 0
 
@@ -241,6 +261,7 @@ def add_client_commands(commands) -> None:
     submit.add_argument("--pairs", dest="preference_pairs", metavar="FILE",
                         help="preference pairs {prompt, chosen, rejected}: a JSON list or JSON Lines (DPO, ORPO, reward)")
     submit.add_argument("--adapter-name")
+    submit.add_argument("--teacher", metavar="MODEL_ID", help="GKD's teacher_model_id")
     submit.add_argument("--set", nargs="+", metavar="KEY=VALUE", help="config fields, e.g. iters=20 learning_rate=5e-6")
     submit.add_argument("--watch", action="store_true", help="then follow it as `mtq watch` does")
 
@@ -266,6 +287,8 @@ def add_client_commands(commands) -> None:
     download = add("download", cmd_download, "download a completed job's adapter into DIR")
     download.add_argument("job_id", metavar="ID", help="a job id, an OpenAI job id (ftjob-...) or fine-tuned model (ft:...)")
     download.add_argument("dir", metavar="DIR")
+    download.add_argument("--tensorboard", action="store_true",
+                          help="its TensorBoard event files instead (a job with report_to tensorboard: docs/trackers.md)")
 
     chat = add("chat", cmd_chat, "chat with a trained model in the terminal (or one answer with -p)")
     chat.add_argument("model", metavar="JOB_OR_MODEL", help="a job id, an OpenAI job id (ftjob-...), a fine-tuned "
@@ -274,6 +297,14 @@ def add_client_commands(commands) -> None:
     chat.add_argument("--system", help="a system message first")
     chat.add_argument("--max-tokens", type=int)
     chat.add_argument("--temperature", type=float)
+
+    export = add("export", cmd_export, "fuse a completed job's adapter into its base model (on a worker) and "
+                 "download the model directory into DIR")
+    export.add_argument("job_id", metavar="JOB", help="a job id, an OpenAI job id (ftjob-...) or fine-tuned model (ft:...)")
+    export.add_argument("dir", metavar="DIR")
+    export.add_argument("--dequantize", action="store_true", help="write a quantized base's fused model unquantized")
+    export.add_argument("--gguf", action="store_true", help="also write ggml-model-f16.gguf (llama, mixtral and "
+                        "mistral models, unquantized or with --dequantize)")
 
     plot = add("plot", cmd_plot, "draw the job's curves (its kind's: reward, loss, KL, margins, ...) into a PNG")
     plot.add_argument("job_id", metavar="ID")

@@ -191,6 +191,37 @@ def make_server(token: str | None, files_dir: Path | None = None) -> MCPServer:
             files = client.download_adapter(job_id, out)
         return {"directory": str(out), "files": {path.name: path.stat().st_size for path in files}}
 
+    @server.tool()
+    def export_adapter(
+        ctx: Context, job_id: str,
+        dequantize: Annotated[bool, Field(description="Write a quantized base's fused model unquantized.")] = False,
+        gguf: Annotated[bool, Field(description="Also write a GGUF file (llama, mistral, mixtral only).")] = False,
+    ) -> dict:
+        """Fuse a completed job's adapter into its base model, on a worker (docs/export.md): starts an
+        export job and returns it; follow it with job_progress, then download_adapter of the export
+        job's id gives the model directory, which mlx_lm.load(directory) loads."""
+        with api(ctx) as client:
+            return client.submit(KINDS["export"], {"source": job_id, "dequantize": dequantize, "gguf": gguf})
+
+    @server.tool()
+    def chat(
+        ctx: Context,
+        model: Annotated[str, Field(description="A job id, an OpenAI job id (ftjob-...), a fine-tuned model (ft:...) "
+                                                "or a base model id.")],
+        messages: Annotated[list[dict[str, Any]], Field(description="The conversation: [{\"role\": \"user\", "
+                                                                    "\"content\": ...}, ...].")],
+        max_tokens: Annotated[int, Field(ge=1, le=4096)] = 256,
+        temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 0.0,
+    ) -> dict:
+        """Ask a trained model (or a base model): its answer to the conversation (docs/chat.md)."""
+        with api(ctx) as client:
+            model_name, adapter = client.chat_model(model)
+            body = {"model": model_name, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+                    **({"adapter_name": adapter} if adapter else {})}
+            answer = client.request("POST", "/v1/chat/completions", json=body, timeout=600).json()
+        choice = answer["choices"][0]
+        return {"content": choice["message"]["content"], "finish_reason": choice["finish_reason"], "usage": answer["usage"]}
+
     @server.resource("mtq://jobs/{job_id}/metrics", mime_type="application/json")
     def job_metrics(ctx: Context, job_id: str) -> str:
         """A job's curves: every step's metrics (loss, reward, KL, learning rate...; validation

@@ -49,7 +49,7 @@ def phase_text(job: dict) -> str:
 def watch(client: ApiClient, job_id: str, console: Console | None = None) -> int:
     console = console or Console()
     job, kind = client.job(job_id), client.kind_of(job_id)
-    total = (job.get("progress") or {}).get("total_iters") or job["config"]["iters"]
+    total = (job.get("progress") or {}).get("total_iters") or job["config"].get("iters")  # None: no steps (an export)
     values: dict[int, float] = {}  # step iter -> headline metric (a step re-run after a lost worker: its latest)
     steps_done = (job.get("progress") or {}).get("iter", 0)
     done = threading.Event()

@@ -1,5 +1,10 @@
 """Redis key layout. Everything the project stores lives under the `mtq:` prefix."""
 
+import re
+
+# Job ids are uuid4 hex; anything with a ':' would name another of the job's keys (mtq:job:<id>:events).
+JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
 JOBS_INDEX = "mtq:jobs"  # sorted set: job_id -> created_at
 ADAPTERS_INDEX = "mtq:adapters"  # hash: "<model_id>/<adapter_name>" -> job_id of the newest completed job
 
@@ -25,6 +30,11 @@ def adapter_name_key(ref: str) -> str:
 def adapter_key(job_id: str) -> str:
     """Hash: the finished adapter's files (file name -> bytes), readable by any machine."""
     return f"mtq:job:{job_id}:adapter"
+
+
+def trackers_key(job_id: str) -> str:
+    """Hash: its experiment trackers' states and TensorBoard event files (shared/trackers.py)."""
+    return f"mtq:job:{job_id}:trackers"
 
 
 def lease_key(job_id: str) -> str:

@@ -3,15 +3,23 @@ the lifecycle, routing and the worker read it; everything else is the same for e
 
     kind    routes                            spec             worker module                  family
     grpo    /admin/api/fine-tune/grpo/jobs    JobCreate        worker.kinds.grpo_job          grpo
+    rloo    /admin/api/fine-tune/rloo/jobs    RLOOJobCreate    worker.kinds.rloo              grpo
+    reinforce /admin/api/fine-tune/reinforce/jobs ReinforceJobCreate worker.kinds.reinforce   grpo
     sft     /admin/api/fine-tune/jobs         SFTJobCreate     worker.kinds.sft_job           supervised
     dpo     /admin/api/fine-tune/dpo/jobs     DPOJobCreate     worker.kinds.dpo_job           supervised
     orpo    /admin/api/fine-tune/orpo/jobs    ORPOJobCreate    worker.kinds.dpo_job           supervised
     cpo     /admin/api/fine-tune/cpo/jobs     CPOJobCreate     worker.kinds.cpo_job           supervised
     kto     /admin/api/fine-tune/kto/jobs     KTOJobCreate     worker.kinds.kto_job           supervised
     reward  /admin/api/fine-tune/reward/jobs  RewardJobCreate  worker.kinds.reward_model_job  supervised
+    ppo     /admin/api/fine-tune/ppo/jobs     PPOJobCreate     worker.kinds.ppo               grpo
+    gkd     /admin/api/fine-tune/gkd/jobs     GKDJobCreate     worker.kinds.gkd_job           supervised
     session /admin/api/fine-tune/session/jobs SessionJobCreate worker.kinds.session_job       session
+    export  /admin/api/fine-tune/export/jobs  ExportJobCreate  worker.kinds.export_job        export
+    online_dpo /admin/api/fine-tune/online-dpo/jobs OnlineDPOJobCreate worker.kinds.online_dpo grpo
+    xpo     /admin/api/fine-tune/xpo/jobs     XPOJobCreate     worker.kinds.online_dpo        grpo
 
 A job record without a `kind` (written before there were kinds) is GRPO's (`of_record`).
+PPO is of GRPO's family: it samples and scores its completions as GRPO does.
 
 The family says how a kind's jobs are checked, estimated and answered: GRPO samples its own
 completions from prompts (its memory estimate reads the prompts and group_size; its invalid
@@ -19,7 +27,9 @@ input gets the seed server's GRPO messages); the supervised kinds train on rows 
 datasets (the estimate reads batch_size x rows_per_example rows of max_seq_length); a session
 (shared/session_specs.py) is made by the Tinker API, not posted, and serves its client's calls
 until the session ends, in a loop of its own (worker/kinds/session_job.py), never resumed (the
-estimate reads one row of max_seq_len).
+estimate reads one row of max_seq_len); an export (shared/export_specs.py) fuses a completed
+job's adapter into its base in one pass of its own (worker/kinds/export_job.py): no steps, no
+curves (the estimate reads the base's size: shared/memory_estimate.py).
 
 A kind's step events are `<kind>_step`; their `iter` counts from `first_step`: the seed
 server's GRPO, DPO, ORPO and reward jobs number a step's event by its 0-based index, mlx_lm
@@ -38,11 +48,17 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from shared.export_specs import ExportJob, ExportJobCreate
+from shared.online_specs import OnlineDPOJob, OnlineDPOJobCreate, XPOJob, XPOJobCreate
+from shared.ppo_specs import PPOJob, PPOJobCreate
+from shared.reinforce_specs import ReinforceJob, ReinforceJobCreate, RLOOJob, RLOOJobCreate
 from shared.schemas import Job, JobCreate
 from shared.session_specs import SessionJob, SessionJobCreate
 from shared.train_specs import (
     CPOJobCreate,
     DPOJobCreate,
+    GKDJob,
+    GKDJobCreate,
     KTOJobCreate,
     ORPOJobCreate,
     PreferenceJob,
@@ -71,6 +87,13 @@ GRPO_CHARTS = (
     Chart("KL", ("kl",)), Chart("entropy", ("entropy",)), Chart("completion length", ("completions/mean_length",)),
     Chart("learning rate", ("learning_rate",)), Chart("rewards by source", ("rewards/*/mean", "val_rewards/*/mean")),
 )
+# PPO's (worker/kinds/ppo.py), under TRL's names.
+PPO_CHARTS = (
+    Chart("reward", ("reward", "val_reward")), Chart("RLHF reward", ("objective/rlhf_reward", "objective/scores")),
+    Chart("loss", ("loss/policy_avg", "loss/value_avg")), Chart("KL", ("objective/kl", "policy/approxkl_avg")),
+    Chart("clip fraction", ("policy/clipfrac_avg", "val/clipfrac_avg")), Chart("completion length", ("completions/mean_length",)),
+    Chart("learning rate", ("learning_rate",)), Chart("rewards by source", ("rewards/*/mean", "val_rewards/*/mean")),
+)
 # The supervised kinds': validation metrics (val_*) beside the training ones.
 LOSS = Chart("loss", ("loss", "val_loss"))
 OPTIMIZER = (Chart("learning rate", ("learning_rate",)), Chart("gradient norm", ("grad_norm",)))
@@ -87,6 +110,16 @@ CPO_CHARTS = (*DPO_CHARTS[:4], NLL, LOGPS, *OPTIMIZER)
 KTO_CHARTS = (LOSS, MARGINS, REWARDS, Chart("KL estimate", ("kl", "val_kl")), LOGPS, *OPTIMIZER)
 REWARD_MODEL_CHARTS = (LOSS, Chart("accuracy", ("accuracy", "val_accuracy")), Chart("margin", ("margin", "val_margin")),
                        *OPTIMIZER)
+# Online DPO and XPO: the judge's scores of the policy's samples first (worker/kinds/online_dpo.py).
+JUDGED = (MARGINS, Chart("reward accuracy", ("rewards/accuracies",)), REWARDS, Chart("KL", ("objective/kl",)), LOGPS,
+          *OPTIMIZER)
+ONLINE_DPO_CHARTS = (Chart("judge score", ("objective/scores", "val_reward")), Chart("score margin", ("objective/scores_margin",)),
+                     Chart("loss", ("loss",)), *JUDGED)
+XPO_CHARTS = (Chart("judge score", ("objective/model_scores", "objective/ref_scores", "val_reward")),
+              Chart("score margin", ("objective/scores_margin",)), Chart("loss", ("loss", "loss/dpo", "loss/xpo")), *JUDGED)
+# GKD's loss is the generalized JSD to the teacher; on_policy: 1 for a step on the student's own samples.
+GKD_CHARTS = (LOSS, Chart("student entropy", ("entropy", "val_entropy")), Chart("on-policy steps", ("on_policy",)),
+              Chart("completion length", ("completions/mean_length",)), *OPTIMIZER)
 # A session's steps are its clients' optim_steps (the loss: of the forward_backward calls before each).
 SESSION_CHARTS = (Chart("loss", ("loss",)), *OPTIMIZER)
 
@@ -101,7 +134,7 @@ class Kind:
     job_model: type[BaseModel]  # the job object the API answers with
     shape_fields: tuple[str, ...]  # config fields that fix the adapter's shape: a resume cannot change them
     worker_module: str  # where its `load` is (worker/runtime/job_loop.py)
-    family: str  # "grpo", "supervised" or "session" (above)
+    family: str  # "grpo", "supervised", "session" or "export" (above)
     charts: tuple[Chart, ...]  # its curves (above)
     rows_per_example: int = 1  # supervised: token rows a training example takes in a step (a pair: 2)
     first_step: int = 1  # the `iter` of its first step event
@@ -124,7 +157,12 @@ class Kind:
 
     @property
     def headline(self) -> str:
-        return self.charts[0].metrics[0]
+        return self.charts[0].metrics[0] if self.charts else ""  # an export has none
+
+    @property
+    def own_loop(self) -> bool:
+        """Its worker module's `run` runs its jobs (a session's calls, an export's one pass), not the job loop."""
+        return self.family in ("session", "export")
 
 
 def _supervised(spec_model: type[BaseModel], prefix: str, tag: str, what: str, worker_module: str,
@@ -142,6 +180,10 @@ PREFERENCE_SEED = dict(first_step=0, seed_aliases=PAIR_METRICS)
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind(JobCreate.kind, "/admin/api/fine-tune/grpo/jobs", "GRPO jobs", "a GRPO job", JobCreate, Job, LORA_SHAPE,
          "worker.kinds.grpo_job", "grpo", GRPO_CHARTS, first_step=0),
+    Kind(RLOOJobCreate.kind, "/admin/api/fine-tune/rloo/jobs", "RLOO jobs", "an RLOO job", RLOOJobCreate, RLOOJob,
+         LORA_SHAPE, "worker.kinds.rloo", "grpo", GRPO_CHARTS, first_step=0),
+    Kind(ReinforceJobCreate.kind, "/admin/api/fine-tune/reinforce/jobs", "REINFORCE jobs", "a REINFORCE job",
+         ReinforceJobCreate, ReinforceJob, LORA_SHAPE, "worker.kinds.reinforce", "grpo", GRPO_CHARTS, first_step=0),
     _supervised(SFTJobCreate, "/admin/api/fine-tune/jobs", "SFT jobs", "an SFT job", "worker.kinds.sft_job", SFT_CHARTS, 1,
                 (*LORA_SHAPE, "fine_tune_type", "quantize_base", "quant_bits"), SFTJob, mlx_reports=True, unset_time=None),
     _supervised(DPOJobCreate, "/admin/api/fine-tune/dpo/jobs", "DPO jobs", "a DPO job",
@@ -154,8 +196,18 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     _supervised(RewardJobCreate, "/admin/api/fine-tune/reward/jobs", "Reward-model jobs", "a reward-model job",
                 "worker.kinds.reward_model_job", REWARD_MODEL_CHARTS, 2, first_step=0,
                 seed_aliases=(("reward_margin", "margin"), ("acc_chosen", "accuracy"), ("n_pairs", "examples"))),
+    Kind(PPOJobCreate.kind, "/admin/api/fine-tune/ppo/jobs", "PPO jobs", "a PPO job", PPOJobCreate, PPOJob, LORA_SHAPE,
+         "worker.kinds.ppo", "grpo", PPO_CHARTS, first_step=0),
+    _supervised(GKDJobCreate, "/admin/api/fine-tune/gkd/jobs", "GKD jobs", "a GKD (distillation) job",
+                "worker.kinds.gkd_job", GKD_CHARTS, 1, job_model=GKDJob),
     Kind(SessionJobCreate.kind, "/admin/api/fine-tune/session/jobs", "Training sessions", "a training session",
          SessionJobCreate, SessionJob, (), "worker.kinds.session_job", "session", SESSION_CHARTS),
+    Kind(ExportJobCreate.kind, "/admin/api/fine-tune/export/jobs", "Export jobs", "an export job", ExportJobCreate,
+         ExportJob, (), "worker.kinds.export_job", "export", ()),
+    Kind(OnlineDPOJobCreate.kind, "/admin/api/fine-tune/online-dpo/jobs", "Online DPO jobs", "an Online DPO job",
+         OnlineDPOJobCreate, OnlineDPOJob, LORA_SHAPE, "worker.kinds.online_dpo", "grpo", ONLINE_DPO_CHARTS),
+    Kind(XPOJobCreate.kind, "/admin/api/fine-tune/xpo/jobs", "XPO jobs", "an XPO job", XPOJobCreate, XPOJob, LORA_SHAPE,
+         "worker.kinds.online_dpo", "grpo", XPO_CHARTS),
 )}
 DEFAULT = KINDS[JobCreate.kind]  # of a record written before there were kinds
 

@@ -62,6 +62,7 @@ from shared.keys import (
     events_key,
     job_key,
     lease_key,
+    trackers_key,
 )
 from shared.settings import load_settings
 
@@ -192,7 +193,9 @@ def resume(r: redis.Redis, job_id: str, spec, overrides: dict, *, max_attempts: 
     """Re-queue a failed or cancelled job with its (possibly changed) spec; its worker continues
     from the last checkpoint. False if it is not (or no longer) resumable."""
     def decide(rec):
-        progress = {**json.loads(rec.get("progress") or "{}"), "total_iters": spec.config.iters}
+        progress = json.loads(rec.get("progress") or "{}")
+        if hasattr(spec.config, "iters"):  # a kind that steps (an export has no steps)
+            progress["total_iters"] = spec.config.iters
         if "total_steps" in progress:  # the seed's SFT progress (worker/runtime/reports.py)
             progress["total_steps"] = spec.config.iters
         fields = {**spec_fields(spec), "error": None, "finished_at": None, "cancel_requested": None, "need_gb": None,
@@ -317,7 +320,7 @@ def _write(p, r: redis.Redis, job_id: str, rec: dict, change: Change, lease_ttl_
     """Queue on pipeline `p` every write of `change`: status, fields, event, the sets the
     reconciler scans, the lease, the rq job (routed by the record's summary as the change
     leaves it), and retention. Returns the record's fields as written."""
-    keys = [job_key(job_id), events_key(job_id), checkpoint_key(job_id), adapter_key(job_id)]
+    keys = [job_key(job_id), events_key(job_id), checkpoint_key(job_id), adapter_key(job_id), trackers_key(job_id)]
     if change.status is None:  # delete: its rq jobs too, every attempt's
         _unqueue(p, rec)
         p.delete(*keys, lease_key(job_id), *(RQ_JOB_PREFIX + rq_id for rq_id in _rq_jobs(job_id, rec)))

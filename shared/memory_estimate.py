@@ -78,11 +78,23 @@ def loss_bytes(s: ModelShape, rows: int, width: int, checkpointing: bool) -> int
     return rows * width * per_token + logits
 
 
-def need_bytes(family: str, s: ModelShape, weights: int, rows: int, width: int, checkpointing: bool, device: str) -> int:
+def dense_bytes(s: ModelShape) -> int:
+    """The model's weights unquantized (act_bytes each): its blocks' projections and one
+    embedding matrix (a model with an untied output layer has a second: the estimate is low by it)."""
+    q, kv, d = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
+    return (s.layers * (d * (2 * q + 2 * kv) + 3 * d * s.intermediate) + s.vocab * d) * s.act_bytes
+
+
+def need_bytes(family: str, s: ModelShape, weights: int, rows: int, width: int, checkpointing: bool, device: str,
+               dequantize: bool = False) -> int:
     """The least memory a step of a job of this family (shared/kinds.py) runs in, with `rows`
     rows of `width` tokens. GRPO: the weights plus the larger of sampling every row and a loss
     step of one row (the micro-batch then grows into whatever room is left). Supervised kinds:
-    the weights plus a loss step of all the rows (a batch is one forward and backward pass)."""
+    the weights plus a loss step of all the rows (a batch is one forward and backward pass).
+    An export (no step): the base and its fused copy, which is written while the base is
+    still held; with dequantize, a copy at least as large as the unquantized model."""
+    if family == "export":
+        return weights + (max(weights, dense_bytes(s)) if dequantize else weights)
     if family == "grpo":
         return weights + max(sampling_bytes(s, rows, width, device), loss_bytes(s, 1, width, checkpointing))
     return weights + loss_bytes(s, rows, width, checkpointing)

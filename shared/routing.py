@@ -131,7 +131,8 @@ def step_of(spec) -> dict[str, Any]:
     (CHARS_PER_TOKEN characters a token, plus a chat template's tokens) and max_completion_len
     (a multi-turn job's: its episode_len; checkpointing unless the job turns it off: the plan may
     turn it on). Supervised kinds:
-    batch_size x rows_per_example rows of max_seq_length. A session: one row of max_seq_len."""
+    batch_size x rows_per_example rows of max_seq_length. A session: one row of max_seq_len. An
+    export: no rows; whether it dequantizes."""
     kind, cfg = kinds.KINDS[spec.kind], spec.config
     if kind.family == "grpo":
         chars = max(prompt_chars(p) for p in spec.prompts)
@@ -143,6 +144,8 @@ def step_of(spec) -> dict[str, Any]:
                 "checkpointing": cfg.use_gradient_checkpointing is not False}
     if kind.family == "session":
         return {"rows": 1, "width": cfg.max_seq_len, "checkpointing": False}
+    if kind.family == "export":  # no step: the base and its fused (dequantized) copy
+        return {"rows": 0, "width": 0, "checkpointing": False, "dequantize": spec.dequantize}
     return {"rows": cfg.batch_size * kind.rows_per_example, "width": cfg.max_seq_length,
             "checkpointing": cfg.gradient_checkpointing}
 
@@ -152,18 +155,28 @@ def spec_summary(spec) -> dict[str, Any]:
     shared/lifecycle.py spec_fields): the model, adapter name and config, which the job list
     shows, and the step the estimate reads (`step_of`). A worker routes and sizes a job from
     it without reading the spec, which may hold megabytes of prompts or rows."""
-    return {"model_id": spec.model_id, "adapter_name": spec.adapter_name, "config": spec.config.model_dump(),
-            "step": step_of(spec)}
+    summary = {"model_id": spec.model_id, "adapter_name": spec.adapter_name, "config": spec.config.model_dump(),
+               "step": step_of(spec)}
+    if getattr(spec, "teacher_model_id", None):  # GKD's: its worker loads the teacher too
+        summary["teacher_model_id"] = spec.teacher_model_id
+    return summary
 
 
-def job_need_gb(kind: str, summary: dict[str, Any], model: dict[str, Any], device: str = "gpu") -> float | None:
+def job_need_gb(kind: str, summary: dict[str, Any], model: dict[str, Any], device: str = "gpu",
+                teacher: dict[str, Any] | None = None) -> float | None:
     """Estimated memory (GB) of the step of a job of `kind` (its summary, `spec_summary`) on the
     model of this advertisement (its shape and size), on `device`; None when the model's shape
-    is not known."""
+    is not known. A job with a teacher (GKD) holds the teacher's weights too (teacher: its
+    advertisement; None when its size is not known); its forward pass keeps no activations."""
     if not model.get("shape") or model.get("size_bytes") is None:
         return None
     family = kinds.KINDS[kind].family
-    return need_bytes(family, ModelShape(**model["shape"]), int(model["size_bytes"]), **summary["step"], device=device) / GB
+    need = need_bytes(family, ModelShape(**model["shape"]), int(model["size_bytes"]), **summary["step"], device=device)
+    if "teacher_model_id" in summary:
+        if not teacher or teacher.get("size_bytes") is None:
+            return None
+        need += int(teacher["size_bytes"])
+    return need / GB
 
 
 # --------------------------------------------------------------------------- routing a job
@@ -190,8 +203,11 @@ def route(kind: str, job, live: list[dict[str, Any]], floor_gb: float | None = N
     model_id, cfg = summary["model_id"], summary["config"]
     lane = cfg.get("queue", DEFAULT_LANE)
     key = model_key(model_id)
-    holders = [w for w in live if key in served_models(w)]
-    sizes = [job_need_gb(kind, summary, served_models(w)[key]) for w in holders]
+    teacher = summary.get("teacher_model_id")  # a GKD job's workers need its teacher too
+    teacher_key = teacher and model_key(teacher)
+    holders = [w for w in live if key in served_models(w) and (not teacher or teacher_key in served_models(w))]
+    sizes = [job_need_gb(kind, summary, served_models(w)[key], teacher=served_models(w).get(teacher_key))
+             for w in holders]
     need = max([n for n in sizes if n is not None] + [floor_gb or 0.0]) or None
     cls = memory_class(need)
 
@@ -203,7 +219,7 @@ def route(kind: str, job, live: list[dict[str, Any]], floor_gb: float | None = N
         missing = f"no live worker has model {model_id!r}, and none has hub access (mtq worker --hub)"
     else:
         queue, candidates = model_queue(lane, model_id, cls), holders
-        missing = f"no live worker has model {model_id!r}"
+        missing = f"no live worker has model {model_id!r}" + (f" and teacher {teacher!r}" if teacher else "")
     able = [w for w in candidates if capable(w)]
     waiting = None
     if not candidates:

@@ -11,6 +11,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from shared.agentic_specs import OpenEnvEnvironment, PythonTool
 from shared.model_ids import MODEL_ID_RE
+from shared.report_specs import ReportConfig
 from shared.reward_specs import RewardSource
 
 SEED_MAX = 2**32 - 1
@@ -124,7 +125,7 @@ class OptimizerConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0, le=1_000_000, description="Updates of linear warmup from 0.")
 
 
-class GRPOConfig(OptimizerConfig):
+class GRPOConfig(OptimizerConfig, ReportConfig):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     # The seed server's fields and defaults.
@@ -348,7 +349,8 @@ class JobRecord(BaseModel):
                                      "step's: {iter (completed steps), total_iters, loss, ...metrics}.")
     phase: str | None = Field(None, description="What the job is doing now (null once finished): waiting_for_worker, "
                               "starting, loading_model, compiling (first step on a fresh machine), sampling, scoring, "
-                              "updating, checkpointing, saving; a session: serving (between its calls).")
+                              "updating, checkpointing, saving; a session: serving (between its calls); an "
+                              "export: fusing.")
     phase_note: str | None = Field(None, description="A sentence about the phase, e.g. why compiling takes long.")
     phase_s: float | None = Field(None, description="Seconds the job has been in its phase so far (running jobs).")
     memory_plan: dict[str, Any] | None = Field(None, description="GRPO: the memory plan its worker chose (worker/runtime/memory_plan.py): "

@@ -14,12 +14,13 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.model_ids import MODEL_ID_RE
+from shared.report_specs import ReportConfig
 from shared.schemas import DEFAULT_LANE, LANE_PATTERN, JobRecord
 
 SESSION_ID_PATTERN = r"^[a-z0-9]{1,64}$"
 
 
-class SessionConfig(BaseModel):
+class SessionConfig(ReportConfig):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     queue: str = Field(DEFAULT_LANE, pattern=LANE_PATTERN, description="The job's lane (as GRPO's: shared/routing.py).")

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.report_specs import TRACKERS
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -72,6 +74,9 @@ class Settings:
     # Full fine-tuning stores every trained weight and twice that of optimizer state in one Redis
     # value each, and Redis refuses values over 512 MB (proto-max-bulk-len): weights up to this many GB.
     full_finetune_max_gb: float = 0.25
+    # An export's fused model is stored in Redis the same way (all its files in one command, the
+    # weights one value): fused weights up to this many GB (MTQ_EXPORT_MAX_GB).
+    export_max_gb: float = 0.45
     # A GRPO job's `samples` events (every completion of a step) are the bulk of its event stream:
     # a run keeps only its last this many in Redis (every step's metrics stay).
     samples_events_kept: int = 200
@@ -80,6 +85,17 @@ class Settings:
     # A Tinker session's job (shared/session_specs.py) ends once its client has sent no heartbeat
     # and no call for this long (the SDK heartbeats every 10 s), freeing its worker.
     session_idle_timeout_s: float = 60.0
+    # Experiment trackers (docs/trackers.md): those of a job whose config has no report_to
+    # (MTQ_REPORT_TO, comma-separated), where MLflow's runs go (MTQ_MLFLOW_TRACKING_URI, else
+    # MLFLOW_TRACKING_URI, else a file store under $MTQ_HOME) and in which experiment, wandb's
+    # project, the wait for one call to a tracker's server, and how long a tracker may go on
+    # after its job's run ended before it is killed.
+    report_to: tuple[str, ...] = ()
+    mlflow_tracking_uri: str = ""  # load_settings: file:$MTQ_HOME/mlruns
+    mlflow_experiment: str = "mtq"
+    wandb_project: str = "mtq"
+    tracker_timeout_s: float = 10.0
+    tracker_grace_s: float = 60.0
 
     @property
     def adapters_dir(self) -> Path:
@@ -98,6 +114,14 @@ def _float(name: str, default: float) -> float:
 
 def _list(name: str, default: str = "", sep: str = ",") -> tuple[str, ...]:
     return tuple(item.strip() for item in os.environ.get(name, default).split(sep) if item.strip())
+
+
+def _trackers(name: str) -> tuple[str, ...]:
+    chosen = _list(name)
+    unknown = sorted(set(chosen) - set(TRACKERS))
+    if unknown:
+        raise ValueError(f"{name}: unknown trackers {', '.join(unknown)} (known: {', '.join(TRACKERS)})")
+    return chosen
 
 
 def load_settings() -> Settings:
@@ -149,7 +173,15 @@ def load_settings() -> Settings:
         max_file_bytes=_int("MTQ_MAX_FILE_BYTES", Settings.max_file_bytes),
         max_files_bytes_per_token=_int("MTQ_MAX_FILES_BYTES_PER_TOKEN", Settings.max_files_bytes_per_token),
         full_finetune_max_gb=_float("MTQ_FULL_FINETUNE_MAX_GB", Settings.full_finetune_max_gb),
+        export_max_gb=_float("MTQ_EXPORT_MAX_GB", Settings.export_max_gb),
         samples_events_kept=max(1, _int("MTQ_SAMPLES_EVENTS_KEPT", Settings.samples_events_kept)),
         sse_keepalive_s=max(0.1, _float("MTQ_SSE_KEEPALIVE_S", Settings.sse_keepalive_s)),
         session_idle_timeout_s=max(5.0, _float("MTQ_SESSION_IDLE_TIMEOUT_S", Settings.session_idle_timeout_s)),
+        report_to=_trackers("MTQ_REPORT_TO"),
+        mlflow_tracking_uri=(os.environ.get("MTQ_MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI")
+                             or (home / "mlruns").resolve().as_uri()),
+        mlflow_experiment=os.environ.get("MTQ_MLFLOW_EXPERIMENT") or Settings.mlflow_experiment,
+        wandb_project=os.environ.get("MTQ_WANDB_PROJECT") or Settings.wandb_project,
+        tracker_timeout_s=max(0.1, _float("MTQ_TRACKER_TIMEOUT_S", Settings.tracker_timeout_s)),
+        tracker_grace_s=max(0.0, _float("MTQ_TRACKER_GRACE_S", Settings.tracker_grace_s)),
     )

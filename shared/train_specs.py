@@ -1,4 +1,4 @@
-"""Job specs of the supervised kinds: SFT, DPO, ORPO, CPO, KTO and reward models (GRPO's are in schemas.py).
+"""Job specs of the supervised kinds: SFT, DPO, ORPO, CPO, KTO, reward models and GKD (GRPO's are in schemas.py).
 
 Config fields and defaults follow the seed server's configs: SFT's (mlx_lm's LoRA trainer:
 `lora_alpha` is mlx_lm's LoRA `scale`, as the seed passes it), and for DPO, ORPO and reward
@@ -27,6 +27,7 @@ from shared.datasets import (
     sft_loss_error,
 )
 from shared.model_ids import MODEL_ID_RE
+from shared.report_specs import ReportConfig
 from shared.schemas import (
     DEFAULT_LANE,
     GANG_DESCRIPTION,
@@ -55,7 +56,7 @@ class LRSchedule(BaseModel):
     warmup_init: float = Field(0.0, ge=0.0)
 
 
-class TrainConfig(OptimizerConfig):
+class TrainConfig(OptimizerConfig, ReportConfig):
     """Fields every supervised kind shares (the seed's SFT names and defaults)."""
 
     lora_layers: int = Field(16, ge=-1, le=4096, description="Transformer blocks (from the top) that get LoRA; -1 = all.")
@@ -215,6 +216,27 @@ class RewardConfig(PreferenceConfig):
     pass
 
 
+class GKDConfig(TrainConfig):
+    """TRL's GKDConfig's knobs, its names and defaults (worker/kinds/gkd_job.py has the math)."""
+
+    lmbda: float = Field(0.5, ge=0.0, le=1.0, description="The fraction of steps on the student's own samples "
+                         "(on-policy); the others train on the dataset's completions.")
+    beta: float = Field(0.5, ge=0.0, le=1.0, description="The generalized JSD's interpolation: 0 forward KL "
+                        "(teacher || student), 1 reverse KL (student || teacher).")
+    temperature: float = Field(0.9, ge=0.0, le=10.0, description="The student's sampling temperature (0: greedy).")
+    max_new_tokens: int = Field(128, ge=1, le=32_768, description="Tokens a sampled completion has at most (EOS included).")
+    steps_per_report: int = Field(1, ge=1, le=1_000_000, description="A step event every N steps (progress: every step).")
+    workers: int = Field(1, ge=1, le=1, description="1: each rank of a gang would draw its own samples, not the "
+                         "rows one worker draws (docs/gkd.md).")
+
+    @model_validator(mode="after")
+    def _samples_fit(self):
+        if self.lmbda > 0 and self.max_new_tokens >= self.max_seq_length:
+            raise ValueError(f"max_new_tokens ({self.max_new_tokens}) must be below max_seq_length "
+                             f"({self.max_seq_length}): a sampled row is its prompt and its completion")
+        return self
+
+
 class _JobSpec(BaseModel):
     """A supervised kind's spec; each sets `kind` and `row_format` (shared/datasets.py: how its rows look)."""
 
@@ -316,6 +338,23 @@ class CPOJobCreate(_PreferenceSpec):
     config: CPOConfig = Field(default_factory=CPOConfig)
 
 
+GKD_ROWS = RowFormat(lambda row: fields_error(row, {"prompt": str, "completion": str}, "GKD rows are {prompt, completion}"))
+
+
+class GKDJobCreate(_JobSpec):
+    """Knowledge distillation: the job's model (with LoRA) learns the teacher's next-token
+    distributions on the rows' prompts, on its own samples or on the rows' completions."""
+
+    kind: ClassVar[str] = "gkd"
+    row_format: ClassVar[RowFormat] = GKD_ROWS
+    teacher_model_id: str = Field(..., min_length=1, max_length=512, pattern=MODEL_ID_RE.pattern, description=(
+        "The teacher: another model the workers have, with the same tokenizer (the job's model_id itself: its base, "
+        "the LoRA off)."))
+    dataset: DatasetRef = Field(..., description="Rows {prompt, completion}: inline, {\"file_id\"} of an upload, or a "
+                                "path under MTQ_DATA_ROOTS.")
+    config: GKDConfig = Field(default_factory=GKDConfig)
+
+
 class RewardJobCreate(_PreferenceSpec):
     kind: ClassVar[str] = "reward"
     config: RewardConfig = Field(default_factory=RewardConfig)
@@ -352,6 +391,10 @@ class TrainJob(JobRecord):
                     data[f"{name}_rows"] = data[name]
                 data[name] = dataset_text(data.get(name))
         return data
+
+
+class GKDJob(TrainJob):
+    teacher_model_id: str
 
 
 class PreferenceJob(TrainJob):

@@ -263,3 +263,13 @@ def test_a_long_answer_goes_on_over_several_turns(stack, worker):
     answer = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=400, temperature=0)
     assert answer.usage.completion_tokens == 400 and turns() - before >= 2, turns() - before
     assert answer.choices[0].text == greedy(str(stack.tiny_model), None, "Once upon a time", 400)
+
+
+def test_the_migration_pages_example_runs_as_is(stack, worker, capsys):
+    """docs/from-openai.md's code block, with the server's address, a token and the tiny model."""
+    page = (ROOT / "docs" / "from-openai.md").read_text()
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/from-openai.md", "exec"), {"BASE_URL": stack.base_url + "/v1", "TOKEN": TOKEN,
+                                                        "MODEL": "tiny"})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("The job has successfully completed") and printed[-1].startswith("ft:tiny:")

@@ -169,6 +169,48 @@ def test_grpo_on_a_gang_of_two_equals_one_worker(stack, client, pair):
     assert loss_diff < 1e-6 and norm_diff < LOSS_TOLERANCE and weight_diff < ADAPTER_TOLERANCE
 
 
+def test_rloo_with_its_kl_penalty_on_a_gang_of_two_equals_one_worker(stack, client, pair):
+    """RLOO's baselines, KL penalties and normalize_advantages are the whole step's: each rank's
+    KL penalties are summed into the whole batch of rewards (worker/kinds/rloo.py). num_iterations
+    2: the second update's loss is not 0 (an on-policy RLOO loss is)."""
+    path = "/admin/api/fine-tune/rloo/jobs"
+    config = {k: v for k, v in GRPO_CONFIG.items() if k not in ("scale_rewards", "eval_interval", "eval_samples")}
+    config.update(beta=0.05, normalize_advantages=True, num_iterations=2)
+    solo = submit(client, path, {"model_id": "tiny", "prompts": PROMPTS, "adapter_name": "rloo-solo", "config": config})
+    wait_done(stack, path, solo)
+    gang = submit(client, path, {"model_id": "tiny", "prompts": PROMPTS, "adapter_name": "rloo-gang",
+                                 "config": {**config, "workers": 2}})
+    wait_done(stack, path, gang)
+    steps = {j: [e for _, e in stack.events(j) if e["type"] == "rloo_step"] for j in (solo, gang)}
+    (a, b), (kl_a, kl_b) = ([[e[k] for e in steps[j]] for j in (gang, solo)] for k in ("loss", "kl"))
+    loss_diff, kl_diff = rel_diff(a, b), rel_diff(kl_a, kl_b)
+    weight_diff = adapter_diff(adapter(client, "rloo-gang"), adapter(client, "rloo-solo"))
+    print(f"\nRLOO gang of 2 vs 1 worker: losses {a} vs {b}, kl {kl_a} vs {kl_b}; differences: losses {loss_diff:.2e}, "
+          f"kl {kl_diff:.2e}, adapter {weight_diff:.2e}")
+    assert [e["reward"] for e in steps[gang]] == [e["reward"] for e in steps[solo]]  # the same completions
+    assert len(a) == config["iters"] and min(abs(x) for x in b) > 1e-4 and kl_b[-1] != 0
+    assert loss_diff < 1e-4 and kl_diff < 1e-4 and weight_diff < ADAPTER_TOLERANCE
+
+
+def test_xpo_on_a_gang_of_two_equals_one_worker(stack, client, pair):
+    """XPO (worker/kinds/online_dpo.py): each rank samples its prompts' completions with the policy
+    and with the reference, the judge's scores of the whole step come together, and the DPO loss
+    (a mean over pairs) sums across ranks: one worker's steps."""
+    xpo = "/admin/api/fine-tune/xpo/jobs"
+    config = dict(batch_size=4, max_completion_len=8, iters=3, learning_rate=5e-3, lora_layers=-1, lora_alpha=4, seed=5)
+    solo = submit(client, xpo, {"model_id": "tiny", "prompts": PROMPTS, "adapter_name": "xpo-solo", "config": config})
+    wait_done(stack, xpo, solo)
+    gang = submit(client, xpo, {"model_id": "tiny", "prompts": PROMPTS, "adapter_name": "xpo-gang",
+                                "config": {**config, "workers": 2}})
+    wait_done(stack, xpo, gang)
+    steps = {j: [e for _, e in stack.events(j) if e["type"] == "xpo_step"] for j in (solo, gang)}
+    scores, losses = ([[e[k] for e in steps[j]] for j in (gang, solo)] for k in ("objective/model_scores", "loss"))
+    weight_diff = adapter_diff(adapter(client, "xpo-gang"), adapter(client, "xpo-solo"))
+    print(f"\nXPO gang of 2 vs 1 worker: losses {losses[0]} vs {losses[1]}; adapter difference {weight_diff:.2e}")
+    assert scores[0] == scores[1] and len(scores[0]) == 3  # the same completions were sampled and judged
+    assert rel_diff(*losses) < LOSS_TOLERANCE and weight_diff < ADAPTER_TOLERANCE and losses[1][0] != losses[1][-1]
+
+
 TOOL_PROMPTS = ["What color is the apple?", "Color of snow?", "Color of sky?", "hi"]
 GREETINGS = ["hi", "hello", "hey there", "good morning"]
 TOOL_CONFIG = {"batch_size": 4, "group_size": 2, "max_turns": 2, "max_completion_len": 32, "max_tool_output_tokens": 8,

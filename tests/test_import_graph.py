@@ -135,7 +135,9 @@ def test_a_planted_circle_is_found_through_an_import_in_a_function(tmp_path):
     assert forbidden(edges, external, ["api.routes"]) == ["shared.heavy"]
 
 
-DECODING_KINDS = ("worker.kinds.grpo", "worker.kinds.grpo_job", "worker.kinds.session_job")  # the kinds that sample
+DECODING_KINDS = ("worker.kinds.grpo", "worker.kinds.grpo_job", "worker.kinds.session_job",  # the kinds that sample
+                  "worker.kinds.rloo", "worker.kinds.reinforce", "worker.kinds.online_dpo",
+                  "worker.kinds.ppo", "worker.kinds.gkd_job")
 LOADING = ("worker.runtime.models", "worker.runtime.memory_plan")  # what every kind loads a model with
 
 
@@ -279,3 +281,37 @@ def test_a_planted_mlx_import_in_the_supervisor_is_found(tmp_path):
     assert mlx_reached(edges, external, ["worker.supervisor.b"]) == ["worker.runtime.loop"]
     assert names_a_function(tmp_path, "worker.runtime.loop.main")
     assert not names_a_function(tmp_path, string_constant(tmp_path, "worker.supervisor.c", "ENTRY"))
+
+
+# --------------------------------------------------------------------------- the trackers
+
+TRACKER_LIBRARIES = ("tensorboardX", "tensorboard", "mlflow", "wandb")
+
+
+def tracker_library_importers(external: dict[str, set[str]]) -> list[str]:
+    """Modules outside worker/trackers/ that import a tracker library."""
+    return sorted(m for m, names in external.items()
+                  if names & set(TRACKER_LIBRARIES) and not m.startswith("worker.trackers."))
+
+
+def test_only_the_tracker_processes_import_a_tracker_library():
+    """A tracker library (its imports, its threads, its hangs) stays in the tracker processes
+    (docs/trackers.md): neither the training process, the supervisor nor the API loads one. The
+    supervisor starts them by a module's name, which must have a `main`."""
+    edges, _, external = GRAPH
+    assert tracker_library_importers(external) == []
+    assert {m for m, names in external.items() if names & set(TRACKER_LIBRARIES)} == {
+        "worker.trackers.tb_writer", "worker.trackers.mlflow_writer", "worker.trackers.wandb_writer"}
+    assert not any(m.startswith("worker.trackers") for m in reachable(edges, [m for m in edges if m.startswith("worker.supervisor.")]))
+    assert names_a_function(ROOT, string_constant(ROOT, "worker.supervisor.trackers", "TRACKER_MAIN") + ".main")
+
+
+def test_a_planted_tracker_import_is_found(tmp_path):
+    for pkg, files in {"worker": {}, "worker/runtime": {"loop.py": "def f():\n    import mlflow\n"},
+                       "worker/trackers": {"tb.py": "from tensorboardX import SummaryWriter\n"},
+                       "shared": {}, "api": {}, "cli": {}}.items():
+        (tmp_path / pkg).mkdir()
+        for name, text in {"__init__.py": "", **files}.items():
+            (tmp_path / pkg / name).write_text(text)
+    _, _, external = read_graph(tmp_path)
+    assert tracker_library_importers(external) == ["worker.runtime.loop"]

@@ -25,7 +25,7 @@ from conftest import ROOT, TOKEN, Stack, free_port, running, wait_for
 
 VIEWER = "viewer-token-0123456789"
 TOOLS = {"list_models", "list_kinds", "submit_job", "list_jobs", "show_job", "job_progress", "job_events",
-         "cancel_job", "resume_job", "download_adapter"}
+         "cancel_job", "resume_job", "download_adapter", "export_adapter", "chat"}
 ITERS = 3
 SPEC = {"config": {"iters": ITERS, "batch_size": 2, "lora_layers": 2, "lora_rank": 4, "steps_per_report": 1}}
 ROWS = [{"prompt": "Q0?", "completion": "red apple"}, {"prompt": "Q1?", "completion": "blue river"}]
@@ -87,8 +87,15 @@ def sft_job(stack, worker, tmp_path_factory):
                 download = data(await client.call_tool("download_adapter", {"job_id": job["job_id"],
                                                                             "directory": str(out / "adapter")}))
                 metrics = await client.read_resource(f"mtq://jobs/{job['job_id']}/metrics")
+                answer = data(await client.call_tool("chat", {"model": job["job_id"], "max_tokens": 8, "messages": [
+                    {"role": "user", "content": "Q0?"}]}))
+                export = data(await client.call_tool("export_adapter", {"job_id": job["job_id"]}))
+                await until(client, export["job_id"], ("completed", "failed", "cancelled"))
+                fused = data(await client.call_tool("download_adapter", {"job_id": export["job_id"],
+                                                                         "directory": str(out / "fused")}))
                 return dict(tools=tools, models=models, kinds=kinds, job=job, seen=seen, events=events,
-                            download=download, metrics=json.loads(metrics.contents[0].text))
+                            download=download, metrics=json.loads(metrics.contents[0].text), answer=answer, export=export,
+                            fused=fused)
 
     return dict(asyncio.run(run()), out=out)
 
@@ -128,6 +135,18 @@ def test_an_sft_job_submitted_followed_and_downloaded_through_stdio(stack, sft_j
     assert sft_job["metrics"] == client.step_metrics(job_id)
     client.close()
     assert [m["iter"] for m in sft_job["metrics"] if "loss" in m] == list(range(1, ITERS + 1))
+
+    # The chat tool answers as /v1/chat/completions does with the job's adapter; the export's
+    # model directory loads whole and generates what the base with the adapter generates.
+    with stack.client() as c:
+        direct = c.post("/v1/chat/completions", json={"model": job["model_id"], "adapter_name": job["adapter_name"],
+                                                      "max_tokens": 8, "temperature": 0,
+                                                      "messages": [{"role": "user", "content": "Q0?"}]}).json()
+    assert sft_job["answer"]["content"] == direct["choices"][0]["message"]["content"]
+    assert {"config.json", "adapter_config.json"} & set(sft_job["fused"]["files"]) == {"config.json"}
+    fused_model, fused_tokenizer = mlx_lm.load(sft_job["fused"]["directory"])
+    assert mlx_lm.generate(fused_model, fused_tokenizer, "hi", max_tokens=6) == mlx_lm.generate(
+        model, tokenizer, "hi", max_tokens=6)
     assert TOKEN not in json.dumps(sft_job, default=str)
     assert TOKEN not in (sft_job["out"] / "server.log").read_text()
 
@@ -168,7 +187,8 @@ def test_bad_calls_are_tool_errors_with_the_apis_message(stack, sft_job, tmp_pat
         assert result.is_error and "HTTP 403" in text(result) and "viewer role" in text(result)
     assert seen["status"] == "completed"  # ...while a viewer reads
     with stack.client() as c:  # the viewer's submit made no job, the invalid one neither
-        assert [j["job_id"] for j in c.get("/admin/api/jobs").json()] == [sft_job["job"]["job_id"]]
+        jobs = [j["job_id"] for j in c.get("/admin/api/jobs").json()]
+        assert jobs == [sft_job["export"]["job_id"], sft_job["job"]["job_id"]]
 
 
 def test_cancel_and_resume_through_the_server(stack, sft_job):

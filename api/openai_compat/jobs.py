@@ -121,6 +121,21 @@ class Method(_Strict):
         return hp or default()
 
 
+class WandbIntegration(_Strict):
+    project: str = Field(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    name: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[^\x00-\x1f]+$")
+    entity: str | None = Field(None, max_length=128)
+    tags: list[Annotated[str, Field(max_length=64)]] | None = Field(None, max_length=16)
+
+
+class Integration(_Strict):
+    """OpenAI's Weights & Biases integration: the job reports to wandb (docs/trackers.md), in the
+    project and under the name given; online with the worker's WANDB_API_KEY, else offline."""
+
+    type: Literal["wandb"]
+    wandb: WandbIntegration
+
+
 class JobCreateRequest(_Strict):
     """POST /v1/fine_tuning/jobs (the SDK's JobCreateParams)."""
 
@@ -132,12 +147,10 @@ class JobCreateRequest(_Strict):
     suffix: str | None = Field(None, max_length=MAX_SUFFIX, pattern=r"^[A-Za-z0-9._-]*$")
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     metadata: dict[str, str] | None = Field(None, max_length=16)
-    integrations: list[dict[str, Any]] | None = None
+    integrations: list[Integration] | None = Field(None, max_length=1)
 
     @model_validator(mode="after")
     def _checks(self):
-        if self.integrations:
-            raise ValueError("integrations (Weights & Biases) are not available on a local server")
         if self.method is not None and self.hyperparameters is not None:
             raise ValueError("give hyperparameters under method (the top-level field is deprecated)")
         for k, v in (self.metadata or {}).items():
@@ -277,6 +290,8 @@ def build(r, request: JobCreateRequest, who) -> Created:
             raise ParamError(f"validation_file has {len(valid)} rows; a reinforcement job's limit is "
                              f"{MAX_VALIDATION_PROMPTS} (each evaluation samples them all)", "validation_file")
     hp = _resolve(method.hyperparameters(), len(rows))
+    wandb = request.integrations[0].wandb if request.integrations else None
+    report = {} if wandb is None else {"report_to": ["wandb"], "run_name": wandb.name, "wandb_project": wandb.project}
     seed = request.seed if request.seed is not None else secrets.randbelow(2**31)
     per_epoch = steps_per_epoch(len(rows), hp["batch_size"])
     iters = per_epoch * hp["n_epochs"]
@@ -287,23 +302,24 @@ def build(r, request: JobCreateRequest, who) -> Created:
         config = GRPOConfig(batch_size=hp["batch_size"], group_size=group, iters=iters, learning_rate=lr, seed=seed,
                             checkpoint_every=per_epoch, max_completion_len=hp["max_completion_tokens"],
                             temperature=hp["temperature"], eval_interval=hp["eval_interval"],
-                            eval_samples=hp["eval_samples"])
+                            eval_samples=hp["eval_samples"], **report)
         spec = JobCreate(model_id=request.model, adapter_name=adapter_name, prompts=rows, validation_prompts=valid,
                          config=config, reward=[GraderReward(grader=method.reinforcement.grader)])  # type: ignore[union-attr]
     elif method.type == "dpo":
         config = DPOConfig(batch_size=hp["batch_size"], iters=iters, learning_rate=lr, seed=seed, beta=hp["beta"],
-                           steps_per_report=1, steps_per_save=per_epoch, steps_per_eval=per_epoch)
+                           steps_per_report=1, steps_per_save=per_epoch, steps_per_eval=per_epoch, **report)
         spec = DPOJobCreate(model_id=request.model, adapter_name=adapter_name, dataset=rows, valid_dataset=valid,
                             config=config)
     else:
         config = SFTConfig(batch_size=hp["batch_size"], iters=iters, learning_rate=lr, seed=seed, mask_prompt=True,
-                           steps_per_report=1, steps_per_save=per_epoch, steps_per_eval=per_epoch)
+                           steps_per_report=1, steps_per_save=per_epoch, steps_per_eval=per_epoch, **report)
         spec = SFTJobCreate(model_id=request.model, adapter_name=adapter_name, dataset=rows, valid_dataset=valid,
                             config=config)
     echoed = method.model_dump(exclude_none=True)
     echoed.setdefault(method.type, {})["hyperparameters"] = hp
     record = {"training_file": request.training_file, "validation_file": request.validation_file, "method": echoed,
-              "hyperparameters": hp, "suffix": request.suffix or "", "metadata": request.metadata, "seed": seed}
+              "hyperparameters": hp, "suffix": request.suffix or "", "metadata": request.metadata, "seed": seed,
+              "integrations": [i.model_dump(exclude_none=True) for i in request.integrations or []]}
     return Created(spec, record)
 
 
@@ -393,7 +409,7 @@ def to_job(job_id: str, rec: dict, ft: dict) -> FineTuningJob:
         result_files=[f"file-{job_id}"] if status == "succeeded" else [], seed=ft["seed"], status=status,
         trained_tokens=int(progress.get("num_tokens", 0)) if status == "succeeded" else None,
         training_file=ft["training_file"], validation_file=ft.get("validation_file"), estimated_finish=estimated,
-        integrations=[], metadata=ft.get("metadata"), method=ft["method"],
+        integrations=ft.get("integrations") or [], metadata=ft.get("metadata"), method=ft["method"],
     )
 
 

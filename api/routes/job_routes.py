@@ -12,6 +12,8 @@ and messages:
     POST   {prefix}/{id}/resume       re-queue a failed or cancelled job, optional {"config": {...}} overrides
     GET    {prefix}/{id}/history      a completed job's per-step metrics
     GET    {prefix}/{id}/adapter      a completed job's adapter (or full model) as .tar.gz
+    GET    {prefix}/{id}/trackers     its experiment trackers' states (docs/trackers.md)
+    GET    {prefix}/{id}/tensorboard  its TensorBoard event files as .tar.gz
 
 Jobs of other kinds are 404 here, except that the DPO routes read ORPO jobs too (as the seed
 server's do: shared/kinds.py route_kinds). Jobs of any kind, read-only, by their id alone (how
@@ -27,7 +29,6 @@ streams hold no threads. Who may do what (api/auth.py): a viewer's token only re
 changes); a trainer's token sees only the jobs it created (others' are 404).
 """
 
-import re
 from typing import Annotated, Any, Callable, Literal, Union
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
@@ -41,14 +42,12 @@ from api.deps import (ADMIN_ERRORS, PrincipalDep, RedisDep, SettingsDep, WriterD
                       get_stream_redis, require_token)
 from api.json_body import JSONBodyRoute
 from api.routes.adapters import archive_response
-from api.submission import check_datasets, check_spec, prepared, refuse_resume
-from shared import adapters, jobstore, lifecycle
-from shared.keys import job_key
+from api.submission import check_datasets, check_export, check_spec, prepared, refuse_resume
+from shared import adapters, jobstore, lifecycle, trackers
+from shared.keys import JOB_ID, job_key
 from shared.kinds import KINDS, Kind
 from shared.schemas import Deleted, ErrorBody, JobStatus, JobSummary, UnreadableJob, check_json_values
 
-# Job ids are uuid4 hex; anything with a ':' would name another of the job's keys (mtq:job:<id>:events).
-JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 ERRORS = {
     400: {"model": ErrorBody, "description": "Invalid request: malformed or over-deep JSON, or a field that is "
           "missing or wrong (`detail` says which, in words)."},
@@ -64,7 +63,8 @@ ERRORS = {
 
 # How a family's routes (shared/kinds.py) check a spec beyond its schema. Invalid input is the
 # app's 400 with the seed server's messages (api/main.py `readable`).
-FAMILIES: dict[str, Callable[..., None]] = {"grpo": check_spec, "supervised": check_datasets, "session": refuse_resume}
+FAMILIES: dict[str, Callable[..., None]] = {"grpo": check_spec, "supervised": check_datasets, "session": refuse_resume,
+                                            "export": check_export}
 
 
 class ResumeRequest(BaseModel):
@@ -135,6 +135,15 @@ class JobHistory(BaseModel):
     job_id: str
     history: list[dict[str, Any]] = Field(description="One entry per step (the last 1000), each step once, "
                                           "also across resumes: {step, loss, ...}.")
+
+
+class TrackerState(BaseModel):
+    status: Literal["running", "finished", "failed", "killed"] = Field(description="running: following the job's "
+        "events; finished: all logged, its run closed; failed: `error` says why; killed: still running "
+        "MTQ_TRACKER_GRACE_S after the job's run ended.")
+    step: int | None = Field(None, description="The last global step it logged.")
+    error: str | None = None
+    run_id: str | None = Field(None, description="MLflow's run id.")
 
 
 def job_router(k: Kind) -> APIRouter:
@@ -236,6 +245,25 @@ def job_router(k: Kind) -> APIRouter:
         if not stored:
             raise not_found(job_id, "Adapter not found for job")
         return archive_response(stored, job.adapter_name)
+
+    @router.get("/{job_id}/trackers", response_model=dict[str, TrackerState], responses=only(404),
+                summary="Its experiment trackers' states, by tracker (those it reports to that have started)")
+    def job_trackers(job_id: str, r: RedisDep, who: PrincipalDep) -> dict[str, TrackerState]:
+        entry_or_404(r, job_id, who)
+        return {name: TrackerState.model_validate(value) for name, value in trackers.state(r, job_id).items()}
+
+    @router.get("/{job_id}/tensorboard", response_class=Response,
+                responses={200: {"content": {"application/gzip": {}},
+                                 "description": "A .tar.gz of its event files: extract it into a directory and run "
+                                 "`tensorboard --logdir` on it."},
+                           404: {"model": ErrorBody, "description": "Unknown job, or no event files (yet)."}},
+                summary="Download the TensorBoard event files of a job that reports to tensorboard")
+    def download_tensorboard(job_id: str, r: RedisDep, who: PrincipalDep) -> Response:
+        entry_or_404(r, job_id, who)
+        stored = trackers.tensorboard_files(r, job_id)
+        if not stored:
+            raise not_found(job_id, "No TensorBoard event files for job")
+        return archive_response(stored, f"{job_id}-tensorboard")
 
     @router.get("/{job_id}/stream", response_class=StreamingResponse, responses={
         200: {"content": {"text/event-stream": {}}, "description": "`id: <stream id>` + `data: <event JSON>` per event; "

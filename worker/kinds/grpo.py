@@ -45,6 +45,10 @@ One step (= one `iter` of the job config), GRPOTrainer.step, in four phases:
          m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  theta *= 1 - lr * weight_decay
          theta -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
 
+The phases are GRPOTrainer's methods (rollout, score, advantages, loss_batch and update, loss):
+the kinds built on this sampler and its reward sources replace phase 3 and the loss (rloo.py,
+reinforce.py).
+
 On a gang of N workers (config.workers, worker/runtime/gang_group.py) each rank runs the four
 phases on every N-th of the step's B prompts with their groups: it pads them to the whole step's
 width and draws each row's random numbers as that row of the whole batch would (so it samples
@@ -202,12 +206,11 @@ class Batch:
     completion: mx.array  # (rows, L) int32
     mask: mx.array  # (rows, L) bool
     old_logp: mx.array  # (rows, L) float32
-    advantages: mx.array  # (rows,) float32
+    advantages: mx.array | None = None  # (rows,) float32, once phase 3 has them
     ref_logp: mx.array | None = None
 
 
-
-def make_batch(prompt_ids: list[list[int]], samples: Samples, mask: mx.array, advantages: np.ndarray, group_size: int,
+def make_batch(prompt_ids: list[list[int]], samples: Samples, mask: mx.array, group_size: int,
                width: int | None = None) -> Batch:
     prompts, pad = left_pad([p for p in prompt_ids for _ in range(group_size)], pad_id=0, width=width)
     used = max(int(samples.steps), 1)
@@ -219,9 +222,7 @@ def make_batch(prompt_ids: list[list[int]], samples: Samples, mask: mx.array, ad
         completion=completion,
         mask=mask[:, :L],
         old_logp=samples.logprobs[:, :L],
-        advantages=mx.array(advantages.reshape(-1)),
     )
-
 
 
 # --------------------------------------------------------------------------- completions as text
@@ -368,11 +369,6 @@ class GRPOTrainer:
         # be alive at once. Above this limit its scheduler waits for queued work first.
         mx.set_memory_limit(int(self.memory.memory_limit_gb * GB))  # with a budget (max_memory_gb): the budget
 
-        loss_kwargs = dict(
-            loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
-            epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_upper, beta=cfg.beta,
-            max_completion_len=cfg.max_completion_len,
-        )
         on_policy = cfg.num_iterations == 1
 
         def loss_fn(model, inputs, pad, completion, mask, old_logp, ref_logp, advantages, n_rows, n_tokens):
@@ -381,7 +377,7 @@ class GRPOTrainer:
             )
             if on_policy:  # TRL: old = detached current log-probs, so the ratio is exactly 1
                 old_logp = mx.stop_gradient(logp)
-            return grpo_loss(logp, old_logp, ref_logp, advantages, mask, n_rows=n_rows, n_tokens=n_tokens, **loss_kwargs)
+            return self.loss(logp, old_logp, ref_logp, advantages, mask, n_rows, n_tokens)
 
         value_and_grad = nn.value_and_grad(model, loss_fn)
         state = [model.state, mx.random.state]
@@ -391,6 +387,20 @@ class GRPOTrainer:
             return loss, stats, grads
 
         self.micro_batch_step = mx.compile(micro_batch_step, inputs=state, outputs=state)
+
+    def loss(self, logp: mx.array, old_logp: mx.array, ref_logp: mx.array, advantages: mx.array, mask: mx.array,
+             n_rows: mx.array, n_tokens: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+        """The objective of phase 4 (grpo_loss; the kinds built on this trainer give their own)."""
+        cfg = self.cfg
+        return grpo_loss(logp, old_logp, ref_logp, advantages, mask, loss_type=cfg.loss_type,
+                         importance_sampling_level=cfg.importance_sampling_level, epsilon_low=cfg.epsilon_low,
+                         epsilon_high=cfg.epsilon_upper, beta=cfg.beta, max_completion_len=cfg.max_completion_len,
+                         n_rows=n_rows, n_tokens=n_tokens)
+
+    def advantages(self, every: np.ndarray, batch: Batch) -> np.ndarray:
+        """Phase 3: the whole step's (B, G) rewards (NaN = unscorable) as this rank's rows'
+        advantages. The batch (its log-probs) is for the kinds built on this trainer."""
+        return advantages_from_rewards(every, self.cfg.scale_rewards)[self.positions]
 
     def micro_batches(self, batch: Batch) -> list[slice]:
         m, rows = self.memory.micro_batch_size, batch.inputs.shape[0]
@@ -437,8 +447,9 @@ class GRPOTrainer:
         rollout = self.rollout(state.step, should_stop)
         rewards, reward_metrics = self.score(rollout, state.step, should_stop)
         every = self.whole_batch(rewards)  # (B, G): a gang's ranks' rewards together
-        advantages = advantages_from_rewards(every, self.cfg.scale_rewards)[self.positions]
-        loss, stats, grad_norm = self.update(rollout, advantages, state.step, should_stop, on_finite_loss)
+        batch = self.loss_batch(rollout)
+        batch.advantages = mx.array(self.advantages(every, batch).reshape(-1))
+        loss, stats, grad_norm = self.update(batch, state.step, should_stop, on_finite_loss)
 
         tokens = sum(rollout.lengths) + sum(len(p) for p in rollout.prompt_ids) * rollout.rows_per_prompt
         state.num_tokens += tokens if self.gang.size == 1 else int(self.gang.sum(mx.array(tokens)).item())
@@ -453,7 +464,7 @@ class GRPOTrainer:
         in its place (NaN stays NaN: the others add 0 there)."""
         if self.gang.size == 1:
             return rewards
-        every = np.zeros((self.cfg.batch_size, self.cfg.group_size))
+        every = np.zeros((self.cfg.batch_size, rewards.shape[1]))
         every[self.positions] = rewards
         return np.array(self.gang.sum(mx.array(every, dtype=mx.float32)), dtype=np.float64)
 
@@ -576,17 +587,21 @@ class GRPOTrainer:
             raise Cancelled() from None
         return {"val_reward": float(np.nan_to_num(nan_mean(rewards))), **{f"val_{k}": v for k, v in metrics.items()}}
 
-    def update(self, rollout: Rollout, advantages: np.ndarray, step: int, should_stop: Callable[[], bool],
-               on_finite_loss: Callable[[], None]) -> tuple[mx.array, dict, mx.array]:
-        """Phase 4: mu optimizer updates on the rollout's tokens (mask_truncated_completions: the
-        completions cut at max_completion_len left out), with the reference policy's log-probs
-        when beta > 0. Returns the last update's loss, statistics and gradient norm."""
-        cfg, model = self.cfg, self.model
-        mask = rollout.mask & mx.array(rollout.ended)[:, None] if cfg.mask_truncated_completions else rollout.mask
-        batch = make_batch(rollout.prompt_ids, rollout.samples, mask, advantages, rollout.rows_per_prompt, rollout.width)
-        if cfg.beta > 0:
-            with lora_disabled(model):
+    def loss_batch(self, rollout: Rollout) -> Batch:
+        """The rollout's tokens as the loss takes them (mask_truncated_completions: the completions
+        cut at max_completion_len left out), with the reference policy's log-probs when beta > 0."""
+        mask = rollout.mask & mx.array(rollout.ended)[:, None] if self.cfg.mask_truncated_completions else rollout.mask
+        batch = make_batch(rollout.prompt_ids, rollout.samples, mask, rollout.rows_per_prompt, rollout.width)
+        if self.cfg.beta > 0:
+            with lora_disabled(self.model):
                 batch.ref_logp = self.forward_logprobs(batch)
+        return batch
+
+    def update(self, batch: Batch, step: int, should_stop: Callable[[], bool],
+               on_finite_loss: Callable[[], None]) -> tuple[mx.array, dict, mx.array]:
+        """Phase 4: mu optimizer updates on the batch. Returns the last update's loss, statistics
+        and gradient norm."""
+        cfg, model = self.cfg, self.model
         ref = batch.ref_logp if batch.ref_logp is not None else batch.old_logp  # unused when beta == 0
 
         model.train()

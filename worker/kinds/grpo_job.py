@@ -27,7 +27,9 @@ from worker.runtime.train_core import Run
 
 
 @contextlib.contextmanager
-def load(job, spec: JobCreate, settings) -> Iterator[Run]:
+def load(job, spec: JobCreate, settings, trainer_class: type[GRPOTrainer] = GRPOTrainer) -> Iterator[Run]:
+    """trainer_class: GRPO's, or that of a kind built on its phases (rloo.py, reinforce.py,
+    online_dpo.py)."""
     cfg = spec.config
     t0 = time.perf_counter()
     model, tokenizer, cached = get_model(spec.model_id, settings)
@@ -40,7 +42,7 @@ def load(job, spec: JobCreate, settings) -> Iterator[Run]:
         mx.random.seed(cfg.seed)  # LoRA init and dropout
         attach_adapter(model, cfg, init=init)
         try:
-            trainer = GRPOTrainer(model, tokenizer, spec, MarkedScorer(scorer, job), job.gang, answers)
+            trainer = trainer_class(model, tokenizer, spec, MarkedScorer(scorer, job), job.gang, answers)
             job.write(memory_plan=json.dumps(trainer.memory.as_record()))  # GET on the job shows it
 
             def step(state, should_stop, on_finite_loss):

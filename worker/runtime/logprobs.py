@@ -6,7 +6,8 @@ so that sampling (pi_old) and the loss (pi_theta) see the same distribution.
     token_logprobs        log softmax(logits / T)[token] and the entropy, in float32 (sampling);
                           log_softmax (which head_logprobs takes too) and pick its two halves
     completion_logprobs   log softmax(logits_t / T)[o_t] of left-padded prompt + completion rows,
-                          from the last hidden states of completion positions only (GRPO, scoring)
+                          from the last hidden states of completion positions only (GRPO, scoring);
+                          completion_hidden those hidden states (PPO's value head reads them too)
     head_logprobs         log softmax(head(h) / T)[token] of hidden states, K tokens each, the
                           output head a chunk of positions at a time (completion_logprobs, the
                           Tinker training client: worker/sessions/training_client.py)
@@ -87,12 +88,19 @@ def completion_logprobs(
 ) -> mx.array:
     """log pi(o_t) for every completion position: one forward pass of the transformer for
     all rows, then the output head on completion positions only (head_logprobs)."""
+    rows, L = completion.shape
+    hidden = completion_hidden(model, inputs, pad, L, checkpointing).reshape(rows * L, -1)
+    return head_logprobs(model, hidden, completion.reshape(-1, 1), temperature, chunk_tokens).reshape(rows, L)
+
+
+def completion_hidden(model: nn.Module, inputs: mx.array, pad: mx.array, L: int, checkpointing: bool = False) -> mx.array:
+    """The last hidden states (rows, L, D) of the positions that predict the last L tokens of
+    left-padded rows (position t predicts token t + 1): what the output head reads, and PPO's
+    value head (worker/kinds/ppo.py)."""
     caches = [PaddingMaskCache(pad) for _ in model.layers]
     with gradient_checkpointing(model, checkpointing):
         hidden = model.model(inputs, cache=caches)
-    rows, L = completion.shape
-    hidden = hidden[:, -L - 1 : -1].reshape(rows * L, -1)  # position t predicts token t + 1
-    return head_logprobs(model, hidden, completion.reshape(-1, 1), temperature, chunk_tokens).reshape(rows, L)
+    return hidden[:, -L - 1 : -1]
 
 
 def head_logprobs(model: nn.Module, hidden: mx.array, tokens: mx.array, temperature: float, chunk_tokens: int) -> mx.array:

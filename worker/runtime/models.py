@@ -152,7 +152,7 @@ def gradient_checkpointing(model: nn.Module, on: bool):
 
 
 class UnsupportedBase(Exception):
-    """The model cannot be fine-tuned the way the job asks (already quantized, too large)."""
+    """The model cannot be fine-tuned or exported the way the job asks (already quantized, too large)."""
 
 
 def private_base(model_id: str, settings, fine_tune_type: str, quant_bits: int | None):

@@ -7,7 +7,8 @@ epoch. It leaves progress marks in memory shared with the supervisor, which ends
 marks stop (a stall), and tells it through the same memory to hand its job back.
 
 A job runs in the job loop (worker/runtime/job_loop.py), with its kind's `load` from the kind's worker
-module (shared/kinds.py names it); a session's job in its own loop (worker/kinds/session_job.py). Only the training process imports this module and MLX: the
+module (shared/kinds.py names it); a session's job in its own loop (worker/kinds/session_job.py), an
+export in its one pass (worker/kinds/export_job.py). Only the training process imports this module and MLX: the
 supervisor starts it in a fresh interpreter.
 """
 
@@ -201,8 +202,9 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
                          "main_thread": threading.current_thread() is threading.main_thread(),
                          **({} if ranks is None else {"rank": rank, "gang_size": len(ranks[1])})})
         module = importlib.import_module(kind.worker_module)
-        # A session serves its client's calls until it ends (worker/kinds/session_job.py); every other kind steps.
-        fields = (module.run(job, stored.spec) if kind.family == "session"
+        # A session serves its client's calls until it ends (worker/kinds/session_job.py), an export fuses
+        # (worker/kinds/export_job.py); every other kind steps.
+        fields = (module.run(job, stored.spec) if kind.own_loop
                   else job_loop.run(job, kind, stored.spec, module.load))
         if rank > 0:
             return "rank done"

@@ -85,7 +85,9 @@ def does_not_fit(r, here: Here, job_id: str, rq_job_id: str, kind: str, summary:
     if here.memory_gb is None or here.device is None:
         return None
     model = here.models.get(routing.model_key(summary["model_id"]), {})
-    need = routing.job_need_gb(kind, summary, model, here.device)
+    teacher = summary.get("teacher_model_id")  # a GKD job's
+    need = routing.job_need_gb(kind, summary, model, here.device,
+                               teacher and here.models.get(routing.model_key(teacher), {}))
     if need is None or need <= here.memory_gb:
         return None
     reason = f"worker {here.name} has {here.memory_gb:g} GB; the job needs about {need:.2f} GB there"

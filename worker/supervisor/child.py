@@ -33,16 +33,17 @@ READY_TIMEOUT_S = 300.0  # importing MLX and the trainers
 def child_main(main: str, *args) -> None:
     """The training process's entry point: what must precede MLX, then `main` (a function's
     dotted name) with args."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
     kernel_cache.use(load_settings().kernel_cache_dir)  # before MLX compiles anything
     module, name = main.rsplit(".", 1)
     getattr(importlib.import_module(module), name)(*args)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: the kernel kills this process when the supervisor dies (even if this one hangs
-    in native code). Elsewhere should_stop notices the new parent at its next check."""
+    in native code). Elsewhere should_stop notices the new parent at its next check (the
+    tracker processes too: worker/trackers/process.py)."""
     if sys.platform == "linux":
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

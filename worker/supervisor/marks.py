@@ -6,7 +6,8 @@ import ctypes
 import time
 
 PHASES = ("idle", "joining", "loading_model", "compiling", "sampling", "scoring", "updating", "checkpointing", "saving",
-          "serving")  # serving: a session's job between its client's calls (worker/kinds/session_job.py)
+          "serving",  # serving: a session's job between its client's calls (worker/kinds/session_job.py)
+          "fusing")  # an export's adapter going into its base (worker/kinds/export_job.py)
 
 
 class Marks:

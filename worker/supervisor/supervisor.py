@@ -34,7 +34,7 @@ from shared import jobstore, lifecycle, routing, workers
 from shared.jobstore import connect
 from shared.keys import job_key
 from shared.settings import load_settings
-from worker.supervisor import admission, gang_claims, openblas, watchdog
+from worker.supervisor import admission, gang_claims, openblas, trackers, watchdog
 from worker.supervisor.child import TrainingProcess
 from worker.supervisor.lease import Lease, LeaseLost, retrying
 from worker.supervisor.reconciler import Reconciler
@@ -144,9 +144,15 @@ class Supervisor(RQWorker):
             if summary is None:
                 lease.finish("failed", {"type": "failed", "error": unreadable}, error=unreadable)
                 return "failed"
+            settings = load_settings()
             # The server's cap too: a record written around the API (or before the cap) may ask for a day.
-            stall_timeout_s = min(summary["config"]["stall_timeout_s"], load_settings().max_stall_timeout_s)
-            return watchdog.watch(self.training, lease, stall_timeout_s, gang, lambda: self.stop_requested)
+            stall_timeout_s = min(summary["config"]["stall_timeout_s"], settings.max_stall_timeout_s)
+            reports = gang is None or gang[0] == 0  # a gang's rank 0 reports for it
+            tracking = trackers.start(lease.job_id, lease.epoch, summary["config"], settings) if reports else []
+            try:
+                return watchdog.watch(self.training, lease, stall_timeout_s, gang, lambda: self.stop_requested)
+            finally:
+                trackers.end(self.connection, lease.job_id, lease.epoch, tracking, settings.tracker_grace_s)
         except LeaseLost:
             return "lease lost"
         except BaseException:  # e.g. a cold shutdown (second Ctrl-C): end the child, give the job back now
