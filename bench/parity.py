@@ -1,12 +1,14 @@
 """Parity of the kinds with the trainers users compare them to, measured in one run: DPO against
 TRL's DPOTrainer, SFT against mlx_lm's own LoRA trainer (`mlx_lm lora`), RLOO against TRL's
 RLOOTrainer, PPO against TRL's PPOTrainer, Online DPO and XPO against TRL's OnlineDPOTrainer,
-GKD against TRL's GKDTrainer.
+GKD against TRL's GKDTrainer; and (`losses`) DPO's other loss types against DPOTrainer, CPO / SimPO
+against TRL's CPOTrainer.
 
     python bench/parity.py --trl-python /path/to/trl-env/bin/python [--trl-ppo-path DIR] [--steps 40] [--json OUT.json]
                            [--only-rloo | --only-ppo]
     python bench/parity.py --trl-python /path/to/trl-env/bin/python --only-gkd [--gkd-beta 0.5] [--steps 40]
     python bench/parity.py online --trl-python /path/to/trl-env/bin/python [--steps 24] [--json OUT.json]
+    python bench/parity.py losses --trl-python /path/to/trl-env/bin/python [--steps 40] [--lr 2e-3] [--only NAME ...]
 
 The last runs Online DPO and XPO against TRL's OnlineDPOTrainer (online_main below says how).
 
@@ -62,6 +64,15 @@ deviation over all steps. Seed 2's first such completion is at step 21. At lr 5e
 two sides agree to 1e-5 for 8 steps and part at the ninth (approxkl 6% apart, every clip
 decision the same), where two TRL runs (of 12 and of 20 steps) replaying the same rollouts part
 from each other too (value loss 4.12 and 4.20 at step 10).
+losses: DPO's model, initial LoRA, pairs, order and optimizer for each of DPO's other loss types
+(DPO_LOSSES: TRL's label_smoothing where the type reads it; a loss_weights mix) and for CPO /
+SimPO (CPO_LOSSES: TRL's CPOTrainer, reference-free, which tokenises prompt + completion together
+and adds EOS, as DPOTrainer: its rows are checked against this project's tokens too), each a job
+here (`trl-dpo` / `trl-cpo` train every config of their spec in one process). Each run's largest
+relative per-step loss deviation is printed and must be within 2%. --lr sets every run's
+learning rate: at 5e-3 (DPO_CONFIG's) the tiny model's loss oscillates, which amplifies float32
+rounding: the sigmoid+bco_pair mix agrees to 4 decimals for 27 steps, then the two trajectories
+part (7.9% by step 40), CPO's ipo reaches 1.8%; at 2e-3 none is 0.1% apart.
 GKD: the tiny model as the student (DPO's initial LoRA) and the tiny model made with seed 1 as
 the teacher (the same tokenizer), lmbda 0 (every step on the rows' completions: TRL samples
 with torch's generator, which no other sampler reproduces), beta 0.5 (the generalized JSD;
@@ -115,6 +126,21 @@ PPO_CONFIG = {**LORA, "batch_size": 4, "max_completion_len": 12, "temperature": 
 PPO_REWARD = [{"type": "length", "weight": 0.1}]  # a tenth of the length in characters
 PPO_COMPARED = ("loss", "loss/policy_avg", "loss/value_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/clipfrac_avg")
 GKD_CONFIG = {**DPO_CONFIG, "lmbda": 0.0, "beta": 0.5}
+# `losses`: DPO's other loss types (on top of DPO_CONFIG), and CPO's and SimPO's configs.
+DPO_LOSSES = {
+    **{t: {"loss_type": t} for t in ("hinge", "ipo", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
+                                     "sigmoid_norm")},
+    "robust": {"loss_type": "robust", "label_smoothing": 0.1},
+    "exo_pair": {"loss_type": "exo_pair", "label_smoothing": 1e-3},
+    "sigmoid+bco_pair": {"loss_type": ["sigmoid", "bco_pair"], "loss_weights": [0.8, 0.2]},
+}
+CPO_LOSSES = {
+    "cpo-sigmoid": {"loss_type": "sigmoid", "cpo_alpha": 1.0},
+    "cpo-hinge": {"loss_type": "hinge", "cpo_alpha": 1.0},
+    "cpo-ipo": {"loss_type": "ipo", "cpo_alpha": 1.0},
+    "simpo": {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.0},
+    "cpo-simpo": {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 1.0, "label_smoothing": 0.1},
+}
 
 
 def pairs(n: int) -> list[dict]:
@@ -190,11 +216,12 @@ def upload(client, archive: Path) -> str:
     return res.json()["id"]
 
 
-def ours_dpo(client, model_id: str, rows: list[dict], init_file: str, steps: int) -> list[dict]:
-    events = run_job(client, "/admin/api/fine-tune/dpo/jobs", {
+def ours_pairs(client, kind: str, model_id: str, rows: list[dict], init_file: str, steps: int, config: dict) -> list[dict]:
+    """A DPO or CPO job's per-step loss, margin and chosen log-probs."""
+    events = run_job(client, f"/admin/api/fine-tune/{kind}/jobs", {
         "model_id": model_id, "preference_pairs": rows, "init_adapter": {"file_id": init_file},
-        "config": {**DPO_CONFIG, "iters": steps}}, ("dpo_step",))
-    return [{"loss": e["loss"], "margin": e["rewards/margins"], "logps_chosen": e["logps/chosen"]} for e in events["dpo_step"]]
+        "config": {**config, "iters": steps}}, (f"{kind}_step",))
+    return [{"loss": e["loss"], "margin": e["rewards/margins"], "logps_chosen": e["logps/chosen"]} for e in events[f"{kind}_step"]]
 
 
 def batch_order(n_rows: int, batch_size: int, steps: int) -> list[int]:
@@ -347,34 +374,129 @@ def peft_model(spec: dict):
     return model, tokenizer
 
 
-def trl_dpo(spec_path: str, out_path: str) -> None:
-    """TRL's DPOTrainer on the spec's model, initial LoRA and ordered rows; its per-step logs and tokens."""
+def trl_args(config: dict, steps: int) -> dict:
+    """TrainingArguments for this project's optimizer and data order (module docstring)."""
+    return dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=config["batch_size"], max_steps=steps,
+                learning_rate=config["learning_rate"], beta=config["beta"], lr_scheduler_type=config["lr_scheduler"],
+                warmup_steps=0, max_grad_norm=config["max_grad_norm"], weight_decay=config["weight_decay"],
+                adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, logging_steps=1, report_to=[], save_strategy="no",
+                use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=0,
+                train_sampling_strategy="sequential", dataloader_drop_last=False, max_length=1024)
+
+
+def trl_pairs(spec_path: str, out_path: str, trainer_name: str) -> None:
+    """TRL's DPOTrainer or CPOTrainer on the spec's model, initial LoRA and ordered rows, once per config
+    of the spec (`configs`, or its one `config`): each run's per-step logs (`steps`: the first's), and
+    the tokens (the rows are the same in every run)."""
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import DPOConfig, DPOTrainer
 
     spec = json.loads(Path(spec_path).read_text())
-    model, tokenizer = peft_model(spec)
-    config = spec["config"]
-    args = DPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=config["batch_size"],
-                     max_steps=spec["steps"], learning_rate=config["learning_rate"], beta=config["beta"],
-                     loss_type=["sigmoid"], lr_scheduler_type=config["lr_scheduler"], warmup_steps=0,
-                     max_grad_norm=config["max_grad_norm"], weight_decay=config["weight_decay"], adam_beta1=0.9,
-                     adam_beta2=0.999, adam_epsilon=1e-8, logging_steps=1, report_to=[], save_strategy="no",
-                     use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=0,
-                     train_sampling_strategy="sequential", dataloader_drop_last=False, max_length=1024)
-    steps: list[dict] = []
+    runs: list[list[dict]] = []
 
     class Logs(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
-                steps.append({"loss": logs["loss"], "margin": logs["rewards/margins"], "logps_chosen": logs["logps/chosen"]})
+                runs[-1].append({"loss": logs["loss"], "margin": logs["rewards/margins"], "logps_chosen": logs["logps/chosen"]})
 
-    trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(spec["rows"]), processing_class=tokenizer,
-                         callbacks=[Logs()])
-    tokens = [{k: list(r[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in trainer.train_dataset]
-    trainer.train()
-    Path(out_path).write_text(json.dumps({"steps": steps, "tokens": tokens}))
+    for config in spec.get("configs") or [spec["config"]]:
+        model, tokenizer = peft_model(spec)
+        runs.append([])
+        if trainer_name == "dpo":
+            from trl import DPOConfig, DPOTrainer
+
+            args = DPOConfig(**trl_args(config, spec["steps"]), loss_type=config.get("loss_type", "sigmoid"),
+                             loss_weights=config.get("loss_weights"), label_smoothing=config.get("label_smoothing", 0.0))
+            trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(spec["rows"]),
+                                 processing_class=tokenizer, callbacks=[Logs()])
+            tokens = [{k: list(r[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in trainer.train_dataset]
+        else:
+            from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+            args = CPOConfig(**trl_args(config, spec["steps"]), loss_type=config["loss_type"], cpo_alpha=config["cpo_alpha"],
+                             simpo_gamma=config.get("simpo_gamma", 0.5), label_smoothing=config.get("label_smoothing", 0.0))
+            trainer = CPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(spec["rows"]),
+                                 processing_class=tokenizer, callbacks=[Logs()])
+            tokens = [cpo_tokens(r) for r in trainer.train_dataset]
+        trainer.train()
+    Path(out_path).write_text(json.dumps({"steps": runs[0], "runs": runs, "tokens": tokens}))
+
+
+def cpo_tokens(row: dict) -> dict:
+    """A CPOTrainer row (prompt + completion ids, labels -100 over the prompt) as DPOTrainer's three lists."""
+    out = {}
+    for side in ("chosen", "rejected"):
+        ids, labels = row[f"{side}_input_ids"], row[f"{side}_labels"]
+        start = next(i for i, label in enumerate(labels) if label != -100)
+        out["prompt_ids"], out[f"{side}_ids"] = list(ids[:start]), list(ids[start:])
+    return out
+
+
+def trl_runs(trl_python: str, work: Path, trainer_name: str, spec: dict, model_dir: Path, ordered: list[dict]) -> list[list[dict]]:
+    """Run `parity.py trl-<trainer> SPEC OUT` in the TRL interpreter; its runs, the tokens checked against ours."""
+    spec_path, out = work / f"trl_{trainer_name}_spec.json", work / f"trl_{trainer_name}.json"
+    spec_path.write_text(json.dumps(spec))
+    res = subprocess.run([trl_python, __file__, f"trl-{trainer_name}", str(spec_path), str(out)],
+                         capture_output=True, text=True, timeout=3600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    trl = json.loads(out.read_text())
+    mismatched = [i for i, (a, b) in enumerate(zip(trl["tokens"], our_tokens(model_dir, ordered))) if a != b]
+    assert not mismatched, f"TRL's {trainer_name} tokenises row {mismatched[0]} otherwise: {trl['tokens'][mismatched[0]]}"
+    return trl["runs"]
+
+
+def losses_main(argv: list[str]) -> int:
+    """DPO's other loss types and CPO / SimPO against TRL (module docstring: `losses`)."""
+    ap = argparse.ArgumentParser(prog="parity.py losses")
+    ap.add_argument("--trl-python", required=True, help="an interpreter with torch, transformers, peft, datasets, trl")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--pairs", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=2e-3, help="every run's learning rate")
+    ap.add_argument("--only", nargs="+", choices=[*DPO_LOSSES, *CPO_LOSSES], help="only these runs")
+    ap.add_argument("--json", help="write the figures here too")
+    args = ap.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT))
+    from bench.private_stack import private_stack
+    from worker.runtime.make_model import make_model
+    from worker.supervisor.openblas import reexec_with_openblas
+
+    reexec_with_openblas()
+    work = Path(tempfile.mkdtemp(prefix="mtq-parity-losses-"))
+    model_dir = make_model(work / "models" / "tiny", size="tiny", seed=0)
+    init_archive = initial_adapter(model_dir, work / "init")
+    rows = pairs(args.pairs)
+    ordered = [rows[i] for i in batch_order(len(rows), DPO_CONFIG["batch_size"], args.steps)]
+    base, chosen = {**DPO_CONFIG, "learning_rate": args.lr}, args.only or [*DPO_LOSSES, *CPO_LOSSES]
+    configs = {"dpo": {name: {**base, **c} for name, c in DPO_LOSSES.items() if name in chosen},
+               "cpo": {name: {**base, **c} for name, c in CPO_LOSSES.items() if name in chosen}}
+    common = {"model_dir": str(model_dir), "init_dir": str(work / "init"), "rows": ordered, "steps": args.steps}
+    trl = {name: run for kind, some in configs.items() if some
+           for name, run in zip(some, trl_runs(args.trl_python, work, kind, {**common, "configs": list(some.values())},
+                                               model_dir, ordered))}
+    with private_stack(model_dir) as (stack, client, log):
+        wait_up(client, stack, log)
+        init_file = upload(client, init_archive)
+        ours = {name: ours_pairs(client, kind, model_dir.name, rows, init_file, args.steps, c)  # its own order is `ordered`
+                for kind, some in configs.items() for name, c in some.items()}
+    figures = {}
+    for name, mine in ours.items():
+        theirs = trl[name]
+        figures[name] = {"steps": len(mine), "final_loss": [mine[-1]["loss"], theirs[-1]["loss"]],
+                         "final_margin": [mine[-1]["margin"], theirs[-1]["margin"]],
+                         "max_loss_deviation": max(abs(o["loss"] - t["loss"]) / abs(t["loss"])
+                                                   for o, t in zip(mine, theirs, strict=True))}
+        print(f"{name}, {args.steps} steps at lr {args.lr}: step  loss (this project, TRL)  rewards/margins (this project, TRL)")
+        for k, (o, t) in enumerate(zip(mine, theirs)):
+            print(f"  {k:>3}  {o['loss']:.4f} {t['loss']:.4f}  {o['margin']:+.4f} {t['margin']:+.4f}")
+    for name, f in figures.items():
+        print(f"{name}: largest per-step loss deviation {f['max_loss_deviation']:.3%}; final loss {f['final_loss'][0]:.4f} "
+              f"vs TRL {f['final_loss'][1]:.4f}, margin {f['final_margin'][0]:+.4f} vs {f['final_margin'][1]:+.4f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    ok = all(f["max_loss_deviation"] <= 0.02 for f in figures.values())
+    print("parity: " + ("every loss within 2% of TRL's" if ok else "NOT within 2%"))
+    return 0 if ok else 1
 
 
 def trl_rloo(spec_path: str, out_path: str) -> None:
@@ -898,9 +1020,11 @@ def gkd_parity(trl_python: str, work: Path, model_dir: Path, init_archive: Path,
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["trl-dpo"]:
-        trl_dpo(*sys.argv[2:4])
+    if sys.argv[1:2] in (["trl-dpo"], ["trl-cpo"]):
+        trl_pairs(*sys.argv[2:4], sys.argv[1].removeprefix("trl-"))
         return 0
+    if sys.argv[1:2] == ["losses"]:
+        return losses_main(sys.argv[2:])
     if sys.argv[1:2] == ["trl-rloo"]:
         trl_rloo(*sys.argv[2:4])
         return 0
@@ -966,15 +1090,9 @@ def main() -> int:
     ordered = [rows[i] for i in batch_order(len(rows), DPO_CONFIG["batch_size"], args.steps)]
 
     # TRL first (its own interpreter), then this project through its stack.
-    spec = work / "trl_spec.json"
-    spec.write_text(json.dumps({"model_dir": str(model_dir), "init_dir": str(work / "init"), "rows": ordered,
-                                "steps": args.steps, "config": DPO_CONFIG}))
-    res = subprocess.run([args.trl_python, __file__, "trl-dpo", str(spec), str(work / "trl.json")],
-                         capture_output=True, text=True, timeout=1800)
-    assert res.returncode == 0, res.stderr[-4000:]
-    trl = json.loads((work / "trl.json").read_text())
-    mismatched = [i for i, (a, b) in enumerate(zip(trl["tokens"], our_tokens(model_dir, ordered))) if a != b]
-    assert not mismatched, f"TRL tokenises row {mismatched[0]} otherwise: {trl['tokens'][mismatched[0]]}"
+    trl = {"steps": trl_runs(args.trl_python, work, "dpo", {"model_dir": str(model_dir), "init_dir": str(work / "init"),
+                                                             "rows": ordered, "steps": args.steps, "config": DPO_CONFIG},
+                             model_dir, ordered)[0]}
 
     sft_data, length = sft_rows(model_dir, 4)
     data_dir = work / "data" / "sft"
@@ -990,7 +1108,7 @@ def main() -> int:
     with private_stack(model_dir, MTQ_DATA_ROOTS=str(work / "data")) as (stack, client, log):
         wait_up(client, stack, log)
         init_file = upload(client, init_archive)
-        ours = ours_dpo(client, model_dir.name, rows, init_file, args.steps)  # its own order is `ordered`
+        ours = ours_pairs(client, "dpo", model_dir.name, rows, init_file, args.steps, DPO_CONFIG)  # its own order is `ordered`
         sft = {}
         for i, (name, (our_fields, mlx_fields)) in enumerate(optimizers.items()):
             sft[name] = (ours_sft(client, model_dir.name, data_dir, init_file, {**sft_config, **our_fields}),

@@ -8,6 +8,7 @@ the lifecycle, routing and the worker read it; everything else is the same for e
     sft     /admin/api/fine-tune/jobs         SFTJobCreate     worker.kinds.sft_job           supervised
     dpo     /admin/api/fine-tune/dpo/jobs     DPOJobCreate     worker.kinds.dpo_job           supervised
     orpo    /admin/api/fine-tune/orpo/jobs    ORPOJobCreate    worker.kinds.dpo_job           supervised
+    cpo     /admin/api/fine-tune/cpo/jobs     CPOJobCreate     worker.kinds.cpo_job           supervised
     kto     /admin/api/fine-tune/kto/jobs     KTOJobCreate     worker.kinds.kto_job           supervised
     reward  /admin/api/fine-tune/reward/jobs  RewardJobCreate  worker.kinds.reward_model_job  supervised
     ppo     /admin/api/fine-tune/ppo/jobs     PPOJobCreate     worker.kinds.ppo               grpo
@@ -54,6 +55,7 @@ from shared.reinforce_specs import ReinforceJob, ReinforceJobCreate, RLOOJob, RL
 from shared.schemas import Job, JobCreate
 from shared.session_specs import SessionJob, SessionJobCreate
 from shared.train_specs import (
+    CPOJobCreate,
     DPOJobCreate,
     GKDJob,
     GKDJobCreate,
@@ -102,8 +104,9 @@ SFT_CHARTS = (LOSS, Chart("token accuracy", ("mean_token_accuracy", "val_mean_to
               Chart("tokens per second", ("tokens_per_second",)), Chart("peak memory (GB)", ("peak_memory_gb",)))
 DPO_CHARTS = (LOSS, MARGINS, Chart("reward accuracy", ("rewards/accuracies", "val_rewards/accuracies")), REWARDS,
               LOGPS, *OPTIMIZER)
-ORPO_CHARTS = (*DPO_CHARTS[:4], Chart("log odds ratio", ("log_odds_ratio", "log_odds_chosen")),
-               Chart("NLL", ("nll_loss", "val_nll_loss")), *OPTIMIZER)
+NLL = Chart("NLL", ("nll_loss", "val_nll_loss"))
+ORPO_CHARTS = (*DPO_CHARTS[:4], Chart("log odds ratio", ("log_odds_ratio", "log_odds_chosen")), NLL, *OPTIMIZER)
+CPO_CHARTS = (*DPO_CHARTS[:4], NLL, LOGPS, *OPTIMIZER)
 KTO_CHARTS = (LOSS, MARGINS, REWARDS, Chart("KL estimate", ("kl", "val_kl")), LOGPS, *OPTIMIZER)
 REWARD_MODEL_CHARTS = (LOSS, Chart("accuracy", ("accuracy", "val_accuracy")), Chart("margin", ("margin", "val_margin")),
                        *OPTIMIZER)
@@ -187,6 +190,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                 "worker.kinds.dpo_job", DPO_CHARTS, 2, (*LORA_SHAPE, "method"), also_reads=("orpo",), **PREFERENCE_SEED),
     _supervised(ORPOJobCreate, "/admin/api/fine-tune/orpo/jobs", "ORPO jobs", "an ORPO job", "worker.kinds.dpo_job",
                 ORPO_CHARTS, 2, (*LORA_SHAPE, "method"), **PREFERENCE_SEED),
+    _supervised(CPOJobCreate, "/admin/api/fine-tune/cpo/jobs", "CPO jobs", "a CPO job", "worker.kinds.cpo_job", CPO_CHARTS, 2),
     _supervised(KTOJobCreate, "/admin/api/fine-tune/kto/jobs", "KTO jobs", "a KTO job", "worker.kinds.kto_job", KTO_CHARTS, 1,
                 job_model=TrainJob),
     _supervised(RewardJobCreate, "/admin/api/fine-tune/reward/jobs", "Reward-model jobs", "a reward-model job",

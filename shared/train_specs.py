@@ -1,10 +1,10 @@
-"""Job specs of the supervised kinds: SFT, DPO, ORPO, KTO, reward models and GKD (GRPO's are in schemas.py).
+"""Job specs of the supervised kinds: SFT, DPO, ORPO, CPO, KTO, reward models and GKD (GRPO's are in schemas.py).
 
 Config fields and defaults follow the seed server's configs: SFT's (mlx_lm's LoRA trainer:
 `lora_alpha` is mlx_lm's LoRA `scale`, as the seed passes it), and for DPO, ORPO and reward
 models its DPO / reward config (iters 50, batch_size 2, max_seq_length 1024, `method`,
-`lambda_odds`). The preference kinds add TRL's knobs (`beta`, DPO's `loss_type` and
-`label_smoothing`, KTO's `desirable_weight` and `undesirable_weight`); the optimizer is TRL's
+`lambda_odds`). The preference kinds add TRL's knobs (`beta`, DPO's `loss_type`, `loss_weights` and
+`label_smoothing`, CPO's (TRL's CPOConfig), KTO's `desirable_weight` and `undesirable_weight`); the optimizer is TRL's
 for every kind (OptimizerConfig: bias-corrected AdamW, gradient clipping, lr_scheduler), with
 `bias_correction: false, max_grad_norm: null` as the seed server's (mlx_lm's) optimizer.
 Datasets (shared/datasets.py) are inline rows, an uploaded file's id, or a path under
@@ -145,13 +145,61 @@ class _MethodConfig(PreferenceConfig):
         return self
 
 
+# TRL's DPO loss types that are a mean over pairs of each pair's own loss (worker/kinds/dpo_job.py):
+# not aot / aot_unpaired (they sort the batch) nor sft (a mean over tokens), which a gang's shares would not reproduce.
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
+                  "apo_down", "sigmoid_norm")
+DPOLossType = Literal[DPO_LOSS_TYPES]  # type: ignore[valid-type]
+
+
 class DPOConfig(_MethodConfig):
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
-    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="Conservative DPO: assumed label-flip rate (sigmoid).")
+    loss_type: DPOLossType | list[DPOLossType] = Field("sigmoid", description=(
+        "TRL's DPO loss type, or a list of them summed with loss_weights (e.g. [sigmoid, bco_pair] and [0.8, 0.2])."))
+    loss_weights: list[float] | None = Field(None, description="One weight per loss_type (TRL's; null: 1 each).")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description=(
+        "The assumed label-flip rate: robust's and exo_pair's epsilon; sigmoid's too (conservative DPO, TRL before 1.0)."))
+
+    @model_validator(mode="after")
+    def _losses(self):
+        types = self.loss_types
+        if not 1 <= len(types) <= len(DPO_LOSS_TYPES):
+            raise ValueError(f"loss_type: a loss type or a list of 1 to {len(DPO_LOSS_TYPES)} of them")
+        if self.loss_weights is not None and (len(self.loss_weights) != len(types)
+                                              or not all(abs(w) <= 1e3 for w in self.loss_weights)):
+            raise ValueError(f"loss_weights: one weight (|w| <= 1000) per loss_type ({len(types)})")
+        if "exo_pair" in types and self.label_smoothing == 0:
+            raise ValueError("loss_type exo_pair needs label_smoothing > 0 (its epsilon; the EXO paper suggests 1e-3)")
+        return self
+
+    @property
+    def loss_types(self) -> list[str]:
+        return [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
+
+    @property
+    def weights(self) -> list[float]:
+        return self.loss_weights if self.loss_weights is not None else [1.0] * len(self.loss_types)
 
 
 class ORPOConfig(_MethodConfig):
     method: Literal["dpo", "orpo"] = Field("orpo", description="Set by the route (/dpo/jobs or /orpo/jobs), as the seed server.")
+
+
+class CPOConfig(PreferenceConfig):
+    """TRL's CPOConfig: reference-free, a preference loss on the policy's log-probs plus cpo_alpha x the chosen NLL."""
+
+    beta: float = Field(0.1, gt=0.0, le=1e3, description="The preference loss's temperature (TRL's beta).")
+    loss_type: Literal["sigmoid", "hinge", "ipo", "simpo"] = Field("sigmoid", description=(
+        "sigmoid (CPO), hinge, ipo, or simpo (per-token mean log-probs, target margin simpo_gamma)."))
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="Assumed label-flip rate (sigmoid and simpo).")
+    cpo_alpha: float = Field(1.0, ge=0.0, le=1e3, description="Weight of the chosen completions' NLL (SimPO: 0).")
+    simpo_gamma: float = Field(0.5, ge=0.0, le=1e3, description="SimPO's target reward margin gamma (simpo only).")
+
+    @model_validator(mode="after")
+    def _gang_without_nll(self):
+        if self.workers > 1 and self.cpo_alpha > 0:
+            raise ValueError("CPO with cpo_alpha > 0 runs on one worker (workers: 1): its NLL is a mean over tokens "
+                             "beside a mean over pairs, which a gang's weighted sum of shares does not reproduce")
+        return self
 
 
 class KTOConfig(TrainConfig):
@@ -285,6 +333,11 @@ class KTOJobCreate(_JobSpec):
     config: KTOConfig = Field(default_factory=KTOConfig)
 
 
+class CPOJobCreate(_PreferenceSpec):
+    kind: ClassVar[str] = "cpo"
+    config: CPOConfig = Field(default_factory=CPOConfig)
+
+
 GKD_ROWS = RowFormat(lambda row: fields_error(row, {"prompt": str, "completion": str}, "GKD rows are {prompt, completion}"))
 
 
@@ -345,7 +398,7 @@ class GKDJob(TrainJob):
 
 
 class PreferenceJob(TrainJob):
-    """DPO's, ORPO's and reward models' (the seed's job object: `preference_pairs` is a list,
+    """DPO's, ORPO's, CPO's and reward models' (the seed's job object: `preference_pairs` is a list,
     empty when the pairs come as `dataset`)."""
 
     preference_pairs: list[PreferencePair] = Field(default_factory=list)

@@ -180,7 +180,7 @@ def kind_files(tmp_path: Path, kind: str) -> list[str]:
     return ["--pairs", write("pairs.jsonl", "\n".join(json.dumps(r) for r in PAIRS))]
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo", "orpo", "reward", "kto"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "orpo", "reward", "kto", "cpo"])
 def test_every_kind_submits_watches_lists_downloads_and_plots_by_its_id(stack, worker, tmp_path, kind):
     """`mtq submit --kind K ... --watch` follows the job to completed (its kind's step events
     and headline metric), `mtq jobs` lists it with its kind, `mtq logs` prints its step events,

@@ -7,7 +7,10 @@ differences in float64 of the NumPy loss).
     DPO (Rafailov et al. 2023, eq. 7; label smoothing = conservative DPO):
           -(1-e) log s(b z) - e log s(-b z),  z = (pi_w - ref_w) - (pi_l - ref_l), sequence sums
     IPO (Azar et al. 2023, eq. 17, TRL's per-token means): (z - 1/(2 b))^2
-    hinge (SLiC, as TRL): max(0, 1 - b z)
+    hinge (SLiC, as TRL): max(0, 1 - b z); and TRL 1.16's other pairwise DPO loss types (np_dpo),
+          summed with loss_weights
+    CPO (Xu et al. 2024) and SimPO (Meng et al. 2024), as TRL's CPOTrainer: reference-free, the
+          policy's sequence sums (ipo, simpo: per-token means), + cpo_alpha x the chosen NLL
     ORPO (Hong et al. 2024, eqs. 6-7): NLL_w - lambda log s(log(odds_w / odds_l)), odds = P/(1-P),
           P = exp(mean token log-prob)
     Bradley-Terry: -log s(r_w - r_l)
@@ -20,6 +23,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from shared.train_specs import DPO_LOSS_TYPES
+from worker.kinds.cpo_job import cpo_loss
 from worker.kinds.dpo_job import dpo_loss, orpo_loss
 from worker.kinds.kto_job import kl_estimate, kto_loss, mismatched
 from worker.kinds.reward_model_job import bradley_terry_loss
@@ -65,23 +70,57 @@ def np_sft(logits, targets, mask):
     return -(picked * mask).sum() / mask.sum()
 
 
-def np_dpo(token_logps, ref_token_logps, mask, beta, loss_type, eps=0.0):
-    if loss_type == "ipo":
-        pi, ref = (token_logps * mask).sum(1) / mask.sum(1), (ref_token_logps * mask).sum(1) / mask.sum(1)
-    else:
-        pi, ref = (token_logps * mask).sum(1), (ref_token_logps * mask).sum(1)
+def np_dpo(token_logps, ref_token_logps, mask, beta, loss_types, eps=0.0, weights=None):
+    """TRL 1.16's DPOTrainer loss types (trl/trainer/dpo_trainer.py _compute_loss), written again in NumPy."""
+    sigmoid = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+    pi, ref, length = (token_logps * mask).sum(1), (ref_token_logps * mask).sum(1), mask.sum(1)
     n = len(pi) // 2
-    z = (pi[:n] - ref[:n]) - (pi[n:] - ref[n:])
-    if loss_type == "sigmoid":
-        losses = -(1 - eps) * log_sigmoid(beta * z) - eps * log_sigmoid(-beta * z)
-    elif loss_type == "hinge":
-        losses = np.maximum(0.0, 1 - beta * z)
-    else:
-        losses = (z - 1 / (2 * beta)) ** 2
-    rc, rr = beta * (pi[:n] - ref[:n]), beta * (pi[n:] - ref[n:])
+    c, r = pi[:n] - ref[:n], pi[n:] - ref[n:]
+    z = beta * (c - r)
+    norm = c / length[:n] - r / length[n:]
+    per_type = {
+        "sigmoid": -(1 - eps) * log_sigmoid(z) - eps * log_sigmoid(-z),
+        "hinge": np.maximum(0.0, 1 - z),
+        "ipo": (norm - 1 / (2 * beta)) ** 2,
+        "exo_pair": (sigmoid(z) * (log_sigmoid(z) - np.log(1 - eps)) + sigmoid(-z) * (log_sigmoid(-z) - np.log(eps))
+                     if eps else None),
+        "nca_pair": -log_sigmoid(beta * c) - 0.5 * log_sigmoid(-beta * c) - 0.5 * log_sigmoid(-beta * r),
+        "robust": (-(1 - eps) * log_sigmoid(z) + eps * log_sigmoid(-z)) / (1 - 2 * eps),
+        "bco_pair": -log_sigmoid(beta * c) - log_sigmoid(-beta * r),
+        "sppo_hard": (c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2,
+        "apo_zero": 1 - sigmoid(beta * c) + sigmoid(beta * r),
+        "apo_down": sigmoid(beta * c) + 1 - sigmoid(z),
+        "sigmoid_norm": -log_sigmoid(beta * norm),
+    }
+    weights = weights or [1.0] * len(loss_types)
+    loss = sum(w * per_type[t].mean() for t, w in zip(loss_types, weights))
+    rc, rr = beta * c, beta * r
     metrics = {"rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(), "rewards/accuracies": (rc > rr).mean(),
                "rewards/margins": (rc - rr).mean(), "logps/chosen": pi[:n].mean(), "logps/rejected": pi[n:].mean()}
-    return losses.mean(), metrics
+    return loss, metrics
+
+
+def np_cpo(token_logps, mask, beta, loss_type, eps, alpha, gamma):
+    """TRL 1.16's CPOTrainer (trl/experimental/cpo/cpo_trainer.py cpo_loss, get_batch_loss_metrics) in NumPy."""
+    n = len(token_logps) // 2
+    logps = (token_logps * mask).sum(1)
+    if loss_type in ("ipo", "simpo"):
+        logps = logps / mask.sum(1)
+    logits = logps[:n] - logps[n:]
+    if loss_type == "simpo":
+        logits = logits - gamma / beta
+    if loss_type in ("sigmoid", "simpo"):
+        losses = -log_sigmoid(beta * logits) * (1 - eps) - log_sigmoid(-beta * logits) * eps
+    elif loss_type == "hinge":
+        losses = np.maximum(0.0, 1 - beta * logits)
+    else:
+        losses = (logits - 1 / (2 * beta)) ** 2
+    nll = -(token_logps[:n] * mask[:n]).sum() / mask[:n].sum()
+    rc, rr = beta * logps[:n], beta * logps[n:]
+    metrics = {"rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(), "rewards/accuracies": (rc > rr).mean(),
+               "rewards/margins": (rc - rr).mean(), "logps/chosen": logps[:n].mean(), "logps/rejected": logps[n:].mean(),
+               "nll_loss": nll}
+    return losses.mean() + alpha * nll, metrics
 
 
 def np_orpo(token_logps, mask, lam):
@@ -144,33 +183,57 @@ def test_token_logps_is_log_softmax_at_the_target():
           np.take_along_axis(ref, targets[..., None], -1)[..., 0])
 
 
-@pytest.mark.parametrize("loss_type,beta,eps", [("sigmoid", 0.1, 0.0), ("sigmoid", 0.5, 0.2), ("hinge", 0.3, 0.0),
-                                                 ("ipo", 0.1, 0.0), ("ipo", 2.0, 0.0)])
-def test_dpo_losses_metrics_and_gradients(loss_type, beta, eps):
+@pytest.mark.parametrize("loss_types,beta,eps,weights", [
+    *[([t], 0.1, 0.0, None) for t in DPO_LOSS_TYPES if t != "exo_pair"],
+    (["sigmoid"], 0.5, 0.2, None), (["hinge"], 0.3, 0.0, None), (["ipo"], 2.0, 0.0, None), (["robust"], 0.3, 0.2, None),
+    (["exo_pair"], 0.3, 1e-3, None), (["sppo_hard"], 2.0, 0.0, None),
+    (["sigmoid", "bco_pair", "ipo"], 0.2, 0.0, [0.8, 0.2, 1.5])])
+def test_dpo_losses_metrics_and_gradients(loss_types, beta, eps, weights):
     mask, ref = mx.array(MASK, dtype=mx.float32), mx.array(REF_LOGPS, dtype=mx.float32)
-    avg = loss_type == "ipo"
-    ref_seq = sequence_logps(ref, mask, average=avg)
+    ref_seq, lengths = sequence_logps(ref, mask), mask.sum(axis=1)
 
     def f(token_logps):
-        seq = sequence_logps(token_logps, mask, average=avg)
-        return dpo_loss(seq[:2], seq[2:], ref_seq[:2], ref_seq[2:], beta=beta, loss_type=loss_type, label_smoothing=eps)
+        seq = sequence_logps(token_logps, mask)
+        return dpo_loss(seq[:2], seq[2:], ref_seq[:2], ref_seq[2:], lengths[:2], lengths[2:], beta=beta,
+                        loss_types=loss_types, loss_weights=weights or [1.0] * len(loss_types), label_smoothing=eps)
 
     loss, metrics = f(mx.array(TOKEN_LOGPS, dtype=mx.float32))
     grad = mx.grad(lambda x: f(x)[0])(mx.array(TOKEN_LOGPS, dtype=mx.float32))
-    want, want_metrics = np_dpo(TOKEN_LOGPS, REF_LOGPS, MASK, beta, loss_type, eps)
+    want, want_metrics = np_dpo(TOKEN_LOGPS, REF_LOGPS, MASK, beta, loss_types, eps, weights)
     close(loss.item(), want)
     for name, value in want_metrics.items():
         close(metrics[name].item(), value)
-    close(np.array(grad), numeric_grad(lambda x: np_dpo(x, REF_LOGPS, MASK, beta, loss_type, eps)[0], TOKEN_LOGPS))
+    close(np.array(grad), numeric_grad(lambda x: np_dpo(x, REF_LOGPS, MASK, beta, loss_types, eps, weights)[0], TOKEN_LOGPS))
     assert np.all(np.array(grad)[MASK == 0] == 0)
 
 
 def test_dpo_at_the_reference_is_log_2_with_zero_rewards():
     """Policy == reference (a fresh LoRA): z = 0, loss = log 2, every reward 0."""
-    seq = mx.array([-3.0, -5.0])
-    loss, metrics = dpo_loss(seq, seq, seq, seq, beta=0.1, loss_type="sigmoid")
+    seq, length = mx.array([-3.0, -5.0]), mx.array([2.0, 3.0])
+    loss, metrics = dpo_loss(seq, seq, seq, seq, length, length, beta=0.1, loss_types=["sigmoid"], loss_weights=[1.0])
     close(loss.item(), np.log(2))
     assert metrics["rewards/margins"].item() == 0 and metrics["rewards/accuracies"].item() == 0
+
+
+@pytest.mark.parametrize("loss_type,beta,eps,alpha,gamma", [
+    ("sigmoid", 0.1, 0.0, 1.0, 0.5), ("sigmoid", 0.5, 0.2, 0.0, 0.5), ("hinge", 0.3, 0.0, 1.0, 0.5),
+    ("ipo", 0.5, 0.0, 0.3, 0.5), ("simpo", 2.0, 0.0, 0.0, 0.5), ("simpo", 2.5, 0.1, 1.0, 1.4)])
+def test_cpo_and_simpo_losses_metrics_and_gradients(loss_type, beta, eps, alpha, gamma):
+    mask = mx.array(MASK, dtype=mx.float32)
+
+    def f(token_logps):
+        return cpo_loss(token_logps, mask, beta=beta, loss_type=loss_type, label_smoothing=eps, cpo_alpha=alpha,
+                        simpo_gamma=gamma)
+
+    x = mx.array(TOKEN_LOGPS, dtype=mx.float32)
+    loss, metrics = f(x)
+    grad = mx.grad(lambda v: f(v)[0])(x)
+    want, want_metrics = np_cpo(TOKEN_LOGPS, MASK, beta, loss_type, eps, alpha, gamma)
+    close(loss.item(), want)
+    for name, value in want_metrics.items():
+        close(metrics[name].item(), value)
+    close(np.array(grad), numeric_grad(lambda v: np_cpo(v, MASK, beta, loss_type, eps, alpha, gamma)[0], TOKEN_LOGPS))
+    assert np.all(np.array(grad)[MASK == 0] == 0)
 
 
 @pytest.mark.parametrize("lam", [0.1, 1.0])
@@ -253,3 +316,32 @@ def test_kto_mismatched_pairs_rotate_the_batch_s_completions_by_one():
     """TRL's KL pairs: (x_1, y_n), (x_2, y_1), ..., (x_n, y_n-1), within the batch the rows are drawn into."""
     rows = [{"prompt": f"x{i}", "completion": f"y{i}", "label": i % 2 == 0} for i in range(6)]
     assert mismatched(rows, [4, 1, 5]) == [("x4", "y5"), ("x1", "y4"), ("x5", "y1")]
+
+
+@pytest.mark.parametrize("loss_type", [*DPO_LOSS_TYPES, "cpo", "simpo", "cpo-with-nll"])
+def test_a_gangs_shares_sum_to_the_loss_only_where_the_gang_is_allowed(loss_type):
+    """A gang's ranks each take the loss of their share of a batch's pairs, weighted by its share
+    of the pairs, and sum (worker/kinds/supervised_trainer.py make_step): the batch's loss for every
+    DPO loss type and for CPO without its NLL; not with the NLL (a mean over tokens), which is why
+    CPO refuses workers > 1 with cpo_alpha > 0."""
+    x = -rng.uniform(0.05, 3.0, size=(6, 5))  # 3 pairs: rows 0-2 chosen (2, 1 and 5 tokens), 3-5 rejected
+    ref = -rng.uniform(0.05, 3.0, size=x.shape)
+    mask = np.array([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]],
+                    dtype=np.float64)
+
+    def loss(pairs: list[int]) -> float:
+        rows = pairs + [p + 3 for p in pairs]
+        t, m = mx.array(x[rows], dtype=mx.float32), mx.array(mask[rows], dtype=mx.float32)
+        n = len(pairs)
+        if loss_type in ("cpo", "simpo", "cpo-with-nll"):
+            return cpo_loss(t, m, beta=2.0, loss_type="simpo" if loss_type == "simpo" else "sigmoid", label_smoothing=0.0,
+                            cpo_alpha=1.0 if loss_type == "cpo-with-nll" else 0.0, simpo_gamma=0.5)[0].item()
+        seq, ref_seq, lengths = sequence_logps(t, m), sequence_logps(mx.array(ref[rows], dtype=mx.float32), m), m.sum(axis=1)
+        return dpo_loss(seq[:n], seq[n:], ref_seq[:n], ref_seq[n:], lengths[:n], lengths[n:], beta=0.3,
+                        loss_types=[loss_type], loss_weights=[1.0], label_smoothing=0.1)[0].item()
+
+    shares = loss([0]) * 1 / 3 + loss([1, 2]) * 2 / 3
+    if loss_type == "cpo-with-nll":
+        assert abs(shares - loss([0, 1, 2])) > 1e-3
+    else:
+        close(shares, loss([0, 1, 2]))

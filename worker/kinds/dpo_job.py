@@ -6,12 +6,24 @@ weights with the LoRA off (worker/runtime/adapter_layers.py lora_disabled: no se
 reference never changes, so each pair's log-probs under it are computed at the pair's first step
 and kept, with the job's checkpoint too (worker/kinds/supervised_trainer.py ReferenceLogps):
 
-DPO (Rafailov et al. 2023), z = [log pi_theta(y_w) - log pi_ref(y_w)] - [log pi_theta(y_l) - log pi_ref(y_l)]:
-    sigmoid: loss = -(1 - eps) log sigma(beta z) - eps log sigma(-beta z)     (eps = label_smoothing)
-    hinge:   loss = max(0, 1 - beta z)                                          (SLiC)
-    ipo:     loss = (z - 1 / (2 beta))^2   with per-token mean log-probs        (Azar et al. 2023, as TRL)
-  rewards/chosen = beta (log pi_theta(y_w) - log pi_ref(y_w)), rewards/rejected likewise,
+DPO (Rafailov et al. 2023) and TRL's other DPO loss types. Per pair, with sequence sums,
+c = log pi_theta(y_w) - log pi_ref(y_w), r = log pi_theta(y_l) - log pi_ref(y_l), z = beta (c - r),
+s the sigmoid, eps = label_smoothing, and |y| a completion's tokens (EOS included):
+    sigmoid:      -(1 - eps) log s(z) - eps log s(-z)   (eps > 0: conservative DPO, TRL before 1.0)
+    hinge:        max(0, 1 - z)                                                     (SLiC)
+    ipo:          (c / |y_w| - r / |y_l| - 1 / (2 beta))^2                          (Azar et al. 2023, as TRL)
+    exo_pair:     s(z) (log s(z) - log(1 - eps)) + s(-z) (log s(-z) - log eps)      (Ji et al. 2024)
+    nca_pair:     -log s(beta c) - 1/2 log s(-beta c) - 1/2 log s(-beta r)          (Chen et al. 2024)
+    robust:       (-(1 - eps) log s(z) + eps log s(-z)) / (1 - 2 eps)               (Chowdhury et al. 2024)
+    bco_pair:     -log s(beta c) - log s(-beta r)                                   (Jung et al. 2024)
+    sppo_hard:    (c - 1 / (2 beta))^2 + (r + 1 / (2 beta))^2                       (Wu et al. 2024)
+    apo_zero:     1 - s(beta c) + s(beta r)                                         (D'Oosterlinck et al. 2024)
+    apo_down:     s(beta c) + 1 - s(z)
+    sigmoid_norm: -log s(beta (c / |y_w| - r / |y_l|))
+  loss = sum_k loss_weights[k] * mean over pairs of loss_type[k]'s (TRL's loss_type list; weights 1 by default).
+  rewards/chosen = beta c, rewards/rejected = beta r (every loss type, as TRL 1.16),
   rewards/accuracies = mean[rewards/chosen > rewards/rejected], rewards/margins = mean[chosen - rejected].
+  Every one is a mean over pairs of each pair's own loss, so a gang's weighted sum of shares is the same loss.
 
 ORPO (Hong et al. 2024), with per-token mean log-probs P_w = mean_t log pi_theta(y_w,t), P_l likewise:
     log odds(y) = P - log(1 - exp(P))
@@ -23,6 +35,8 @@ ORPO (Hong et al. 2024), with per-token mean log-probs P_w = mean_t log pi_theta
 Chosen and rejected rows of a batch go through the model in one right-padded batch: rows
 0..N-1 chosen, N..2N-1 rejected.
 """
+
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,21 +62,49 @@ def preference_metrics(chosen_reward: mx.array, rejected_reward: mx.array, chose
     }
 
 
-def dpo_loss(chosen: mx.array, rejected: mx.array, ref_chosen: mx.array, ref_rejected: mx.array, *,
-             beta: float, loss_type: str, label_smoothing: float = 0.0) -> tuple[mx.array, dict[str, mx.array]]:
-    """Sequence log-probs (N,) of policy and reference -> the mean loss and TRL's metrics."""
-    chosen_reward = beta * (chosen - ref_chosen)
-    rejected_reward = beta * (rejected - ref_rejected)
-    z = (chosen - ref_chosen) - (rejected - ref_rejected)
+def pair_losses(c: mx.array, r: mx.array, chosen_len: mx.array, rejected_len: mx.array, loss_type: str, *,
+                beta: float, eps: float) -> mx.array:
+    """Each pair's loss of one loss type (above), from its log-ratios c and r (N,) and token counts."""
+    z = beta * (c - r)
     if loss_type == "sigmoid":
-        losses = -(1 - label_smoothing) * nn.log_sigmoid(beta * z) - label_smoothing * nn.log_sigmoid(-beta * z)
-    elif loss_type == "hinge":
-        losses = nn.relu(1 - beta * z)
-    elif loss_type == "ipo":
-        losses = (z - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
-    return losses.mean(), preference_metrics(chosen_reward, rejected_reward, chosen, rejected)
+        return -(1 - eps) * nn.log_sigmoid(z) - eps * nn.log_sigmoid(-z)
+    if loss_type == "hinge":
+        return nn.relu(1 - z)
+    if loss_type == "ipo":
+        return (c / chosen_len - r / rejected_len - 1 / (2 * beta)) ** 2
+    if loss_type == "exo_pair":
+        return mx.sigmoid(z) * (nn.log_sigmoid(z) - math.log1p(-eps)) + mx.sigmoid(-z) * (nn.log_sigmoid(-z) - math.log(eps))
+    if loss_type == "nca_pair":
+        return -nn.log_sigmoid(beta * c) - 0.5 * nn.log_sigmoid(-beta * c) - 0.5 * nn.log_sigmoid(-beta * r)
+    if loss_type == "robust":
+        return (-(1 - eps) * nn.log_sigmoid(z) + eps * nn.log_sigmoid(-z)) / (1 - 2 * eps)
+    if loss_type == "bco_pair":
+        return -nn.log_sigmoid(beta * c) - nn.log_sigmoid(-beta * r)
+    if loss_type == "sppo_hard":
+        return (c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2
+    if loss_type == "apo_zero":
+        return 1 - mx.sigmoid(beta * c) + mx.sigmoid(beta * r)
+    if loss_type == "apo_down":
+        return mx.sigmoid(beta * c) + 1 - mx.sigmoid(z)
+    if loss_type == "sigmoid_norm":
+        return -nn.log_sigmoid(beta * (c / chosen_len - r / rejected_len))
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def dpo_loss(chosen: mx.array, rejected: mx.array, ref_chosen: mx.array, ref_rejected: mx.array, chosen_len: mx.array,
+             rejected_len: mx.array, *, beta: float, loss_types: list[str], loss_weights: list[float],
+             label_smoothing: float = 0.0) -> tuple[mx.array, dict[str, mx.array]]:
+    """Sequence log-prob sums (N,) of policy and reference, completion token counts -> the loss and TRL's metrics."""
+    c, r = chosen - ref_chosen, rejected - ref_rejected
+    loss = sum(w * pair_losses(c, r, chosen_len, rejected_len, t, beta=beta, eps=label_smoothing).mean()
+               for t, w in zip(loss_types, loss_weights, strict=True))
+    return loss, preference_metrics(beta * c, beta * r, chosen, rejected)
+
+
+def chosen_nll(logps: mx.array, mask: mx.array) -> mx.array:
+    """The mean cross-entropy over the chosen rows' (the first half's) completion tokens: ORPO's and CPO's NLL."""
+    n = logps.shape[0] // 2
+    return -(logps[:n] * mask[:n]).sum() / mx.maximum(mask[:n].sum(), 1.0)
 
 
 def orpo_loss(chosen_mean: mx.array, rejected_mean: mx.array, nll: mx.array, *, lambda_odds: float,
@@ -88,15 +130,13 @@ class DPOTrainer(PreferenceTrainer):
         super().__init__(model, tokenizer, spec.config, train, valid)
         # DPO's reference log-probs, once per pair (ORPO has no reference).
         if self.method == "dpo":
-            self.reference = ReferenceLogps({"train": len(train), "valid": len(valid or [])}, 2,
-                                            "mean" if self.cfg.loss_type == "ipo" else "sum")
+            self.reference = ReferenceLogps({"train": len(train), "valid": len(valid or [])}, 2, "sum")
 
     def reference_logps(self, ids: list[int], rows: list[dict]) -> mx.array:
         """Pairs `ids`' chosen then rejected sequence log-probs under the reference: the same weights, LoRA off."""
         batch = self.padded(ids, rows)
         with lora_disabled(self.module):
-            ref = sequence_logps(token_logps(self.module(batch.inputs), batch.targets), batch.mask,
-                                 average=self.cfg.loss_type == "ipo")
+            ref = sequence_logps(token_logps(self.module(batch.inputs), batch.targets), batch.mask)
         mx.eval(ref)
         return ref
 
@@ -113,11 +153,10 @@ class DPOTrainer(PreferenceTrainer):
         logps = token_logps(model(inputs), targets)
         if self.method == "orpo":
             mean = sequence_logps(logps, mask, average=True)
-            nll = -(logps[:n] * mask[:n]).sum() / mx.maximum(mask[:n].sum(), 1.0)
-            return orpo_loss(mean[:n], mean[n:], nll, lambda_odds=cfg.lambda_odds, beta=cfg.beta)
-        seq = sequence_logps(logps, mask, average=cfg.loss_type == "ipo")
-        return dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], beta=cfg.beta, loss_type=cfg.loss_type,
-                        label_smoothing=cfg.label_smoothing)
+            return orpo_loss(mean[:n], mean[n:], chosen_nll(logps, mask), lambda_odds=cfg.lambda_odds, beta=cfg.beta)
+        seq, lengths = sequence_logps(logps, mask), mx.maximum(mask.sum(axis=-1), 1.0)
+        return dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], lengths[:n], lengths[n:], beta=cfg.beta,
+                        loss_types=cfg.loss_types, loss_weights=cfg.weights, label_smoothing=cfg.label_smoothing)
 
 
 def load(job, spec, settings):

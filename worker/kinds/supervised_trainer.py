@@ -194,8 +194,9 @@ class ReferenceLogps:
     computed at the example's first use and kept, since the reference never changes. They go
     with the job's checkpoint (worker/runtime/checkpoints.py), so a resumed job neither recomputes
     them nor gets other numbers. One table per split: rows of `width` log-probs (a pair's
-    chosen and rejected), NaN until computed. `what` names the values (DPO's sums, or IPO's
-    per-token means): a job resumed with another loss_type computes its own again."""
+    chosen and rejected), NaN until computed. `what` names the values (DPO's sums; a
+    checkpoint's tables of other values, IPO's per-token means before every loss type took
+    sums, are computed again)."""
 
     def __init__(self, sizes: dict[str, int], width: int, what: str):
         self.tables = {split: np.full((n, width), np.nan, np.float32) for split, n in sizes.items()}
