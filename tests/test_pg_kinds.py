@@ -1,7 +1,7 @@
 """RLOO and REINFORCE with a KL penalty (worker/kinds/rloo.py, worker/kinds/reinforce.py): their
 math against NumPy written from TRL's RLOOTrainer and mlx-lm-lora's rlhf_reinforce formulas, then
 jobs of both kinds through the real stack (HTTP, Redis, a worker and its training process, the
-tiny model): each learns against an lr-0 control, an RLOO job resumes after kill -9 of its
+tiny model): each learns against an lr-0 control, each resumes after kill -9 of its
 worker with every step once, and a REINFORCE job starts from the RLOO job's adapter.
 
 The learning jobs sample at temperature 0.1 (the tiny model's bounded logits: tests/test_trainer.py)
@@ -158,27 +158,34 @@ def test_learns_against_an_lr_0_control(stack, client, path, kind):
     assert {"entropy", "completions/mean_length", "clip_ratio/region_mean" if kind == "rloo" else "grad_norm"} <= set(steps[0])
 
 
-def test_rloo_resumes_after_kill_9_with_every_step_once_and_reinforce_starts_from_its_adapter(stack, client):
+def killed_and_resumed(stack, client, path: str, job_id: str, iters: int, checkpoint: int) -> dict:
+    """kill -9 of the worker once the job has a checkpoint at `checkpoint` or later, a new worker,
+    the job completed: each of its steps once in its history."""
+    wait_for(lambda: (client.get(f"{path}/{job_id}").json()["checkpoint_step"] or 0) >= checkpoint, 120, "a checkpoint")
+    os.killpg(stack.worker.pid, signal.SIGKILL)
+    stack.worker.wait(10)
+    stack.worker = stack.start_worker()
+    done = wait_done(stack, path, job_id, timeout=240)
+    assert done["progress"]["iter"] == iters and done["failed_attempts"] == 1 and done["resumed_from"] >= checkpoint
+    history = client.get(f"{path}/{job_id}/history").json()["history"]
+    assert [h["step"] for h in history] == list(range(1, iters + 1))  # every step once
+    return {**done, "history": history}
+
+
+def test_each_resumes_after_kill_9_with_every_step_once_and_reinforce_starts_from_an_adapter(stack, client):
     res = client.post(RLOO, json={"model_id": "tiny", "prompts": PROMPTS, "reward": SHARE_OF_E,
                                   "config": {**LEARN, "iters": 24, "checkpoint_every": 4}})
     assert res.status_code == 200, res.text
     job_id = res.json()["job_id"]
-    wait_for(lambda: (client.get(f"{RLOO}/{job_id}").json()["checkpoint_step"] or 0) >= 8, 120, "a checkpoint")
-    os.killpg(stack.worker.pid, signal.SIGKILL)
-    stack.worker.wait(10)
-    stack.worker = stack.start_worker()
-    done = wait_done(stack, RLOO, job_id, timeout=240)
-    assert done["progress"]["iter"] == 24 and done["failed_attempts"] == 1 and done["resumed_from"] >= 8
-    history = client.get(f"{RLOO}/{job_id}/history").json()["history"]
-    assert [h["step"] for h in history] == list(range(1, 25))  # every step once
+    history = killed_and_resumed(stack, client, RLOO, job_id, 24, 8)["history"]
     trained = np.mean([h["reward"] for h in history[-4:]])
 
-    # Its adapter as a REINFORCE job's start (lr 0: the policy stays the trained one).
+    # Its adapter as a REINFORCE job's start (lr 0: the policy stays the trained one), killed too.
     res = client.post(REINFORCE, json={"model_id": "tiny", "prompts": PROMPTS, "reward": SHARE_OF_E,
                                        "init_adapter": {"job_id": job_id},
-                                       "config": {**LEARN, "iters": 2, "learning_rate": 0.0}})
+                                       "config": {**LEARN, "iters": 12, "checkpoint_every": 4, "learning_rate": 0.0}})
     assert res.status_code == 200, res.text
-    started = wait_done(stack, REINFORCE, res.json()["job_id"])
+    started = killed_and_resumed(stack, client, REINFORCE, res.json()["job_id"], 12, 4)
     assert started["init_adapter"]["job_id"] == job_id
     first = step_events(stack, started["job_id"], "reinforce")[0]
     assert first["reward"] > 0.2 and trained > 0.2  # the lr-0 policy of a fresh LoRA: about 0.1
