@@ -93,7 +93,8 @@ def main():
     mx.set_memory_limit(device_limit)
     samples = sample_once()
     advantages = np.random.default_rng(0).standard_normal(G * B).astype(np.float32)
-    batch = make_batch(prompt_ids, samples, samples.mask, advantages, G)
+    batch = make_batch(prompt_ids, samples, samples.mask, G)
+    batch.advantages = mx.array(advantages)
     del samples, trainer
     model.train()
 

@@ -713,3 +713,30 @@ def test_the_step_phases_benchmark_runs_each_asked_configuration(tiny_model):
              for line in lines[3:]]
     assert asked == [("ckpt:2:16", 2, True, 16, "plan"), ("full:4:64@none", 4, False, 64, "none"), ("ckpt:1:8@0.5", 1, True, 8, "0.5")]
     assert lines[2]["config"] == "plan" and all(len(line["seconds"]) == 2 and line["peak_memory_gb"] > 0 for line in lines)
+
+
+def test_a_failure_while_a_compiled_function_traces_breaks_no_later_job(tiny_model, tmp_path):
+    """An exception while mx.compile traces a function that captures the model's weights leaves
+    placeholders in their place (every later use fails); the training process forgets its kept
+    models after a failed job (worker/runtime/training_process.py), and the next get_model loads
+    a working one."""
+    import dataclasses
+
+    from shared.settings import load_settings
+    from worker.runtime import models
+
+    settings = dataclasses.replace(load_settings(), models_dir=tiny_model.parent)
+    model, _, _ = models.get_model(tiny_model.name, settings)
+
+    def failing(tokens):
+        model(tokens)
+        raise TypeError("a bug found while tracing")
+
+    with pytest.raises(TypeError):
+        mx.compile(failing, inputs=[model.state], outputs=[model.state])(mx.array([[1, 2]]))
+    with pytest.raises(RuntimeError, match="without a primitive"):
+        mx.eval(model(mx.array([[1, 2]])))
+    models.forget_loaded()
+    fresh, _, cached = models.get_model(tiny_model.name, settings)
+    assert not cached and fresh is not model
+    mx.eval(fresh(mx.array([[1, 2]])))

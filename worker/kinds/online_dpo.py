@@ -68,7 +68,10 @@ def pair_loss(policy_a: mx.array, policy_b: mx.array, ref_a: mx.array, ref_b: mx
     (b is the reference's sample); None: Online DPO."""
     chosen, rejected = mx.where(a_chosen, policy_a, policy_b), mx.where(a_chosen, policy_b, policy_a)
     ref_chosen, ref_rejected = mx.where(a_chosen, ref_a, ref_b), mx.where(a_chosen, ref_b, ref_a)
-    loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=beta, loss_type=loss_type)
+    # Lengths of 1: OnlineDPOTrainer's ipo takes the summed log-ratios, where DPOTrainer's averages them per token.
+    ones = mx.ones(chosen.shape)
+    loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, ones, ones, beta=beta, loss_types=[loss_type],
+                           loss_weights=[1.0])
     kl = ((policy_a - ref_a).mean() + (policy_b - ref_b).mean()) / 2
     stats = {**stats, "objective/kl": kl, "objective/entropy": -(policy_a.mean() + policy_b.mean()) / 2}
     if alpha is None:

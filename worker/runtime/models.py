@@ -129,6 +129,15 @@ def _load(model_id: str, where: str, **kwargs):
         raise ModelNotFound(f"model {model_id!r} could not be loaded ({type(e).__name__}; see the worker's log)") from e
 
 
+def forget_loaded() -> None:
+    """Drop every kept model: after a job failed unexpectedly they may be broken (an exception
+    while mx.compile traces a function that captures a model's weights leaves placeholders in
+    their place: every later use fails "eval an array without a primitive"). The next job loads
+    its model afresh."""
+    _loaded.clear()
+    mx.clear_cache()
+
+
 def loaded_model_ids() -> list[str]:
     """The model ids of the models this process holds loaded (for its worker's advertisement)."""
     return [model_id for _, _, model_id in _loaded.values()]

@@ -34,7 +34,7 @@ from shared.metrics import recorder
 from shared.settings import load_settings
 from worker.runtime import gang_group, job_loop, request_loop
 from worker.runtime.memory_plan import device_description
-from worker.runtime.models import loaded_model_ids
+from worker.runtime.models import forget_loaded, loaded_model_ids
 from worker.runtime.train_core import Cancelled
 from worker.runtime.warm_up import warm_up_all
 from worker.supervisor import kernel_cache
@@ -223,6 +223,7 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
         return "rank done" if rank > 0 else _fail(lease, str(e))  # every rank meets it: rank 0 says so
     except Exception as e:
         log.error("job %s failed:\n%s", job_id, traceback.format_exc())
+        forget_loaded()  # the models it used may be broken: the next job loads its own
         if ranks is not None:  # e.g. "[ring] connection to a peer was lost": the attempt's, not the job's
             return f"{GANG_LOST}rank {rank}: {type(e).__name__}: {e}"
         return _fail(lease, f"{type(e).__name__}: {e}")
