@@ -256,13 +256,14 @@ def test_tool_calls_are_read_with_the_tokenizers_syntax_and_held_back_from_a_str
 
 def test_a_long_answer_goes_on_over_several_turns(stack, worker):
     """A completion longer than a worker's turn keeps its tokens and continues from them at the
-    next turn: the same greedy text as in one go."""
+    next turn: the same greedy text as in one go. (1200 tokens: a quiet 2-core machine decoded
+    400 in one turn of 0.3 s.)"""
     turns = lambda: stack.metrics().get('mtq_completion_batch_rows_count{}', 0)  # noqa: E731
     before = turns()
     client = sdk(stack)
-    answer = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=400, temperature=0)
-    assert answer.usage.completion_tokens == 400 and turns() - before >= 2, turns() - before
-    assert answer.choices[0].text == greedy(str(stack.tiny_model), None, "Once upon a time", 400)
+    answer = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=1200, temperature=0)
+    assert answer.usage.completion_tokens == 1200 and turns() - before >= 2, turns() - before
+    assert answer.choices[0].text == greedy(str(stack.tiny_model), None, "Once upon a time", 1200)
 
 
 def test_the_migration_pages_example_runs_as_is(stack, worker, capsys):
@@ -272,4 +273,6 @@ def test_the_migration_pages_example_runs_as_is(stack, worker, capsys):
     exec(compile(code, "docs/from-openai.md", "exec"), {"BASE_URL": stack.base_url + "/v1", "TOKEN": TOKEN,
                                                         "MODEL": "tiny"})
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0].startswith("The job has successfully completed") and printed[-1].startswith("ft:tiny:")
+    # the last print: the model's name, then its answer (which may hold newlines of its own)
+    assert printed[0].startswith("The job has successfully completed")
+    assert any(line.startswith("ft:tiny:org-admin:colours:") for line in printed[1:]), printed

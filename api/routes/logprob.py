@@ -178,11 +178,16 @@ async def check_adapter(ar, who, model_id: str, adapter_name: str) -> str:
     return job_id.decode()
 
 
+async def fine_tuned_adapter(ar, name: str) -> tuple[str, str] | None:
+    """(model_id, adapter_name) a fine-tuned model's name (ft:...) stands for; None if it names none."""
+    job_id = job_id_of(name)
+    values = await ar.hmget(job_key(job_id), openai_jobs.NAME_FIELDS) if job_id and job_id.isalnum() else []
+    return openai_jobs.adapter_of(name, dict(zip((f.encode() for f in openai_jobs.NAME_FIELDS), values)))
+
+
 async def fine_tuned(ar, req: ScoreRequest) -> ScoreRequest:
     """The request with a fine-tuned model's name (ft:...) read as its base model and adapter."""
-    job_id = job_id_of(req.model_id)
-    values = await ar.hmget(job_key(job_id), openai_jobs.NAME_FIELDS) if job_id and job_id.isalnum() else []
-    found = openai_jobs.adapter_of(req.model_id, dict(zip((f.encode() for f in openai_jobs.NAME_FIELDS), values)))
+    found = await fine_tuned_adapter(ar, req.model_id)
     if found is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"Model not found: {req.model_id[:200]}")
     return req.model_copy(update={"model_id": found[0], "adapter_name": found[1]})

@@ -34,13 +34,11 @@ from starlette.concurrency import run_in_threadpool
 from api import sse
 from api.auth import Principal
 from api.deps import AsyncRedisDep, RedisDep, SettingsDep, WriterDep, require_token
-from api.openai_compat import jobs as openai_jobs
 from api.openai_errors import ERRORS, OpenAIError, OpenAIRoute
-from api.routes.logprob import WAIT_SLICE_S, check_adapter
+from api.routes.logprob import WAIT_SLICE_S, check_adapter, fine_tuned_adapter
 from shared import scoring
 from shared.datasets import messages_row_error
-from shared.keys import job_key
-from shared.model_ids import job_id_of, model_id_error
+from shared.model_ids import model_id_error
 from shared.routing import is_hub_id
 from shared.schemas import check_json_values
 from shared.settings import Settings
@@ -221,9 +219,7 @@ async def resolve_model(ar, who: Principal, req: _Sampling, settings: Settings) 
     """(model_id, adapter_name) the request names; 404 for a model or adapter the token cannot use."""
     model_id, adapter_name = req.model, req.adapter_name
     if req.model.startswith("ft:") and req.adapter_name is None:
-        job_id = job_id_of(req.model)
-        values = await ar.hmget(job_key(job_id), openai_jobs.NAME_FIELDS) if job_id and job_id.isalnum() else []
-        found = openai_jobs.adapter_of(req.model, dict(zip((f.encode() for f in openai_jobs.NAME_FIELDS), values)))
+        found = await fine_tuned_adapter(ar, req.model)
         if found is None:
             raise model_not_found(req.model)
         model_id, adapter_name = found
@@ -242,7 +238,7 @@ def model_not_found(name: str, why: str = "") -> OpenAIError:
                        "model_not_found")
 
 
-async def submit(r, ar, settings: Settings, who: Principal, request: dict) -> str:
+async def submit(r, who: Principal, request: dict) -> str:
     queue = await run_in_threadpool(scoring.route, r, request["model_id"])
     if queue is None:
         hub = ", and none has hub access" if is_hub_id(request["model_id"]) else ""
@@ -370,7 +366,7 @@ async def complete(request: Request, r, ar, settings: Settings, who: Principal, 
     if req.stream and sse.open_streams[who.name] >= settings.max_streams_per_token:
         raise OpenAIError(429, f"token {who.name!r} has {settings.max_streams_per_token} streams open "
                           "(MTQ_MAX_STREAMS_PER_TOKEN)")
-    request_id = await submit(r, ar, settings, who, {
+    request_id = await submit(r, who, {
         "type": "generate", "model_id": model_id, "adapter_name": adapter_name, **body,
         "max_tokens": req.limit(), "temperature": req.temperature, "top_p": req.top_p, "n": req.n, "stop": req.stops(),
         "seed": req.seed, "stream": req.stream})
