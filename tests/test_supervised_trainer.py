@@ -5,6 +5,7 @@ DoRA, the reference policy, the shared model left clean for the next job)."""
 import os
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -477,3 +478,26 @@ def test_learning_rate_schedules_are_transformers_ones(scheduler):
         assert float(schedule(mx.array(k))) == pytest.approx(want, abs=1e-7), k
     with pytest.raises(ValueError, match="not both"):
         TrainConfig(lr_schedule={"name": "cosine_decay", "arguments": [1e-3, 10]}, warmup_steps=2)
+
+
+def test_a_job_s_lora_product_runs_in_the_model_s_dtype_with_float32_weights(lm):
+    """attach_adapter's layers (adapter_layers.py InputDtypeLoRALinear): on a bfloat16 input the
+    LoRA product is bfloat16 (mlx_lm's LoRALinear promotes it to float32, 1.7x slower on CUDA),
+    the weights and their gradients stay float32; on float32 the output is mlx_lm's, bit for bit."""
+    model, _ = lm
+    trainer = sft(lm)
+    layer = model.layers[0].self_attn.q_proj
+    assert isinstance(layer, LoRALinear) and layer.lora_a.dtype == mx.float32
+    layer.lora_b = mx.random.normal(layer.lora_b.shape) * 0.1  # B starts at zero: make the product count
+    x = mx.random.normal((2, 3, layer.lora_a.shape[0]))
+    np.testing.assert_array_equal(np.array(layer(x)), np.array(LoRALinear.__call__(layer, x)))
+    xb = x.astype(mx.bfloat16)
+    y, theirs = layer(xb), LoRALinear.__call__(layer, xb)
+    base = layer.linear(xb)
+    ours_z = (xb @ layer.lora_a.astype(mx.bfloat16)) @ layer.lora_b.astype(mx.bfloat16)
+    np.testing.assert_array_equal(np.array(y.astype(mx.float32)),
+                                  np.array((base + (layer.scale * ours_z).astype(mx.bfloat16)).astype(mx.float32)))
+    np.testing.assert_allclose(np.array(y.astype(mx.float32)), np.array(theirs.astype(mx.float32)), rtol=2e-2, atol=2e-2)
+    grads = nn.value_and_grad(layer, lambda x: layer(x).astype(mx.float32).sum())(xb)[1]
+    assert {k: v.dtype for k, v in tree_flatten(grads)} == {"lora_a": mx.float32, "lora_b": mx.float32}
+    assert np.isfinite(trainer.step(TrainState())["loss"])

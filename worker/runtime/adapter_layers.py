@@ -23,6 +23,20 @@ from shared.adapters import CONFIG_FILE, WEIGHTS_FILE
 ADAPTER_LAYERS = (LoRALinear, DoRALinear, LoRASwitchLinear)  # mlx_lm's adapter layers, each around its `linear`
 
 
+class InputDtypeLoRALinear(LoRALinear):
+    """mlx_lm's LoRA layer with its product in the input's dtype, as mixed-precision training
+    runs it: on a bfloat16 model x @ A @ B in bfloat16 (float32 accumulation inside each matmul),
+    where mlx_lm's promotes it to float32. The weights stay float32, so the optimizer's small
+    updates are not rounded away; on a float32 model nothing changes. On MLX CUDA the float32
+    product made a LoRA step of a bfloat16 model 1.7x slower (docs/performance.md). A job's
+    layers are these (attach_adapter); the decoder runs its own LoRA products."""
+
+    def __call__(self, x):
+        y = self.linear(x)
+        z = (self.dropout(x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
+        return y + (self.scale * z).astype(x.dtype)
+
+
 def adapter_config(cfg, fine_tune_type: str = "lora", quantization: dict | None = None,
                    keys: list[str] | None = None) -> dict:
     """mlx_lm's adapter_config.json for a job's config (any kind's: lora_layers, lora_rank,
@@ -67,6 +81,9 @@ def attach_adapter(model: nn.Module, cfg, fine_tune_type: str = "lora", init: Pa
     else:
         conf = adapter_config(cfg, fine_tune_type)
         linear_to_lora_layers(model, conf["num_layers"], conf["lora_parameters"], use_dora=fine_tune_type == "dora")
+        for _, m in model.named_modules():
+            if type(m) is LoRALinear:
+                m.__class__ = InputDtypeLoRALinear  # the same weights and fields, another __call__
     if init is not None:
         load_adapter_weights(model, init / WEIGHTS_FILE)
     model.eval()

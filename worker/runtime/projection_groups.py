@@ -89,7 +89,7 @@ def decode_groups(model: nn.Module) -> list[Group]:
             mods = [getattr(parent, name, None) for name in names]
             if any(m is None for m in mods):
                 continue
-            lora = all(type(m) is LoRALinear for m in mods) and len({m.scale for m in mods}) == 1
+            lora = all(isinstance(m, LoRALinear) for m in mods) and len({m.scale for m in mods}) == 1
             plain = all(type(m) in (nn.Linear, nn.QuantizedLinear) for m in mods)
             info = getattr(parent, "fused_inputs", None)
             fused = info.fused if info is not None and (lora or plain) else None
@@ -97,14 +97,14 @@ def decode_groups(model: nn.Module) -> list[Group]:
                 groups.append(Group(mods, lora, fused))
                 grouped.update(id(m) for m in mods)
     for _, m in model.named_modules():
-        if type(m) is LoRALinear and id(m) not in grouped:
+        if isinstance(m, LoRALinear) and id(m) not in grouped:
             groups.append(Group([m], True, None))
     return groups
 
 
 def base_projection(m: nn.Module) -> nn.Module:
     """The projection under mlx_lm's LoRA (m itself if it has none)."""
-    return m.linear if type(m) is LoRALinear else m
+    return m.linear if isinstance(m, LoRALinear) else m
 
 
 def decode_projections(model: nn.Module, groups: list[Group]) -> list[nn.Module]:
