@@ -26,15 +26,29 @@ get_tokens()  # a broken MTQ_TOKENS_FILE stops the API at start, not at its firs
 # api_key) and whatever a client may have meant as one (KEY, access_token, Api-Key, ...), which
 # the auth refuses but the log would keep.
 SECRET_PARAM = re.compile(r"key|token|secret|passw|auth|sig", re.IGNORECASE)
+REDACTED = "<redacted>"
 
 
-def without_query_tokens(path: str) -> str:
+def without_query_tokens(path: str, tokens: list[str]) -> str:
     """A request path as the access log may show it: the values of parameters that may hold a
-    token (SECRET_PARAM, in any case and percent-encoding of the name) replaced."""
+    token (SECRET_PARAM, in any case and percent-encoding of the name) replaced, and any part
+    of it (a parameter or its value, a path segment) that holds one of the API's `tokens`."""
+
+    def holds_token(text: str) -> bool:
+        decoded = unquote_plus(text)
+        return any(token in decoded for token in tokens)
+
+    def shown(part: str) -> str:
+        name, eq, value = part.partition("=")
+        if holds_token(name):
+            return REDACTED
+        if SECRET_PARAM.search(unquote_plus(name)) or holds_token(value):
+            return f"{name}={REDACTED}"
+        return REDACTED if holds_token(part) else part
+
     base, sep, query = path.partition("?")
-    parts = [f"{name}=<redacted>" if SECRET_PARAM.search(unquote_plus(name)) else f"{name}{eq}{value}"
-             for name, eq, value in (part.partition("=") for part in query.split("&"))]
-    return base + sep + "&".join(parts) if sep else path
+    base = "/".join(REDACTED if holds_token(segment) else segment for segment in base.split("/"))
+    return base + sep + "&".join(shown(part) for part in query.split("&")) if sep else base
 
 
 class QueryTokensRedacted(logging.Filter):
@@ -42,7 +56,8 @@ class QueryTokensRedacted(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(without_query_tokens(a) if isinstance(a, str) and "?" in a else a for a in record.args)
+            tokens = [entry.token for entry in get_tokens()]
+            record.args = tuple(without_query_tokens(a, tokens) if isinstance(a, str) else a for a in record.args)
         return True
 
 

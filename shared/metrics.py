@@ -8,6 +8,7 @@ process buffers its observations (`recorder`) and adds them in one pipeline afte
 
 import bisect
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import redis
@@ -48,19 +49,24 @@ def bucket_field(name: str, value: float) -> str:
 class Recorder:
     observations: list[tuple[str, float]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    # A reward endpoint's wait runs on a helper thread while the main thread serves (and flushes).
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe(self, name: str, value: float) -> None:
         assert name in HISTOGRAMS, name
-        self.observations.append((name, float(value)))
+        with self.lock:
+            self.observations.append((name, float(value)))
 
     def count(self, name: str, n: int = 1) -> None:
         assert name in COUNTERS, name
-        self.counts[name] = self.counts.get(name, 0) + n
+        with self.lock:
+            self.counts[name] = self.counts.get(name, 0) + n
 
     def flush(self, r: redis.Redis) -> None:
         """Add what was measured since the last flush. Best effort: metrics never fail a job."""
-        observations, counts = self.observations, self.counts
-        self.observations, self.counts = [], {}
+        with self.lock:
+            observations, counts = self.observations, self.counts
+            self.observations, self.counts = [], {}
         if not observations and not counts:
             return
         try:

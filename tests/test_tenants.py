@@ -327,11 +327,17 @@ def test_16_a_query_token_never_reaches_the_access_log(stack):
         httpx.get(stack.base_url + JOBS, params={"key": token}, headers={"Forwarded": "for=203.0.113.7"})
         httpx.get(stack.base_url + JOBS, params={"api_key": token, "limit": 1})
         # spellings the auth does not take, which the log must not keep either
-        for name in ("KEY", "Api_Key", "access_token", "apiKey", "token", "k%65y"):
+        for name in ("KEY", "Key", "Api_Key", "access_token", "apiKey", "token", "k%65y"):
             httpx.get(f"{stack.base_url}{JOBS}?limit=1&{name}={token}")
+    # One of the API's tokens under any name, percent-encoded, or as a path segment.
+    encoded = "".join(f"%{b:02X}" for b in BOB.encode())
+    for query in (f"foo={BOB}", f"q=x{BOB}y", f"foo={encoded}", BOB):
+        httpx.get(f"{stack.base_url}{JOBS}?limit=1&{query}")
+    httpx.get(f"{stack.base_url}{JOBS}/{BOB}")
     time.sleep(0.3)
     log = stack.logs("api")
-    assert "key=" in log and "limit=1" in log and BOB not in log and "not-a-token-but-secret-0123" not in log
+    assert "key=" in log and "limit=1" in log and "foo=<redacted>" in log
+    assert BOB not in log and encoded not in log and "not-a-token-but-secret-0123" not in log
 
 
 # --- 17-19. model ids, uploads -----------------------------------------------------------------------

@@ -38,7 +38,9 @@ def load(job, spec: JobCreate, settings, trainer_class: type[GRPOTrainer] = GRPO
     init = init_adapter_dir(job.lease.r, settings, spec.init_adapter)
     job.write(event={"type": "model_ready", "cached": cached, "load_s": time.perf_counter() - t0, **started_from(spec)})
     reward_model = functools.partial(score_requests.reward_model_rewards, tenant=job.tenant)  # its owner's reward models
-    with build_scorer(spec, job.job_id, reward_model=reward_model) as scorer, answerer(spec, settings, tokenizer) as answers:
+    waiting = functools.partial(job.serving_while, spec.model_id)  # answers scoring requests while a reward server waits
+    with build_scorer(spec, job.job_id, reward_model=reward_model, waiting=waiting) as scorer, \
+            answerer(spec, settings, tokenizer) as answers:
         mx.random.seed(cfg.seed)  # LoRA init and dropout
         attach_adapter(model, cfg, init=init)
         try:

@@ -314,7 +314,8 @@ def load(job, spec: PPOJobCreate, settings) -> Iterator[Run]:
     init = init_adapter_dir(job.lease.r, settings, spec.init_adapter)
     job.write(event={"type": "model_ready", "cached": cached, "load_s": time.perf_counter() - t0, **started_from(spec)})
     reward_model = functools.partial(score_requests.reward_model_rewards, tenant=job.tenant)
-    with build_scorer(spec, job.job_id, reward_model=reward_model) as scorer:
+    waiting = functools.partial(job.serving_while, spec.model_id)  # answers scoring requests while a reward server waits
+    with build_scorer(spec, job.job_id, reward_model=reward_model, waiting=waiting) as scorer:
         mx.random.seed(cfg.seed)  # LoRA init
         attach_adapter(model, cfg, init=init)
         try:

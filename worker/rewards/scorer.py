@@ -3,7 +3,7 @@ step's rewards (RewardScorer.score). Each source type has a binder in BINDERS, k
 spec's `type` (shared/reward_specs.py): it does once what can be done once (compile a regex,
 import a module) and returns the function that computes the source's flat rewards of a step."""
 
-from typing import Callable
+from typing import Any, Callable
 
 import httpx
 import numpy as np
@@ -22,6 +22,14 @@ from worker.rewards.sandbox import call_reward_function, load_reward_function, w
 # (settings, model_id, adapter_name, prompts, completions) -> rewards: the training process's
 # reward models (worker/runtime/score_requests.py reward_model_rewards), given by the job; this package has no MLX.
 RewardModelFn = Callable[[Settings, str, str, list[str], list[str]], list[float]]
+# How a source waits on another server: Waiting(call) returns call(). The training process's
+# runs the call on a helper thread and answers scoring requests meanwhile (worker/runtime/
+# training_process.py JobRun.serving_while), so a reward server that asks this service back is answered.
+Waiting = Callable[[Callable[[], Any]], Any]
+
+
+def call_now(call: Callable[[], Any]) -> Any:
+    return call()
 
 
 def bind_length(source, scorer: "RewardScorer") -> RewardFn:
@@ -69,7 +77,8 @@ def bind_python(source, scorer: "RewardScorer") -> RewardFn:
 
 def bind_endpoint(source, scorer: "RewardScorer") -> RewardFn:
     timeout = source.timeout or scorer.default_timeout
-    return EndpointCaller(source, scorer.client(), scorer.guard, timeout, scorer.settings.max_reward_response_bytes).rewards
+    rewards = EndpointCaller(source, scorer.client(), scorer.guard, timeout, scorer.settings.max_reward_response_bytes).rewards
+    return lambda b: scorer.waiting(lambda: rewards(b))
 
 
 def bind_reward_model(source, scorer: "RewardScorer") -> RewardFn:
@@ -148,6 +157,7 @@ class RewardScorer:
     def __init__(
         self, sources: list, job_id: str, default_timeout: float = 30.0,
         settings: Settings | None = None, resolver: Resolver = resolve_host, reward_model: RewardModelFn | None = None,
+        waiting: Waiting = call_now,
     ):
         self.sources = _with_unique_names(sources)
         self.job_id = job_id
@@ -155,6 +165,7 @@ class RewardScorer:
         self.settings = settings or load_settings()
         self.guard = CallGuard(self.settings.reward_hosts, resolver)
         self.reward_model = reward_model
+        self.waiting = waiting
         self._client: httpx.Client | None = None
         try:
             self._reward_fns = [BINDERS[s.type](s, self) for s in self.sources]
@@ -205,11 +216,12 @@ class RewardScorer:
 
 
 def build_scorer(spec: JobCreate, job_id: str, settings: Settings | None = None, resolver: Resolver = resolve_host,
-                 reward_model: RewardModelFn | None = None) -> RewardScorer:
+                 reward_model: RewardModelFn | None = None, waiting: Waiting = call_now) -> RewardScorer:
     """Resolve the job's reward sources (spec.reward; else config.reward_endpoint; else length
     in characters) and prepare them: python sources are imported here, so that a misspelt
     module fails the job at start with a RewardError naming it. reward_model: how this
-    process scores with a reward model (the training process's; needed by reward_model sources)."""
+    process scores with a reward model (the training process's; needed by reward_model sources).
+    waiting: how endpoint sources wait on their server (Waiting)."""
     if spec.reward:
         sources = list(spec.reward)
     elif spec.config.reward_endpoint:
@@ -220,4 +232,4 @@ def build_scorer(spec: JobCreate, job_id: str, settings: Settings | None = None,
     else:
         sources = [LengthReward(name="length")]
     return RewardScorer(sources, job_id, default_timeout=spec.config.reward_timeout, settings=settings, resolver=resolver,
-                        reward_model=reward_model)
+                        reward_model=reward_model, waiting=waiting)

@@ -2,9 +2,16 @@
 a job (the queue of the model it trains), or while idle (the queues of its worker's models).
 Each claimed request is served by its type: log-probs and rewards by
 worker/runtime/score_requests.py, a completion's batch by worker/runtime/completions.py.
+
+While a step waits on another server (a reward endpoint), the wait runs on a helper thread and
+the main thread (MLX's) keeps taking turns (while_serving): a server that asks this service for
+rewards or log-probs on the job's model (the seed's RL loop through a bridge) is answered by the
+very worker that waits on it.
 """
 
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
 
 from shared import scoring
 from shared.routing import model_key, served_models
@@ -12,8 +19,10 @@ from shared.settings import Settings
 from shared.workers import get_worker
 from worker.runtime import completions, score_requests
 
+T = TypeVar("T")
 SLICE_S = 0.25  # one scoring request's turn; what is left of it waits for the next
 QUEUES_REREAD_S = 5.0  # an idle process re-reads which models its worker offers this often
+WAITING_LOOK_S = 0.05  # while_serving: how long one look waits for a request before checking the call
 
 
 def serve_waiting(r, settings: Settings, model_id: str | None = None, queues: list[str] | None = None,
@@ -47,3 +56,13 @@ def idle_queues(r, worker: str, settings: Settings) -> list[str]:
     offers (its advertisement: shared/workers.py), and with --hub the hub's."""
     advertised = get_worker(r, worker) or {}
     return sorted(served_models(advertised)) + ([scoring.HUB] if settings.hub else [])
+
+
+def while_serving(call: Callable[[], T], serve_turn: Callable[[], object]) -> T:
+    """call()'s result (or its exception), called on a helper thread while this thread takes
+    serve_turn() turns (each bounded as serve_waiting bounds them) until it returns."""
+    with ThreadPoolExecutor(1, thread_name_prefix="mtq-waiting") as pool:
+        future = pool.submit(call)
+        while not future.done():
+            serve_turn()
+        return future.result()

@@ -23,7 +23,7 @@ import time
 import traceback
 from collections import deque
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import mlx.core as mx
 
@@ -31,6 +31,7 @@ from shared import jobstore, kinds, lifecycle, workers
 from shared.jobstore import connect
 from shared.keys import adapter_key, checkpoint_key, events_key
 from shared.metrics import recorder
+from shared.routing import model_key
 from shared.settings import load_settings
 from worker.runtime import gang_group, job_loop, request_loop
 from worker.runtime.memory_plan import device_description
@@ -43,6 +44,7 @@ from worker.supervisor.lease import Lease, LeaseLost, retrying
 from worker.supervisor.marks import Marks
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 IDLE_WAIT_S = 0.5  # an idle process waits this long for a scoring request before looking for a job again
 # Shown instead of sampling/updating during the first step of a training process that found
@@ -120,6 +122,19 @@ class JobRun:
         retrying(lambda: request_loop.serve_waiting(self.lease.r, load_settings(), model_id), "scoring")
         self.marks.mark()
 
+    def serving_while(self, model_id: str, call: Callable[[], T]) -> T:
+        """call() (a step's wait on a reward server) on a helper thread, while this main thread
+        answers the scoring and completion requests waiting for the job's model, in the turns
+        between_steps takes (worker/runtime/request_loop.py while_serving)."""
+        settings, queues = load_settings(), [model_key(model_id)]
+
+        def turn() -> None:
+            self.marks.mark()
+            retrying(lambda: request_loop.serve_waiting(self.lease.r, settings, queues=queues,
+                                                        wait_s=request_loop.WAITING_LOOK_S), "scoring")
+
+        return request_loop.while_serving(call, turn)
+
     def publish_loaded(self) -> None:
         """Tell the worker's advertisement which models this process holds loaded now."""
         publish_loaded(self.lease.r, self.lease.worker, loaded_model_ids())
@@ -170,6 +185,9 @@ class RankRun(JobRun):
 
     def between_steps(self, model_id: str) -> None:
         self.marks.mark()
+
+    def serving_while(self, model_id: str, call: Callable[[], T]) -> T:
+        return call()
 
     def save_checkpoint(self, step: int, blobs: dict[str, bytes]) -> None:
         pass
