@@ -11,6 +11,7 @@ token configured at all, every /admin route answers 401 (fail closed).
 
 import hmac
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 import yaml
@@ -47,12 +48,10 @@ class Principal:
 
 
 def load_tokens(settings: Settings) -> list[TokenEntry]:
-    entries = []
-    if settings.tokens_file is not None:
-        data = yaml.safe_load(settings.tokens_file.read_text())  # YAML reads JSON too
-        if isinstance(data, dict):
-            data = data.get("tokens")
-        entries = TypeAdapter(list[TokenEntry]).validate_python(data)
+    """The tokens as they are now: the file is read at each call (a token added or revoked counts
+    at once) and parsed again only when its bytes changed (every request and every access-log
+    line asks)."""
+    entries = list(_parsed(settings.tokens_file.read_bytes())) if settings.tokens_file is not None else []
     if settings.api_token:
         entries.append(TokenEntry.model_construct(name="admin", token=settings.api_token, role="admin"))
     names = [e.name for e in entries]
@@ -60,6 +59,14 @@ def load_tokens(settings: Settings) -> list[TokenEntry]:
     if duplicates:
         raise ValueError(f"token names must be unique; repeated: {sorted(duplicates)}")
     return entries
+
+
+@lru_cache(maxsize=4)
+def _parsed(text: bytes) -> tuple[TokenEntry, ...]:
+    data = yaml.safe_load(text)  # YAML reads JSON too
+    if isinstance(data, dict):
+        data = data.get("tokens")
+    return tuple(TypeAdapter(list[TokenEntry]).validate_python(data))
 
 
 def authenticate(entries: list[TokenEntry], presented: str) -> Principal | None:
