@@ -82,7 +82,7 @@ def test_a_slow_member_with_no_model_receives_it_takes_fewer_rows_and_the_gang_t
             stack.stop_proc(p)
 
 
-def test_each_backend_is_configured_as_mlx_reads_it_and_refused_where_missing(stack, tmp_path):
+def test_each_backend_is_configured_as_mlx_reads_it_and_refused_where_missing(stack, client, tmp_path):
     from worker.runtime import gang_group
     from worker.supervisor import gang_claims
 
@@ -118,8 +118,8 @@ def test_each_backend_is_configured_as_mlx_reads_it_and_refused_where_missing(st
         pytest.skip("this machine has MLX's nccl backend")
     worker = stack.start_worker("--name", "stage-nccl", env={**stack.env, "MTQ_GANG_BACKEND": "nccl"})
     try:
-        ad = wait_for(lambda: (w := json.loads(stack.redis.get("mtq:worker:stage-nccl") or "{}")).get("gang_backend")
-                      and w, 60, "the worker's advertisement with its backend")
+        ad = wait_for(lambda: (w := client.get("/admin/api/workers/stage-nccl").json()).get("gang_backend") and w, 60,
+                      "the worker's advertisement with its backend")
         assert ad["gang_backend"] == "nccl" and ad["gang_address"] is None and "no nccl backend" in ad["gang_error"]
     finally:
         stack.stop_proc(worker)

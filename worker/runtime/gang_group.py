@@ -86,6 +86,7 @@ class Gang:
     group: Any = None  # mx.distributed.Group
     by_speed: bool = False  # MTQ_GANG_SHARES "speed": shares follow the ranks' pace
     pace: Pace = field(default_factory=Pace)
+    device: Any = mx.cpu  # where its sums run: ring's and jaccl's on the CPU, nccl's on the GPU
 
     def share(self, items: list) -> list:
         """This rank's share of a step's rows: every size-th, from its rank; by speed, rows
@@ -118,8 +119,8 @@ class Gang:
         self.pace.per_row = every if old is None else [PACE_DECAY * t + (1 - PACE_DECAY) * o for t, o in zip(every, old)]
 
     def sum(self, x: mx.array) -> mx.array:
-        """x summed over the ranks (on the CPU stream: the ring backend's)."""
-        return x if self.size == 1 else mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
+        """x summed over the ranks (on the backend's device)."""
+        return x if self.size == 1 else mx.distributed.all_sum(x, group=self.group, stream=self.device)
 
     def sum_tree(self, tree):
         """Every array of a tree summed over the ranks, flattened into buckets of BUCKET_BYTES."""
@@ -199,4 +200,4 @@ def join(rank: int, hostfile: list[list[str]], backend: str = "ring", by_speed: 
         group = mx.distributed.init(strict=True, backend="jaccl" if backend.startswith("jaccl") else backend)
     if group.size() != len(hostfile) or group.rank() != rank:
         raise RuntimeError(f"joined a group of {group.size()} as rank {group.rank()}, not {len(hostfile)} as {rank}")
-    return Gang(rank, len(hostfile), group, by_speed)
+    return Gang(rank, len(hostfile), group, by_speed, device=mx.gpu if backend == "nccl" else mx.cpu)
