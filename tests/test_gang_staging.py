@@ -5,6 +5,7 @@ loopback on the CPU (ring)."""
 
 import hashlib
 import json
+import os
 
 import pytest
 from conftest import Stack, running, wait_done, wait_for
@@ -24,6 +25,28 @@ def stack(tmp_path_factory, tiny_model):
 def digests(directory) -> dict[str, str]:
     return {p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_gang_counts_workers_that_can_receive_the_model_with_the_disk_for_it():
+    from shared import routing
+    from shared.train_specs import SFTJobCreate
+    from worker.supervisor import gang_claims
+
+    spec = SFTJobCreate(model_id="tiny", dataset=ROWS, config={**SFT_CONFIG, "workers": 3})
+    holder = {"model_id": "tiny", "size_bytes": 10**9}
+    live = [advertisement("z-has", models=[holder]), advertisement("a-has", models=[holder]),
+            advertisement("b-room", models=[], models_free_bytes=2 * 10**9),
+            advertisement("c-full", models=[], models_free_bytes=10**8)]
+    where = routing.route("sft", spec, live)
+    assert [w["name"] for w in where.free] == ["a-has", "z-has", "b-room"] and where.waiting_for_worker is None
+    assert where.queue.startswith("default@tiny@")  # only a worker with the model leads it
+    assert [w["name"] for w in gang_claims.pick("z-has", list(where.free), 3)] == ["z-has", "a-has", "b-room"]
+    four = routing.route("sft", SFTJobCreate(model_id="tiny", dataset=ROWS, config={**SFT_CONFIG, "workers": 4}), live)
+    assert "has 3 (a-has, z-has, b-room) of 3 live" in four.waiting_for_worker  # c-full lacks the disk
+    by_path = SFTJobCreate(model_id="/models/tiny", dataset=ROWS, config={**SFT_CONFIG, "workers": 2})
+    path_live = [advertisement("a", models=[{**holder, "model_id": "/models/tiny"}]),
+                 advertisement("b", models=[], models_free_bytes=10**12)]
+    assert [w["name"] for w in routing.route("sft", by_path, path_live).free] == ["a"]  # another machine's path
 
 
 def test_a_corrupted_chunk_is_refused_and_nothing_is_written(stack, tmp_path):
@@ -123,3 +146,28 @@ def test_each_backend_is_configured_as_mlx_reads_it_and_refused_where_missing(st
         assert ad["gang_backend"] == "nccl" and ad["gang_address"] is None and "no nccl backend" in ad["gang_error"]
     finally:
         stack.stop_proc(worker)
+
+
+def test_an_nccl_gang_trains_as_one_worker(stack, client):
+    """Where MLX has nccl (its CUDA build): two workers, one GPU each (MTQ_TEST_GPUS, e.g. "0,1";
+    NCCL refuses two ranks on one GPU), gang over nccl and train as one worker."""
+    from worker.runtime import gang_group
+
+    if gang_group.backend_error("nccl") or not os.environ.get("MTQ_TEST_GPUS"):
+        pytest.skip("needs MLX's nccl backend and MTQ_TEST_GPUS (one GPU per worker)")
+    gpus = os.environ["MTQ_TEST_GPUS"].split(",")
+    procs = [stack.start_worker("--name", f"nccl-{i}", env={**stack.env, "MTQ_GANG_BACKEND": "nccl",
+                                                            "CUDA_VISIBLE_DEVICES": gpu}) for i, gpu in enumerate(gpus[:2])]
+    try:
+        body = {"model_id": "tiny", "dataset": ROWS}
+        solo = submit(client, SFT, {**body, "adapter_name": "nccl-solo", "config": SFT_CONFIG})
+        wait_done(stack, SFT, solo)
+        gang = submit(client, SFT, {**body, "adapter_name": "nccl-gang", "config": {**SFT_CONFIG, "workers": 2}})
+        job = wait_done(stack, SFT, gang)
+        loss_diff = rel_diff(step_losses(stack, gang, "sft"), step_losses(stack, solo, "sft"))
+        weight_diff = adapter_diff(adapter(client, "nccl-gang"), adapter(client, "nccl-solo"))
+        print(f"\nnccl gang of 2 vs 1 worker: losses {loss_diff:.2e}, adapter {weight_diff:.2e}")
+        assert job["failed_attempts"] == 0 and loss_diff < LOSS_TOLERANCE and weight_diff < ADAPTER_TOLERANCE
+    finally:
+        for p in procs:
+            stack.stop_proc(p)
