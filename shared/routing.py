@@ -182,6 +182,18 @@ def job_need_gb(kind: str, summary: dict[str, Any], model: dict[str, Any], devic
 # --------------------------------------------------------------------------- routing a job
 
 
+def receivers(live: list[dict[str, Any]], holders: list[dict[str, Any]], model_id: str, teacher: str | None,
+              capable) -> list[dict[str, Any]]:
+    """Workers without the model that a gang's leader can stage it to (worker/runtime/model_staging.py),
+    by name: capable otherwise, with the model's size free on their disk. A model named by
+    an absolute path is not staged (another machine's directory), nor a teacher."""
+    sizes = [served_models(w)[model_key(model_id)].get("size_bytes") for w in holders]
+    if model_id.startswith("/") or teacher or not holders or None in sizes:
+        return []
+    return sorted((w for w in live if w not in holders and capable(w) and (w.get("models_free_bytes") or 0) >= max(sizes)),
+                  key=lambda w: w["name"])
+
+
 @dataclass(frozen=True)
 class Route:
     queue: str
@@ -232,6 +244,8 @@ def route(kind: str, job, live: list[dict[str, Any]], floor_gb: float | None = N
                    f"has {largest:g} GB")
     gang = cfg.get("workers", 1)
     if gang > 1:  # worker/supervisor/gang_claims.py: the leader that takes it needs gang - 1 more, free, at once
+        # A member may lack the model: its leader stages it (worker/runtime/model_staging.py).
+        able = sorted(able, key=lambda w: w["name"]) + receivers(live, holders, model_id, teacher, capable)
         free = tuple(w for w in able if w.get("gang_address") and (not w.get("current_job") or finished(w["current_job"])))
         if waiting is None and len(free) < gang:
             names = ", ".join(w["name"] for w in free) or "none"

@@ -45,6 +45,13 @@ class Settings:
     gang_host: str = "127.0.0.1"
     gang_port: int = 0
     gang_join_s: float = 60.0
+    # The backend a worker's gang ranks join (worker/runtime/gang_group.py): "auto" (nccl on a CUDA
+    # GPU, else ring), ring, jaccl, jaccl-ring or nccl (MTQ_GANG_BACKEND); jaccl's RDMA device to
+    # each peer worker, "peer=rdma_en3,..." (MTQ_GANG_RDMA); how a step's rows are shared:
+    # "speed" (by each rank's measured seconds per row) or "even" (MTQ_GANG_SHARES).
+    gang_backend: str = "auto"
+    gang_rdma: tuple[str, ...] = ()
+    gang_shares: str = "speed"
     # The API's Redis socket timeout: a Redis that stops answering is a quick 503, not a hung request.
     redis_timeout_s: float = 3.0
     # Who may do what (api/auth.py): a JSON or YAML file of named tokens with roles.
@@ -151,6 +158,9 @@ def load_settings() -> Settings:
         gang_host=os.environ.get("MTQ_GANG_HOST", Settings.gang_host),
         gang_port=_int("MTQ_GANG_PORT", Settings.gang_port),
         gang_join_s=_float("MTQ_GANG_JOIN_S", Settings.gang_join_s),
+        gang_backend=os.environ.get("MTQ_GANG_BACKEND") or Settings.gang_backend,
+        gang_rdma=_list("MTQ_GANG_RDMA"),
+        gang_shares=os.environ.get("MTQ_GANG_SHARES") or Settings.gang_shares,
         redis_timeout_s=_float("MTQ_REDIS_TIMEOUT_S", Settings.redis_timeout_s),
         tokens_file=Path(tokens_file).expanduser() if tokens_file else None,
         reward_modules=_list("MTQ_REWARD_MODULES"),

@@ -7,7 +7,10 @@ Two keys per worker, both expiring (a dead worker disappears within `ttl_s`):
                              queues, lanes, hub, declared (model ids it offers besides),
                              device, device_name, memory_total_gb, memory_gb, memory_declared,
                              current_job, gang_address ("host:port" its gang ranks listen on,
-                             worker/supervisor/gang_claims.py)}; written by the worker's
+                             worker/supervisor/gang_claims.py; null where it cannot join its
+                             backend), gang_backend, gang_error (why not), gang_rdma ({peer
+                             worker: its RDMA device to that peer}, jaccl's), models_free_bytes
+                             (free disk for models staged from a gang's leader)}; written by the worker's
                              supervisor from its heartbeat and when a job starts or ends
                              (`advertise`), which also renews the key below.
   mtq:worker:<name>:loaded   JSON [model_id, ...]: the models its training process holds
@@ -109,7 +112,8 @@ def all_local_models(models_dir: Path, model_roots: tuple[Path, ...]) -> list[di
 def record(name: str, models_dir: Path, models: list[dict[str, Any]], started_at: float, **offer: Any) -> dict[str, Any]:
     """A worker's advertisement. models: all_local_models(...). offer: queues, lanes, hub,
     declared (--models), device, device_name, memory_total_gb, memory_gb (what it runs jobs
-    in: declared or detected), memory_declared, current_job, gang_address."""
+    in: declared or detected), memory_declared, current_job, gang_address, gang_backend,
+    gang_error, gang_rdma, models_free_bytes."""
     return {"name": name, "host": socket.gethostname(), "pid": os.getpid(), "version": package_version(),
             "started_at": started_at, "models_dir": str(models_dir), "models": models, **offer}
 

@@ -58,6 +58,11 @@ class Worker(BaseModel):
                                     "recommended working set, 90% of a GPU's memory, or 75% of RAM.")
     memory_declared: bool = False
     current_job: str | None = Field(None, description="The job it runs now.")
+    gang_address: str | None = Field(None, description="host:port its gang ranks listen on (docs/distributed.md); null "
+                                     "where it cannot join its backend.")
+    gang_backend: str | None = Field(None, description="The backend its gang ranks join (MTQ_GANG_BACKEND).")
+    gang_error: str | None = Field(None, description="Why it cannot join gangs of that backend here.")
+    models_free_bytes: int | None = Field(None, description="Free disk for models a gang's leader stages to it.")
 
 
 @router.get("/admin/api/fine-tune/models", response_model=list[Model], summary="Models the live workers offer")

@@ -64,20 +64,25 @@ def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int
         step(arrays, share, running, do_update) -> (running, metrics)
         running: the summed (gradients, metrics) so far (None at the first micro-batch);
         do_update: the last micro-batch: the mean gradient's norm (before clipping, as TRL
-        reports it), the gradient clipped to max_grad_norm (None: not clipped), the update."""
+        reports it), the gradient clipped to max_grad_norm (None: not clipped), the update.
+        arrays None: no micro-batch, only the update of `running` (a gang's rank evaluates its
+        local sums first, to time its own work: Gang.measure)."""
     vg = nn.value_and_grad(module, loss_fn)
 
     def step(arrays, share, running, do_update: bool):
-        (loss, stats), grads = vg(module, *arrays)
-        metrics = {"loss": loss, **stats}
-        if gang.size > 1:
-            grads = tree_map(lambda g: g * share, grads)
-            metrics = {k: v * share for k, v in metrics.items()}
-        if running is not None:
-            grads = tree_map(mx.add, grads, running[0])
-            metrics = {k: v + running[1][k] for k, v in metrics.items()}
-        if not do_update:
-            return (grads, metrics), None
+        if arrays is None:
+            grads, metrics = running
+        else:
+            (loss, stats), grads = vg(module, *arrays)
+            metrics = {"loss": loss, **stats}
+            if gang.size > 1:
+                grads = tree_map(lambda g: g * share, grads)
+                metrics = {k: v * share for k, v in metrics.items()}
+            if running is not None:
+                grads = tree_map(mx.add, grads, running[0])
+                metrics = {k: v + running[1][k] for k, v in metrics.items()}
+            if not do_update:
+                return (grads, metrics), None
         grads, metrics = gang.sum_tree((grads, metrics))
         grads = tree_map(lambda g: g / accumulation, grads)
         metrics = {k: v / accumulation for k, v in metrics.items()}
@@ -126,10 +131,21 @@ class Trainer:
                                         self.compiled)
             self.micro_step_state = self.optimizer.state
         self.module.train()
-        running = None
+        running, local = None, time.perf_counter()
+        solo = self.gang.size == 1  # a gang's rank sums its micro-batches, times that, then updates
         for k, ((arrays, _), part) in enumerate(zip(micro, parts)):
-            running, metrics = self.micro_step(arrays, mx.array(part, dtype=mx.float32), running, k == len(micro) - 1)
+            running, metrics = self.micro_step(arrays, mx.array(part, dtype=mx.float32), running,
+                                               solo and k == len(micro) - 1)
             mx.eval(running if running is not None else (metrics, self.module.state, self.optimizer.state))
+        if not solo:
+            rows = sum(map(len, shares))
+            self.gang.local_work_done(rows)
+            local = time.perf_counter() - local
+            _, metrics = self.micro_step(None, mx.array(1.0), running, True)
+            mx.eval(metrics, self.module.state, self.optimizer.state)
+            per_rank = [sum(n) for n in zip(*(self.gang.rows_per_rank(len(rows)) for rows in ids))]
+            shared_rows = {f"gang/rows_rank{r}": float(n) for r, n in enumerate(per_rank)}
+            self.gang.measure(local, rows)  # the next step's shares
         self.module.eval()
         metrics = {k: float(v.item()) for k, v in metrics.items()}
         # A non-finite loss fails the job; the update it made is never checkpointed (on_finite_loss is not called).
@@ -142,7 +158,7 @@ class Trainer:
         state.num_tokens += n_tokens
         dt = time.perf_counter() - t0
         lr = self.optimizer.learning_rate
-        return {**metrics, "learning_rate": float(lr.item() if isinstance(lr, mx.array) else lr),
+        return {**metrics, **({} if solo else shared_rows), "learning_rate": float(lr.item() if isinstance(lr, mx.array) else lr),
                 "examples": sum(map(len, ids)), "num_tokens": state.num_tokens, "tokens_per_second": n_tokens / max(dt, 1e-9),
                 "peak_memory_gb": mx.get_peak_memory() / 1e9, "step_time": dt}
 

@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -33,9 +34,9 @@ from shared.keys import adapter_key, checkpoint_key, events_key
 from shared.metrics import recorder
 from shared.routing import model_key
 from shared.settings import load_settings
-from worker.runtime import gang_group, job_loop, request_loop
+from worker.runtime import gang_group, job_loop, model_staging, request_loop
 from worker.runtime.memory_plan import device_description
-from worker.runtime.models import forget_loaded, loaded_model_ids
+from worker.runtime.models import ModelNotFound, forget_loaded, loaded_model_ids, resolve_model
 from worker.runtime.train_core import Cancelled
 from worker.runtime.warm_up import warm_up_all
 from worker.supervisor import kernel_cache
@@ -210,8 +211,10 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
         return "deleted"
     try:
         if ranks is not None:
+            settings = load_settings()
+            stage_model(r, lease, stored.spec.model_id, rank, len(ranks[1]), marks)
             marks.mark("joining")  # the supervisor bounds this phase (MTQ_GANG_JOIN_S)
-            part = gang_group.join(*ranks)
+            part = gang_group.join(*ranks, gang_group.backend_of(settings.gang_backend), settings.gang_shares == "speed")
             job = (JobRun if rank == 0 else RankRun)(lease, marks, parent_pid, stored.tenant, part)
         else:
             job = JobRun(lease, marks, parent_pid, stored.tenant)
@@ -249,6 +252,27 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
         recorder.flush(r)  # what the job measured since its last step (e.g. the reward errors that failed it)
 
 
+def stage_model(r, lease: Lease, model_id: str, rank: int, size: int, marks: Marks) -> None:
+    """Before a gang forms: a member without the job's model receives it from rank 0 over Redis
+    (worker/runtime/model_staging.py), written under its models directory."""
+    settings = load_settings()
+    marks.mark("staging")
+    if rank == 0:
+        staged = model_staging.lead(r, lease.job_id, lease.epoch, size, Path(resolve_model(model_id, settings)),
+                                    settings.gang_join_s, marks.mark)
+        if staged:
+            lease.write({"type": "model_staged", "model_id": model_id, "ranks": staged})
+        return
+    try:
+        resolve_model(model_id, replace(settings, hub=False))
+        target = None
+    except ModelNotFound:
+        if model_id.startswith("/"):  # a path under MTQ_MODEL_ROOTS: not this worker's to write
+            raise
+        target = settings.models_dir / model_id
+    model_staging.receive(r, lease.job_id, lease.epoch, rank, target, settings.gang_join_s, marks.mark)
+
+
 def publish_loaded(r, worker: str, model_ids: list[str]) -> None:
     retrying(lambda: workers.publish_loaded(r, worker, model_ids, load_settings().lease_ttl_s), "loaded models")
 
@@ -282,7 +306,9 @@ def main(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str
             publish_loaded(r, worker, published)
 
     publish_changes()  # a fresh process holds none
-    conn.send(("ready", device_description()))  # the supervisor advertises the device and routes by its memory
+    # The supervisor advertises the device, routes by its memory, and offers gangs of the backend it can join.
+    backend = gang_group.backend_of(settings.gang_backend)
+    conn.send(("ready", {**device_description(), "gang_backend": backend, "gang_error": gang_group.backend_error(backend)}))
     if _first_step_compiles and warm_models:
         marks.mark("compiling")
         warm_up_all(warm_models, settings, job_waiting=lambda: conn.poll(0), mark=marks.mark)

@@ -4,8 +4,9 @@ module is the queue's side of it (no MLX); worker/runtime/gang_group.py is the t
 A job whose config says `workers: N` (N > 1) is a gang job. Its rq job is routed and taken as
 any job's, by one worker: the leader, its rank 0 (worker/supervisor/admission.py form_gang, push_ranks).
 
-    pick      the leader and N-1 other workers that are free, can run the job (shared/routing.py
-              Route.free) and advertise a gang address on the same device; fewer: the job goes
+    pick      the leader and N-1 other workers that are free, can run the job or receive its model
+              (shared/routing.py Route.free) and advertise a gang address on the same device and
+              backend (MTQ_GANG_BACKEND; jaccl: cabled to each other); fewer: the job goes
               back on its queue, not started, waiting_for_worker saying how many it has of N
     claim     all N at once (MSETNX of their claim keys, which expire after MTQ_GANG_JOIN_S):
               two leaders never share a worker, and a claimed worker takes no other job
@@ -14,8 +15,10 @@ any job's, by one worker: the leader, its rank 0 (worker/supervisor/admission.py
     ranks     a rank job (worker.jobs.run_rank: job, E, rank, hostfile) on each member's own
               queue, which it serves first; it runs its part under epoch E, watched by its own
               supervisor as any job (death, stall, lease)
+    stage     a member without the job's model receives it from rank 0 over Redis
+              (worker/runtime/model_staging.py)
     join      every rank's training process (one that never joined a group: MLX forms one per
-              process, so it is replaced after the attempt) joins the ring group of the hostfile (the members' advertised addresses, by
+              process, so it is replaced after the attempt) joins the group of the hostfile (the members' advertised addresses, by
               rank) within MTQ_GANG_JOIN_S
 
 Any rank's death or stall ends the attempt for all: its supervisor loses the job (epoch E + 1,
@@ -40,19 +43,32 @@ def claim_key(worker: str) -> str:
 
 
 def pick(leader: str, free: list[dict[str, Any]], size: int) -> list[dict[str, Any]] | None:
-    """The gang's members by rank: the leader first, then free workers on the leader's device;
-    None when there are not `size` of them."""
+    """The gang's members by rank: the leader first, then free workers on the leader's device
+    and gang backend, in the order given (shared/routing.py: those that have the model first);
+    None when there are not `size` of them, or a jaccl gang's cabling does not join them."""
     me = next((w for w in free if w["name"] == leader), None)
     if me is None:
         return None
-    others = [w for w in free if w["name"] != leader and w.get("device") == me.get("device")]
-    members = [me, *sorted(others, key=lambda w: w["name"])[: size - 1]]
-    return members if len(members) == size else None
+    others = [w for w in free if w["name"] != leader and w.get("device") == me.get("device")
+              and w.get("gang_backend") == me.get("gang_backend")]
+    members = [me, *others[: size - 1]]
+    if len(members) != size or any(None in entry for entry in hostfile(members)):
+        return None
+    return members
 
 
 def hostfile(members: list[dict[str, Any]]) -> list[list[str]]:
-    """MLX's ring hostfile: each rank's addresses ("host:port"), by rank."""
-    return [[w["gang_address"]] for w in members]
+    """Each rank's entry, by rank: its "host:port" address (MLX's ring hostfile); a jaccl gang's
+    then names its RDMA device to each rank: "" to itself (and to a jaccl-ring's non-neighbours),
+    None where it advertises none (worker/runtime/gang_group.py backend_env)."""
+    backend = members[0].get("gang_backend") or "ring"
+    if not backend.startswith("jaccl"):
+        return [[w["gang_address"]] for w in members]
+    n = len(members)
+    return [[w["gang_address"], *(
+        "" if j == i or (backend == "jaccl-ring" and j not in ((i - 1) % n, (i + 1) % n))
+        else (w.get("gang_rdma") or {}).get(peer["name"]) for j, peer in enumerate(members))]
+        for i, w in enumerate(members)]
 
 
 def claim(r: redis.Redis, names: list[str], job_id: str, ttl_s: float) -> str | None:

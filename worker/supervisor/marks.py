@@ -7,7 +7,8 @@ import time
 
 PHASES = ("idle", "joining", "loading_model", "compiling", "sampling", "scoring", "updating", "checkpointing", "saving",
           "serving",  # serving: a session's job between its client's calls (worker/kinds/session_job.py)
-          "fusing")  # an export's adapter going into its base (worker/kinds/export_job.py)
+          "fusing",  # an export's adapter going into its base (worker/kinds/export_job.py)
+          "staging")  # a gang's rank sending or receiving the job's model (worker/runtime/model_staging.py)
 
 
 class Marks:

@@ -24,9 +24,11 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import threading
 import time
+from pathlib import Path
 
 import redis
 
@@ -246,8 +248,22 @@ class Supervisor(RQWorker):
             lanes=self.lanes, hub=self.hub, declared=self.declared_models, current_job=self.current_job,
             device=device.get("device"), device_name=device.get("device_name"),
             memory_total_gb=device.get("memory_total_gb"), memory_gb=self.memory_gb,
-            memory_declared=self.declared_memory_gb is not None, gang_address=self.gang_address,
+            memory_declared=self.declared_memory_gb is not None,
+            # No gang address where the training process cannot join its backend: no gang picks it.
+            gang_address=None if device.get("gang_error") else self.gang_address,
+            gang_backend=device.get("gang_backend"), gang_error=device.get("gang_error"),
+            gang_rdma=dict(item.split("=", 1) for item in settings.gang_rdma if "=" in item),
+            models_free_bytes=_free_bytes(settings.models_dir),
         )
+
+
+def _free_bytes(directory: Path) -> int:
+    """Free disk space where models staged from a gang's leader are written (its nearest existing
+    parent's while it does not exist yet)."""
+    for d in (directory, *directory.parents):
+        if d.exists():
+            return shutil.disk_usage(d).free
+    return 0
 
 
 def _free_port(host: str) -> int:
