@@ -5,13 +5,15 @@ a worker's kernel cache; and the training process keeps the CUDA driver's cache 
 Worker `a` runs a job on the tests' shared kernel cache (warm) and publishes its kernels; worker
 `b`, with an empty cache, fetches them before its first job, which then compiles nothing. The
 kernels `b`'s job loaded (their access times) are then corrupted or replaced by entries compiled
-for another MLX version or device: worker `c`, with an empty cache, refuses them, compiles them
-again during its job, and publishes its own.
+for another MLX version or device, and an entry named as a path out of the cache is added:
+worker `c`, with an empty cache, refuses them all, compiles the three kernels again during its
+job, and publishes its own.
 """
 
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -88,7 +90,8 @@ def test_a_worker_with_an_empty_cache_fetches_the_fleets_kernels_and_compiles_no
     r = stack.redis
     stored = sum(r.strlen(kernel_entry_key(sha)) for sha in fleet["published"].values())
     assert int(r.get(KERNELS_BYTES)) == stored  # what MTQ_KERNEL_SHARE_MB bounds
-    print(f"the fleet's share: {len(fleet['published'])} kernels, {stored / 2**20:.1f} MB")
+    print(f"the fleet's share: {len(fleet['published'])} kernels, {stored / 2**20:.1f} MB;",
+          *re.findall(r"kernel share: (?:fetched|published) \d+ kernels .*? in [\d.]+ s", stack.logs("worker", tail=None)))
 
 
 def test_a_corrupted_or_foreign_kernel_is_refused_and_compiled_again(stack, fleet, tmp_path):
@@ -109,15 +112,22 @@ def test_a_corrupted_or_foreign_kernel_is_refused_and_compiled_again(stack, flee
         forged.append(kernel_entry_key(hashlib.sha256(entry).hexdigest()))
         r.set(forged[-1], entry)
         r.hset(index, name, forged[-1].rsplit(":", 1)[1])
+    escape = "../../../../escaped.so"  # well formed for this fleet, but a path out of the cache
+    entry = pack(escape, ours, [(escape, b"not a kernel")])
+    forged.append(kernel_entry_key(hashlib.sha256(entry).hexdigest()))
+    r.set(forged[-1], entry)
+    r.hset(index, escape, forged[-1].rsplit(":", 1)[1])
 
     c = run_job(stack, fleet["env"], tmp_path / "c", "c")
-    print(f"\nworker c fetched {len(c['before'])} kernels, refused 3; its job compiled {sorted(c['after'] - c['before'])}")
+    print(f"\nworker c fetched {len(c['before'])} kernels, refused 4; its job compiled {sorted(c['after'] - c['before'])}")
     assert c["before"] == set(fleet["published"]) - set(names)  # never written, so never loaded
     assert c["after"] == c["before"] | set(names)  # compiled again by the job
     logs = stack.logs("worker", tail=None)
     assert f"refused {names[0]}: its content does not match its sha256" in logs
     for name, other in foreign.items():
         assert f"refused {name}: it was compiled for another fleet ({fleet_id(other)})" in logs
+    assert f"refused {escape}: its name is not a path inside the cache" in logs
+    assert not list(tmp_path.rglob("escaped.so")) and not r.hexists(index, escape)
     for name in names:  # c published its own after its job (run_job waits for it): they verify for this fleet
         sha = r.hget(index, name).decode()
         assert isinstance(unpack(r.get(kernel_entry_key(sha)), sha, name, ours, "cpu"), list), name

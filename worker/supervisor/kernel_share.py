@@ -93,8 +93,10 @@ def unpack(entry: bytes | None, sha256: str, name: str, fleet: dict, backend: st
         return "its header cannot be read"
     if head.get("fleet") != fleet:
         return f"it was compiled for another fleet ({fleet_id(head['fleet']) if isinstance(head.get('fleet'), dict) else '?'})"
-    if head.get("name") != name or not safe_name(name, backend):
+    if head.get("name") != name:
         return "it names another kernel"
+    if not safe_name(name, backend):
+        return "its name is not a path inside the cache"
     stem = name[:-len(SUFFIXES[backend][0])]
     paths = [path for path, _ in files]
     if not paths or paths[0] != name or len(set(paths)) != len(paths) or \
@@ -156,7 +158,7 @@ class KernelShare:
         """Write the fleet's kernels that this cache lacks into it, each verified first."""
         if self.cap <= 0:
             return
-        loaded, refused = 0, 0
+        loaded, refused, t0 = 0, 0, time.monotonic()
         try:
             index = self.r.hgetall(self.index)
             have = local_kernels(self.where, self.backend)
@@ -177,13 +179,14 @@ class KernelShare:
                 loaded += 1
         except (redis.RedisError, OSError) as e:
             log.warning("kernel share: could not fetch the fleet's kernels: %s", e)
-        log.info("kernel share: fetched %d kernels from the fleet (%s), refused %d", loaded, fleet_id(self.fleet), refused)
+        log.info("kernel share: fetched %d kernels from the fleet (%s) in %.2f s, refused %d", loaded,
+                 fleet_id(self.fleet), time.monotonic() - t0, refused)
 
     def publish(self) -> int:
         """Add the kernels of this cache that the fleet's index lacks; how many were added."""
         if self.cap <= 0:
             return 0
-        added = 0
+        added, t0 = 0, time.monotonic()
         try:
             have = {name.decode(errors="replace") for name in self.r.hkeys(self.index)}
             kernels = local_kernels(self.where, self.backend)
@@ -192,7 +195,8 @@ class KernelShare:
                 if name in have:
                     continue
                 if any(time.time() - p.stat().st_mtime < FRESH_S for p in paths):
-                    self.published_count = -1  # the next idle check publishes it
+                    self.published_count = -1  # the idle check publishes it, FRESH_S from now
+                    self.looked_at = time.monotonic() - IDLE_CHECK_S + FRESH_S
                     continue
                 entry = pack(name, self.fleet, [(p.relative_to(self.where).as_posix(), p.read_bytes()) for p in paths])
                 if len(entry) > ENTRY_MAX_BYTES:
@@ -209,11 +213,13 @@ class KernelShare:
             log.warning("kernel share: could not publish this worker's kernels: %s", e)
             self.published_count = -1
         if added:
-            log.info("kernel share: published %d kernels to the fleet (%s)", added, fleet_id(self.fleet))
+            log.info("kernel share: published %d kernels to the fleet (%s) in %.2f s", added, fleet_id(self.fleet),
+                     time.monotonic() - t0)
         return added
 
     def publish_if_grown(self) -> None:
-        """While idle, every IDLE_CHECK_S: publish when the cache holds other kernels than at the last publish."""
+        """While idle, every IDLE_CHECK_S: publish when the cache holds other kernels than at the last
+        publish, or when the last one left a kernel too fresh to publish."""
         if self.cap <= 0 or time.monotonic() - self.looked_at < IDLE_CHECK_S:
             return
         self.looked_at = time.monotonic()
