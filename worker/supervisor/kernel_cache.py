@@ -9,7 +9,7 @@ them through Redis (worker/supervisor/kernel_share.py).
            temporary files go there too, and so stay under $MTQ_HOME)
     CUDA   MLX_PTX_CACHE_DIR when set, else temp_directory_path()/mlx/<version>/ptx: the same
            TMPDIR puts it in the cache directory. The CUDA driver keeps its own cache of the
-           machine code it builds from that PTX (CUDA_CACHE_PATH, default ~/.nv/ComputeCache,
+           machine code it builds from PTX (CUDA_CACHE_PATH, default ~/.nv/ComputeCache,
            hundreds of MB after one job): cache_dir/cuda-driver, unless CUDA_CACHE_PATH is set
     Metal  no disk cache: each process compiles its kernels
 

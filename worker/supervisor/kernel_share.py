@@ -5,8 +5,8 @@ machine), and the kernel cache (worker/supervisor/kernel_cache.py) keeps them pe
 A fleet is the workers of one MLX version on one kind of device (backend, device name, machine
 architecture): what one of them compiles, the others can load. In Redis (shared/keys.py) each
 fleet has an index, kernel name -> the sha256 of its entry, and each entry (the fleet it was
-compiled for, the kernel's name, its files: a CPU kernel's shared object; a CUDA kernel's PTX
-and the list of names beside it) is stored once, under its own sha256.
+compiled for, the kernel's name, its files: a CPU kernel's shared object; a CUDA kernel's
+NVRTC output, .ptx, and the list of names beside it, .txt) is stored once, under its own sha256.
 
     publish  the kernels in the worker's cache that the fleet's index lacks: at start, after each
              job, and while idle when the cache has grown (scoring and completions compile too)
