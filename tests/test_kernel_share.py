@@ -25,7 +25,7 @@ import pytest
 from conftest import ROOT, wait_for
 from shared.keys import KERNELS_BYTES, kernel_entry_key
 from worker.supervisor import kernel_cache
-from worker.supervisor.kernel_share import fleet_id, pack, unpack
+from worker.supervisor.kernel_share import ENTRY_MAX_BYTES, KernelShare, fleet_id, pack, unpack
 
 CONFIG = {"iters": 2, "group_size": 2, "batch_size": 1, "max_completion_len": 8, "lora_layers": 2, "lora_rank": 4,
           "lora_alpha": 8.0}
@@ -151,3 +151,29 @@ def test_the_training_process_keeps_the_cuda_drivers_cache_beside_mlxs(tmp_path)
     assert int(env["CUDA_CACHE_MAXSIZE"]) == 4 * 2**30
     assert env["TMPDIR"] == str(tmp_path / "kc")  # MLX's own kernels
     assert environment_of_child(CUDA_CACHE_PATH="/elsewhere")["CUDA_CACHE_PATH"] == "/elsewhere"  # the operator's choice
+
+
+def test_the_share_stays_within_its_caps(stack, tmp_path):
+    """MTQ_KERNEL_SHARE_MB bounds all fleets' entries together, first come first kept; an entry
+    over ENTRY_MAX_BYTES is never published; 0 publishes and fetches nothing."""
+    r = stack.redis
+    where = tmp_path / "cpu"
+    where.mkdir()
+    for i in range(4):
+        (where / f"lib{i}.so").write_bytes(bytes([i]) * 100_000)
+    (where / "libhuge.so").write_bytes(b"h" * (ENTRY_MAX_BYTES + 1))
+    for p in where.iterdir():  # older than FRESH_S: not being written
+        os.utime(p, (p.stat().st_atime, p.stat().st_mtime - 60))
+    fleet = {"mlx": "caps-test", "device": "cpu", "device_name": "test", "machine": "test"}
+    total = int(r.get(KERNELS_BYTES) or 0)  # the other tests' entries count too
+    assert KernelShare(r, where, "cpu", fleet, 0).publish() == 0
+    assert KernelShare(r, where, "cpu", fleet, (total + 250_000) / 2**20).publish() == 2  # the third would pass the cap
+    index = {n.decode() for n in r.hkeys(f"mtq:kernels:index:{fleet_id(fleet)}")}
+    assert index == {"lib0.so", "lib1.so"}
+    assert total + 200_000 < int(r.get(KERNELS_BYTES)) <= total + 250_000
+    fresh = tmp_path / "fresh"
+    KernelShare(r, fresh, "cpu", fleet, 0).fetch()
+    assert not fresh.exists()
+    KernelShare(r, fresh, "cpu", fleet, 1).fetch()
+    assert sorted(p.name for p in fresh.iterdir()) == ["lib0.so", "lib1.so"]
+    assert (fresh / "lib1.so").read_bytes() == bytes([1]) * 100_000
