@@ -273,6 +273,7 @@ def main(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str
     global _first_step_compiles
     settings = load_settings()
     r = connect(settings.redis_url)
+    was_empty = kernel_cache_is_fresh()  # a new machine: warm its models up, even with the fleet's kernels
     share = shared_kernels(r, settings)
     if share:  # before the first job: the fleet's kernels this cache lacks; then this cache's the fleet lacks
         share.fetch()
@@ -288,7 +289,7 @@ def main(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str
 
     publish_changes()  # a fresh process holds none
     conn.send(("ready", device_description()))  # the supervisor advertises the device and routes by its memory
-    if _first_step_compiles and warm_models:
+    if was_empty and warm_models:
         marks.mark("compiling")
         warm_up_all(warm_models, settings, job_waiting=lambda: conn.poll(0), mark=marks.mark)
         _first_step_compiles = kernel_cache_is_fresh()
