@@ -49,3 +49,17 @@ def checkpoint_key(job_id: str) -> str:
 
 RUNNING_JOBS = "mtq:running"  # set of job ids whose status is running (the reconciler checks their leases)
 QUEUED_JOBS = "mtq:queued"  # set of job ids whose status is queued (the reconciler checks their rq jobs)
+
+
+# Compiled kernels a fleet's workers share (worker/supervisor/kernel_share.py).
+KERNELS_BYTES = "mtq:kernels:bytes"  # string: the bytes of every stored entry together, against MTQ_KERNEL_SHARE_MB
+
+
+def kernels_index_key(fleet: str) -> str:
+    """Hash: a fleet's kernels, kernel name -> the sha256 of its entry."""
+    return f"mtq:kernels:index:{fleet}"
+
+
+def kernel_entry_key(sha256: str) -> str:
+    """String: one kernel's entry (its fleet, its files), addressed by its own sha256."""
+    return f"mtq:kernels:entry:{sha256}"

@@ -37,6 +37,10 @@ class Settings:
     # Where the training process keeps the kernels MLX compiles (worker/supervisor/kernel_cache.py): shared by
     # the workers of one $MTQ_HOME, so only the first of them compiles (MTQ_KERNEL_CACHE).
     kernel_cache_dir: Path | None = None  # load_settings: $MTQ_HOME/kernel-cache
+    # What a fleet's workers share of those kernels through Redis (worker/supervisor/kernel_share.py):
+    # at most this many MB of Redis memory for all fleets together; 0: no sharing (MTQ_KERNEL_SHARE_MB).
+    # This machine's whole test suite left 393 kernels, 6.2 MB: the default holds about 20 times that.
+    kernel_share_mb: float = 128.0
     memory_gb: float | None = None  # a worker's memory for jobs (MTQ_MEMORY_GB, mtq worker --memory-gb); default: detected
     hub: bool = False  # a worker may download from the Hugging Face hub (MTQ_HUB, mtq worker --hub)
     # Gangs (docs/distributed.md): the address a worker's ranks listen on, as its peers reach it
@@ -153,6 +157,7 @@ def load_settings() -> Settings:
         completion_wait_s=_float("MTQ_COMPLETION_WAIT_S", Settings.completion_wait_s),
         compile_grace_s=_float("MTQ_COMPILE_GRACE_S", Settings.compile_grace_s),
         kernel_cache_dir=Path(os.environ.get("MTQ_KERNEL_CACHE") or home / "kernel-cache").expanduser(),
+        kernel_share_mb=_float("MTQ_KERNEL_SHARE_MB", Settings.kernel_share_mb),
         memory_gb=_float("MTQ_MEMORY_GB", 0.0) or None,
         hub=os.environ.get("MTQ_HUB", "") not in ("", "0"),
         gang_host=os.environ.get("MTQ_GANG_HOST", Settings.gang_host),

@@ -27,6 +27,9 @@ ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR") or ROOT / "test-artifacts"
 # Every test's workers share one kernel cache (worker/supervisor/kernel_cache.py), the temp directory's, as
 # MLX's default: each stack's own $MTQ_HOME/kernel-cache would compile the kernels again.
 os.environ.setdefault("MTQ_KERNEL_CACHE", tempfile.gettempdir())
+# ... and share none of them through Redis (worker/supervisor/kernel_share.py): each module's Redis would
+# otherwise take the hundreds of kernels in that cache. tests/test_kernel_share.py turns it on.
+os.environ.setdefault("MTQ_KERNEL_SHARE_MB", "0")
 
 
 def read_events(r, job_id: str, after_id: str = "0-0", count: int = 100) -> list[tuple[str, dict]]:

@@ -16,6 +16,7 @@ import importlib
 import logging
 import math
 import os
+import platform
 import shutil
 import sys
 import threading
@@ -41,6 +42,7 @@ from worker.runtime.train_core import Cancelled
 from worker.runtime.warm_up import warm_up_all
 from worker.supervisor import kernel_cache
 from worker.supervisor.gang_claims import GANG_LOST
+from worker.supervisor.kernel_share import KernelShare
 from worker.supervisor.lease import Lease, LeaseLost, retrying
 from worker.supervisor.marks import Marks
 
@@ -55,14 +57,31 @@ COMPILING_NOTE = ("first step on this machine: MLX is compiling its kernels (abo
 _first_step_compiles = False  # set at start (main): this process found the kernel cache empty
 
 
+def kernel_backend() -> str | None:
+    """Which of MLX's disk caches of compiled kernels this process uses: "cpu", "cuda", or None
+    (Metal keeps none on disk)."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    return "cuda" if mx.cuda.is_available() else None
+
+
 def kernel_cache_is_fresh() -> bool:
     """Whether this process's kernel cache (worker/supervisor/kernel_cache.py) holds no compiled kernel
     yet. Metal keeps none on disk: there every training process's first step compiles."""
-    if mx.default_device() == mx.cpu:
-        return not kernel_cache.compiled_kernels(mx.__version__, "cpu")
-    if mx.cuda.is_available():
-        return not kernel_cache.compiled_kernels(mx.__version__, "cuda")
-    return True
+    backend = kernel_backend()
+    return backend is None or not kernel_cache.compiled_kernels(mx.__version__, backend)
+
+
+def shared_kernels(r, settings) -> KernelShare | None:
+    """This process's side of the kernels its fleet shares (worker/supervisor/kernel_share.py): the
+    workers of this MLX version on this kind of device. None on Metal (no disk cache)."""
+    backend = kernel_backend()
+    if backend is None:
+        return None
+    device = device_description()
+    fleet = {"mlx": mx.__version__, "device": device["device"], "device_name": device["device_name"],
+             "machine": platform.machine()}
+    return KernelShare(r, kernel_cache.kernel_dir(mx.__version__, backend), backend, fleet, settings.kernel_share_mb)
 
 
 class JobRun:
@@ -294,9 +313,14 @@ def main(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str
         importlib.import_module(module)  # the trainers load now, on this main thread
 
     global _first_step_compiles
-    _first_step_compiles = kernel_cache_is_fresh()
     settings = load_settings()
     r = connect(settings.redis_url)
+    was_empty = kernel_cache_is_fresh()  # a new machine: warm its models up, even with the fleet's kernels
+    share = shared_kernels(r, settings)
+    if share:  # before the first job: the fleet's kernels this cache lacks; then this cache's the fleet lacks
+        share.fetch()
+        share.publish()
+    _first_step_compiles = kernel_cache_is_fresh()
     published: list[str] | None = None
 
     def publish_changes() -> None:  # the worker's advertisement says which models this process holds
@@ -309,11 +333,13 @@ def main(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str
     # The supervisor advertises the device, routes by its memory, and offers gangs of the backend it can join.
     backend = gang_group.backend_of(settings.gang_backend)
     conn.send(("ready", {**device_description(), "gang_backend": backend, "gang_error": gang_group.backend_error(backend)}))
-    if _first_step_compiles and warm_models:
+    if was_empty and warm_models:
         marks.mark("compiling")
         warm_up_all(warm_models, settings, job_waiting=lambda: conn.poll(0), mark=marks.mark)
         _first_step_compiles = kernel_cache_is_fresh()
         publish_changes()
+        if share:
+            share.publish()
     queues, read_at = [], -math.inf
     while True:
         # Idle: answer scoring requests for the models this worker offers; a job waiting gets the
@@ -327,6 +353,8 @@ def main(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str
                     publish_changes()  # a request may have loaded a model
                 if os.getppid() != parent_pid:
                     return
+                if share:  # scoring and completions compile kernels too
+                    share.publish_if_grown()
             retrying(lambda: request_loop.serve_waiting(r, settings, queues=queues), "scoring")
             job_id, epoch, ranks = conn.recv()
         except (EOFError, OSError):
@@ -335,3 +363,5 @@ def main(conn, marks: Marks, worker: str, parent_pid: int, warm_models: list[str
         conn.send(run_one(r, job_id, epoch, worker, marks, parent_pid, ranks))
         published = None  # the job may have published its own list (models loaded, or one dropped): say ours again
         publish_changes()
+        if share:
+            share.publish()

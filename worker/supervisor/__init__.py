@@ -11,6 +11,7 @@ the training process that runs them, so that the worker answers whatever the tra
     gang_claims    claiming several workers at once for a gang job
     reconciler     repairs what lost workers leave, run by every worker's heartbeat
     kernel_cache   where the child's MLX keeps its compiled kernels
+    kernel_share   those kernels shared by a fleet's workers through Redis
     openblas       the system OpenBLAS preload for MLX's CPU matmuls
 
 Nothing here imports MLX or the training side (worker.runtime, worker.kinds, worker.decode):
