@@ -359,7 +359,7 @@ def test_a_member_that_took_another_job_refuses_the_gangs_claim_at_once_and_no_a
     assert gang_claims.claimed_by(stack.redis, free) is None  # all or none
     gang = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "sft-after-busy",
                                 "config": {**SFT_CONFIG, "workers": 2, "iters": 2}})
-    time.sleep(2)
+    time.sleep(1)
     assert client.get(f"{SFT}/{gang}").json()["status"] == "queued"
     assert client.post(f"{SFT}/{solo}/cancel").status_code == 200
     t0 = time.monotonic()

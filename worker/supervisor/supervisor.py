@@ -86,8 +86,10 @@ class Supervisor(RQWorker):
             beat.join(5)  # no advertisement after the withdrawal
             try:
                 workers.withdraw(self.connection, self.name)
+                if self.held:  # after the withdrawal: a leader picks only advertised workers
+                    gang_claims.release(self.connection, [self.name], self.held)
             except redis.RedisError:
-                pass  # it expires on its own
+                pass  # they expire on their own
 
     # ------------------------------------------------------------------ one job
 
