@@ -342,6 +342,39 @@ def test_a_killed_or_stopped_rank_ends_the_gangs_attempt_and_the_job_resumes_on_
     assert [h["step"] for h in history] == list(range(1, iters + 1))
 
 
+def test_a_gang_runs_on_workers_that_fit_its_share_though_not_the_whole_batch(stack, client, pair):
+    """Per-share sizing with the real workers: an SFT batch whose rows (max_seq_length, chosen
+    from the pair's advertised memory and the model's advertised shape) need more than the
+    pair's memory class waits on one worker, naming its need; as a gang of two, each member
+    sized for half the rows, the API routes it to a queue the pair serves and their admission
+    takes it (the rows are short: the step itself is small)."""
+    from shared import routing
+    from shared.train_specs import SFTJobCreate
+
+    live = [w for w in client.get("/admin/api/workers").json() if w["name"] in ("gang-a", "gang-b")]
+    memory, model = min(w["memory_gb"] for w in live), live[0]["models"][0]
+
+    def need_class(length: int, gang: int) -> int:
+        spec = SFTJobCreate(model_id="tiny", dataset=ROWS, config={"batch_size": 4, "max_seq_length": length,
+                                                                   "workers": gang})
+        return routing.memory_class(routing.job_need_gb("sft", routing.spec_summary(spec), model, "cpu"))
+    length = next(n for n in range(1024, 131_073, 1024) if need_class(n, 1) > memory)
+    assert need_class(length, 2) <= memory, (length, memory)
+    config = {**SFT_CONFIG, "iters": 2, "max_seq_length": length}
+    solo = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "too-big", "config": config})
+    waiting = client.get(f"{SFT}/{solo}").json()["waiting_for_worker"]
+    assert waiting and waiting.startswith("needs about"), waiting
+    gang = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "its-share",
+                                "config": {**config, "workers": 2}})
+    assert client.get(f"{SFT}/{gang}").json()["waiting_for_worker"] is None
+    try:
+        assert wait_done(stack, SFT, gang, timeout=120)["failed_attempts"] == 0
+        print(f"\nmax_seq_length {length}: one worker needs a {need_class(length, 1)} GB class, a member "
+              f"{need_class(length, 2)} GB; the pair has {memory:g} GB")
+    finally:
+        assert client.post(f"{SFT}/{solo}/cancel").status_code == 200
+
+
 def test_a_member_that_took_another_job_refuses_the_gangs_claim_at_once_and_no_attempt_is_spent(stack, client, pair):
     """A worker that takes a job holds itself for it (worker/supervisor/gang_claims.py hold): a
     leader's claim made just after, before it could see the worker busy, is refused in the same
@@ -414,7 +447,7 @@ def test_a_warm_shutdown_of_a_rank_checkpoints_the_gang_first_so_no_step_is_redo
     them) to stop, rank 0 checkpoints that step and hands the job back (no attempt counted), and
     the next gang resumes from it: every step's event once. Last in the module: it replaces a
     worker of the pair."""
-    iters = 40
+    iters = 30
     config = {**SFT_CONFIG, "workers": 2, "iters": iters, "steps_per_save": 1000}  # no periodic checkpoint
     job_id = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "sft-warm", "config": config})
     by_name = dict(zip(("gang-a", "gang-b"), pair))
