@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 
 import redis
 from rq import Queue
+from rq.exceptions import DeserializationError
 
 from shared import routing, workers
 from shared.keys import QUEUED_JOBS, RUNNING_JOBS, job_key, lease_key
@@ -59,9 +60,12 @@ class Reconciler:
             if routing.queue_owner(name) in live:
                 continue
             for job in Queue(name, connection=self.r).get_jobs():
-                age = (datetime.now(timezone.utc) - (job.enqueued_at or datetime.now(timezone.utc)).replace(
-                    tzinfo=timezone.utc)).total_seconds()
-                if job.func_name == RANK_JOB_FUNC and age > self.grace_s:
+                try:
+                    rank_job = job.func_name == RANK_JOB_FUNC
+                except DeserializationError:  # not one this version pushed: it stays
+                    continue
+                enqueued = (job.enqueued_at or datetime.now(timezone.utc)).replace(tzinfo=timezone.utc)
+                if rank_job and (datetime.now(timezone.utc) - enqueued).total_seconds() > self.grace_s:
                     job.delete()
                     log.warning("%s: dropped from %s: its worker is gone", job.description, name)
                     dropped.append(job.id)
