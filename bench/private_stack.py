@@ -26,11 +26,11 @@ def free_port() -> int:
 @contextmanager
 def private_stack(model_dir: Path, workers: int = 1, **settings: str):
     """Yields (the `mtq up` process, an authorised client of its API, the log file's path).
-    settings: more of its environment (e.g. MTQ_DATA_ROOTS)."""
+    settings: more of its environment (e.g. MTQ_DATA_ROOTS), or in place of its own (MTQ_REDIS_PORT)."""
     port = free_port()
     home = tempfile.mkdtemp(prefix="mtq-bench-")
-    env = dict(os.environ, MTQ_HOME=home, MTQ_MODELS_DIR=str(model_dir.parent), MTQ_API_TOKEN=TOKEN,
-               MTQ_API_PORT=str(port), PYTHONPATH=str(ROOT), MTQ_REDIS_PORT=str(free_port()), **settings)
+    env = {**os.environ, "MTQ_HOME": home, "MTQ_MODELS_DIR": str(model_dir.parent), "MTQ_API_TOKEN": TOKEN,
+           "MTQ_API_PORT": str(port), "PYTHONPATH": str(ROOT), "MTQ_REDIS_PORT": str(free_port()), **settings}
     env.pop("REDIS_URL", None)
     log = Path(home) / "stack.log"
     stack = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--port", str(port), "--workers", str(workers)],

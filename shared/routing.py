@@ -162,16 +162,28 @@ def spec_summary(spec) -> dict[str, Any]:
     return summary
 
 
+def member_step(summary: dict[str, Any]) -> dict[str, Any]:
+    """The step one worker holds (`step_of`): a gang's member (config.workers > 1,
+    worker/runtime/gang_group.py) holds its share, every N-th example of the batch with its
+    rows, rank 0's the largest: ceil(batch_size / N) examples."""
+    step, cfg = summary["step"], summary["config"]
+    gang, batch = cfg.get("workers", 1), cfg.get("batch_size")
+    if gang == 1 or not batch or not step["rows"]:
+        return step
+    return {**step, "rows": step["rows"] // batch * math.ceil(batch / gang)}
+
+
 def job_need_gb(kind: str, summary: dict[str, Any], model: dict[str, Any], device: str = "gpu",
                 teacher: dict[str, Any] | None = None) -> float | None:
-    """Estimated memory (GB) of the step of a job of `kind` (its summary, `spec_summary`) on the
-    model of this advertisement (its shape and size), on `device`; None when the model's shape
+    """Estimated memory (GB) of the step of a job of `kind` (its summary, `spec_summary`; a
+    gang member's share of it: `member_step`) on the model of this advertisement (its shape and size), on `device`; None when the model's shape
     is not known. A job with a teacher (GKD) holds the teacher's weights too (teacher: its
     advertisement; None when its size is not known); its forward pass keeps no activations."""
     if not model.get("shape") or model.get("size_bytes") is None:
         return None
     family = kinds.KINDS[kind].family
-    need = need_bytes(family, ModelShape(**model["shape"]), int(model["size_bytes"]), **summary["step"], device=device)
+    need = need_bytes(family, ModelShape(**model["shape"]), int(model["size_bytes"]), **member_step(summary),
+                      device=device)
     if "teacher_model_id" in summary:
         if not teacher or teacher.get("size_bytes") is None:
             return None

@@ -56,6 +56,29 @@ def test_a_gang_job_counts_the_free_workers_that_can_run_it_and_its_leader_picks
     assert gangs.hostfile([advertisement("a"), advertisement("bb")]) == [["127.0.0.1:5001"], ["127.0.0.1:5002"]]
 
 
+def test_routing_and_admission_size_a_gang_member_for_its_share_of_the_batch():
+    """A member of a gang holds every N-th example of a step (rank 0 the most: ceil(B / N)), so
+    a worker that runs that share is capable, though the whole batch would not fit it."""
+    from shared import routing
+    from shared.schemas import JobCreate
+    from shared.train_specs import SFTJobCreate
+    from worker.supervisor import admission
+
+    shape = dict(layers=28, hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, vocab=16384, act_bytes=2)
+    model = {"model_id": "big", "shape": shape, "size_bytes": 1_200_000_000}
+    live = [advertisement(name, models=[model], memory_gb=96.0) for name in ("a", "b")]
+    solo, gang = (SFTJobCreate(model_id="big", dataset=ROWS, config={"batch_size": 8, "max_seq_length": 2048, "workers": n})
+                  for n in (1, 2))
+    alone, shared = routing.route("sft", solo, live), routing.route("sft", gang, live)
+    print(f"\nSFT of 8 rows of 2048 tokens: {alone.need_gb:.1f} GB on one worker, {shared.need_gb:.1f} GB a member")
+    assert alone.need_gb > 96 and "the largest live worker that can run it has 96 GB" in alone.waiting_for_worker
+    assert shared.need_gb < 96 and shared.waiting_for_worker is None and [w["name"] for w in shared.free] == ["a", "b"]
+    here = admission.Here("a", 96.0, "gpu", {routing.model_key("big"): model})
+    assert admission.does_not_fit(None, here, "j", "rq-j", "sft", routing.spec_summary(gang)) is None  # no Redis call: it fits
+    odd = JobCreate(model_id="big", prompts=PROMPTS + ["one more"], config={"batch_size": 5, "group_size": 4, "workers": 2})
+    assert routing.member_step(routing.spec_summary(odd))["rows"] == 3 * 4  # rank 0: prompts 0, 2 and 4, G rows each
+
+
 def test_workers_is_bounded_and_refused_where_a_gang_would_change_the_loss():
     from pydantic import ValidationError
 
@@ -167,6 +190,12 @@ def test_grpo_on_a_gang_of_two_equals_one_worker(stack, client, pair):
           f"differences: losses {loss_diff:.1e} (absolute), grad norms {norm_diff:.2e}, adapter {weight_diff:.2e}")
     assert rewards[0] == rewards[1]  # the same completions were sampled
     assert loss_diff < 1e-6 and norm_diff < LOSS_TOLERANCE and weight_diff < ADAPTER_TOLERANCE
+    # The per-source reward metrics, the lengths and the entropy are the whole step's, every rank's rows.
+    gathered = [k for k in steps[solo][0] if k.startswith(("rewards/", "completions/", "entropy", "n_samples"))]
+    assert {"rewards/length/mean", "rewards/length/std", "entropy", "completions/mean_length"} <= set(gathered), gathered
+    differences = {k: rel_diff([e[k] for e in steps[gang]], [e[k] for e in steps[solo]]) for k in gathered}
+    print(f"GRPO gang of 2 vs 1 worker, step metrics' relative differences: {differences}")
+    assert max(differences.values()) < LOSS_TOLERANCE, differences
 
 
 def test_rloo_with_its_kl_penalty_on_a_gang_of_two_equals_one_worker(stack, client, pair):
@@ -313,6 +342,85 @@ def test_a_killed_or_stopped_rank_ends_the_gangs_attempt_and_the_job_resumes_on_
     assert [h["step"] for h in history] == list(range(1, iters + 1))
 
 
+def test_a_gang_runs_on_workers_that_fit_its_share_though_not_the_whole_batch(stack, client, pair):
+    """Per-share sizing with the real workers: an SFT batch whose rows (max_seq_length, chosen
+    from the pair's advertised memory and the model's advertised shape) need more than the
+    pair's memory class waits on one worker, naming its need; as a gang of two, each member
+    sized for half the rows, the API routes it to a queue the pair serves and their admission
+    takes it (the rows are short: the step itself is small)."""
+    from shared import routing
+    from shared.train_specs import SFTJobCreate
+
+    live = [w for w in client.get("/admin/api/workers").json() if w["name"] in ("gang-a", "gang-b")]
+    memory, model = min(w["memory_gb"] for w in live), live[0]["models"][0]
+
+    def need_class(length: int, gang: int) -> int:
+        spec = SFTJobCreate(model_id="tiny", dataset=ROWS, config={"batch_size": 4, "max_seq_length": length,
+                                                                   "workers": gang})
+        return routing.memory_class(routing.job_need_gb("sft", routing.spec_summary(spec), model, "cpu"))
+    length = next(n for n in range(1024, 131_073, 1024) if need_class(n, 1) > memory)
+    assert need_class(length, 2) <= memory, (length, memory)
+    config = {**SFT_CONFIG, "iters": 2, "max_seq_length": length}
+    solo = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "too-big", "config": config})
+    waiting = client.get(f"{SFT}/{solo}").json()["waiting_for_worker"]
+    assert waiting and waiting.startswith("needs about"), waiting
+    gang = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "its-share",
+                                "config": {**config, "workers": 2}})
+    assert client.get(f"{SFT}/{gang}").json()["waiting_for_worker"] is None
+    try:
+        assert wait_done(stack, SFT, gang, timeout=120)["failed_attempts"] == 0
+        print(f"\nmax_seq_length {length}: one worker needs a {need_class(length, 1)} GB class, a member "
+              f"{need_class(length, 2)} GB; the pair has {memory:g} GB")
+    finally:
+        assert client.post(f"{SFT}/{solo}/cancel").status_code == 200
+
+
+def test_a_member_that_took_another_job_refuses_the_gangs_claim_at_once_and_no_attempt_is_spent(stack, client, pair):
+    """A worker that takes a job holds itself for it (worker/supervisor/gang_claims.py hold): a
+    leader's claim made just after, before it could see the worker busy, is refused in the same
+    atomic step, naming the worker, and claims no one; the gang job waits, not started, and runs
+    once the worker is free, with no attempt counted and no MTQ_GANG_JOIN_S wait."""
+    from worker.supervisor import gang_claims
+
+    solo = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "busy",
+                                "config": {**SFT_CONFIG, "iters": 5000, "steps_per_save": 5000}})
+    busy = wait_for(lambda: (j := client.get(f"{SFT}/{solo}").json())["status"] == "running" and j["worker"], 60,
+                    "the solo job to start")
+    free = next(name for name in ("gang-a", "gang-b") if name != busy)
+    assert gang_claims.claimed_by(stack.redis, busy) == solo
+    assert gang_claims.claim(stack.redis, [free, busy], "another-job", 60) == (None, busy)
+    assert gang_claims.claimed_by(stack.redis, free) is None  # all or none
+    gang = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "sft-after-busy",
+                                "config": {**SFT_CONFIG, "workers": 2, "iters": 2}})
+    time.sleep(1)
+    assert client.get(f"{SFT}/{gang}").json()["status"] == "queued"
+    assert client.post(f"{SFT}/{solo}/cancel").status_code == 200
+    t0 = time.monotonic()
+    job = wait_done(stack, SFT, gang, timeout=120)
+    print(f"\nthe gang job completed {time.monotonic() - t0:.1f}s after its member was free")
+    assert job["failed_attempts"] == 0 and not [e for _, e in stack.events(gang) if e["type"] == "requeued"]
+    assert time.monotonic() - t0 < 55  # no join timeout (MTQ_GANG_JOIN_S 60) on the way
+    wait_for(lambda: not any(gang_claims.claimed_by(stack.redis, n) for n in ("gang-a", "gang-b")), 10,
+             "the workers' holds to be dropped")
+
+
+def test_the_reconciler_drops_a_rank_job_left_on_the_queue_of_a_member_that_is_gone(stack, pair):
+    """A gang's leader pushed a rank job on a member's own queue, and the member died: the
+    reconciler (any live worker's heartbeat) deletes it, so it neither lingers nor runs when a
+    worker of that name returns."""
+    from rq import Queue
+    from rq.job import Job
+
+    from shared import routing
+    from worker.supervisor import gang_claims
+
+    queue = Queue(routing.own_queue("default", "gang-gone"), connection=stack.redis)
+    rank_job = queue.enqueue_call(gang_claims.RANK_JOB_FUNC, args=("gone", 1, 1, [["127.0.0.1:1"], ["127.0.0.1:2"]],
+                                                                   "gone:0"), job_id="gone-e1-rank1", timeout=-1)
+    wait_for(lambda: not Job.exists(rank_job.id, connection=stack.redis) and queue.count == 0, 20,
+             "the reconciler to drop the rank job")
+
+
 def test_a_gang_of_three_waits_on_two_workers_naming_what_it_lacks_and_starts_when_a_third_joins(stack, client, pair):
     config = {**SFT_CONFIG, "workers": 3, "iters": 2}
     job_id = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "sft-three", "config": config})
@@ -332,3 +440,31 @@ def test_a_gang_of_three_waits_on_two_workers_naming_what_it_lacks_and_starts_wh
         assert job["failed_attempts"] == 0 and len(step_losses(stack, job_id, "sft")) == config["iters"]
     finally:
         stack.stop_proc(third)
+
+
+def test_a_warm_shutdown_of_a_rank_checkpoints_the_gang_first_so_no_step_is_redone(stack, client, pair):
+    """SIGTERM to the `mtq worker` of rank 1: the ranks agree before the next step (one sum across
+    them) to stop, rank 0 checkpoints that step and hands the job back (no attempt counted), and
+    the next gang resumes from it: every step's event once. Last in the module: it replaces a
+    worker of the pair."""
+    iters = 30
+    config = {**SFT_CONFIG, "workers": 2, "iters": iters, "steps_per_save": 1000}  # no periodic checkpoint
+    job_id = submit(client, SFT, {"model_id": "tiny", "dataset": ROWS, "adapter_name": "sft-warm", "config": config})
+    by_name = dict(zip(("gang-a", "gang-b"), pair))
+    job = wait_for(lambda: (j := client.get(f"{SFT}/{job_id}").json())["status"] == "running" and
+                   (j["progress"] or {}).get("iter", 0) >= 3 and j, 120, "step 3 on a gang")
+    member = next(name for name in by_name if name != job["worker"])
+    os.kill(by_name[member].pid, signal.SIGTERM)
+    assert by_name[member].wait(40) == 0
+    requeued = [e for _, e in stack.events(job_id) if e["type"] == "requeued"]
+    assert [(e["counted"], e["reason"]) for e in requeued] == [(False, "a worker of its gang shutting down")], requeued
+    replacement = stack.start_worker("--name", member)
+    try:
+        job = wait_done(stack, SFT, job_id, timeout=120)
+    finally:
+        stack.stop_proc(replacement)
+    steps = [e["iter"] for _, e in stack.events(job_id) if e["type"] == "sft_step"]
+    resumed = [e["from_step"] for _, e in stack.events(job_id) if e["type"] == "resumed"]
+    print(f"\nwarm shutdown of rank 1: resumed from step {resumed}; {len(steps) - len(set(steps))} steps redone")
+    assert len(resumed) == 1 and resumed[0] >= 3 and job["failed_attempts"] == 0, stack.events(job_id)
+    assert len(steps) == len(set(steps)) == iters  # no step redone

@@ -348,10 +348,11 @@ class GRPOTrainer:
                                        *((rows, cfg.batch_size * cfg.group_size) if gang.size > 1 else ()))
         # An evaluation's rows are all its own (on a gang it runs on rank 0 alone: grpo_job.py).
         self.eval_sampling = SamplingParams(cfg.max_completion_len, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
-        # Memory: fails here, before anything runs, when even one row cannot fit.
+        # Memory: fails here, before anything runs, when even one row cannot fit. A gang's rank
+        # holds its rows only (as shared/routing.py member_step sizes it).
         width = max(len(p) for p in self.prompt_ids) + (cfg.max_completion_len if answerer is None else cfg.episode_len)
         self.memory = plan_memory(
-            model, cfg.batch_size * cfg.group_size, width, cfg.use_gradient_checkpointing,
+            model, len(rows), width, cfg.use_gradient_checkpointing,
             cfg.micro_batch_size, cfg.max_memory_gb,
         )
         self.pad_id = pad_id
@@ -454,18 +455,19 @@ class GRPOTrainer:
         tokens = sum(rollout.lengths) + sum(len(p) for p in rollout.prompt_ids) * rollout.rows_per_prompt
         state.num_tokens += tokens if self.gang.size == 1 else int(self.gang.sum(mx.array(tokens)).item())
         metrics = step_metrics(rollout, every, reward_metrics, loss, stats, grad_norm, self.optimizer, state.num_tokens,
-                               self.gang)
+                               self.gang, self.whole_batch)
         metrics["step_time"] = time.perf_counter() - t0
         state.step += 1
         return metrics, samples_event(rollout, rewards)
 
-    def whole_batch(self, rewards: np.ndarray) -> np.ndarray:
-        """A gang's rank's rewards (its prompts' groups) as the whole step's (B, G), every rank's
-        in its place (NaN stays NaN: the others add 0 there)."""
+    def whole_batch(self, values: np.ndarray) -> np.ndarray:
+        """A gang's rank's values of its prompts (rewards (B/N, G), or any shape led by its
+        prompts) as the whole step's (B, ...), every rank's in its place (NaN stays NaN: the
+        others add 0 there)."""
         if self.gang.size == 1:
-            return rewards
-        every = np.zeros((self.cfg.batch_size, rewards.shape[1]))
-        every[self.positions] = rewards
+            return values
+        every = np.zeros((self.cfg.batch_size, *values.shape[1:]))
+        every[self.positions] = values
         return np.array(self.gang.sum(mx.array(every, dtype=mx.float32)), dtype=np.float64)
 
     def rollout(self, step: int, should_stop: Callable[[], bool]) -> Rollout:
@@ -543,7 +545,8 @@ class GRPOTrainer:
         else:
             try:
                 rewards, metrics = self.scorer.score(step, rollout.items, rollout.groups(rollout.texts),
-                                                     token_counts=rollout.groups(rollout.lengths), should_stop=should_stop)
+                                                     token_counts=rollout.groups(rollout.lengths), should_stop=should_stop,
+                                                     whole=self.whole_batch)
             except RewardStopped:  # cancelled while waiting on a reward server
                 raise Cancelled() from None
         if env is not None:  # its weighted reward added; NaN (unscorable) only where both are
@@ -625,12 +628,18 @@ class GRPOTrainer:
 
 
 def step_metrics(rollout: Rollout, rewards: np.ndarray, reward_metrics: dict, loss: mx.array, stats: dict,
-                 grad_norm: mx.array, optimizer: optim.Optimizer, num_tokens: int, gang: Gang = SOLO) -> dict[str, float]:
-    """A step's metrics, named as TRL users know them. On a gang, the episodes' are every rank's."""
+                 grad_norm: mx.array, optimizer: optim.Optimizer, num_tokens: int, gang: Gang = SOLO,
+                 whole: Callable[[np.ndarray], np.ndarray] = lambda x: x) -> dict[str, float]:
+    """A step's metrics, named as TRL users know them. On a gang (whole: a rank's values of its
+    prompts as the whole step's, GRPOTrainer.whole_batch) the completions' lengths, their
+    entropy and the episodes' metrics are every rank's; tokens_per_second and peak memory are
+    this rank's."""
     samples = rollout.samples
     group_std = nan_std(rewards, axis=1)  # NaN where a group has fewer than 2 scorable completions
     defined = ~np.isnan(group_std)
-    lengths = np.asarray(rollout.lengths)
+    lengths = whole(np.asarray(rollout.lengths, dtype=np.float64).reshape(len(rollout.items), -1))
+    ended = whole(np.asarray(rollout.ended, dtype=np.float64).reshape(len(rollout.items), -1))
+    entropy = gang.sum(mx.stack([(samples.entropy * samples.mask).sum(), samples.mask.sum().astype(mx.float32)]))
     metrics = {
         "loss": float(loss.item()),
         # Over scorable completions (0 when there is none: metrics stay JSON numbers).
@@ -638,11 +647,11 @@ def step_metrics(rollout: Rollout, rewards: np.ndarray, reward_metrics: dict, lo
         "reward_std": float(group_std[defined].mean()) if defined.any() else 0.0,
         "frac_reward_zero_std": float(np.isclose(group_std, 0.0).mean()),  # undefined std: not zero (TRL)
         **{k: float(v.item()) for k, v in stats.items()},
-        "entropy": float(((samples.entropy * samples.mask).sum() / mx.maximum(samples.mask.sum(), 1)).item()),
+        "entropy": float((entropy[0] / mx.maximum(entropy[1], 1)).item()),
         "completions/mean_length": float(lengths.mean()),
         "completions/min_length": float(lengths.min()),
         "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": float(1.0 - np.mean(rollout.ended)),
+        "completions/clipped_ratio": float(1.0 - ended.mean()),
         "num_tokens": num_tokens,
         "grad_norm": float(grad_norm.item()),
         "learning_rate": float(optimizer.learning_rate.item()),
@@ -650,7 +659,7 @@ def step_metrics(rollout: Rollout, rewards: np.ndarray, reward_metrics: dict, lo
         "tokens_per_second": (sum(rollout.lengths) if rollout.episodes else samples.steps * len(rollout.texts))
         / max(rollout.seconds, 1e-9),
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
-        "n_samples": len(rollout.texts),
+        "n_samples": lengths.size,
         **reward_metrics,
     }
     metrics["mean_reward"] = metrics["reward"]

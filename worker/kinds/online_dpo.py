@@ -183,7 +183,7 @@ class OnlineDPOTrainer(GRPOTrainer):
         tokens = sum(pairs.lengths) + sum(len(p) for p in rollout.prompt_ids) * 2
         state.num_tokens += tokens if self.gang.size == 1 else int(self.gang.sum(mx.array(tokens)).item())
         metrics = step_metrics(rollout, every, reward_metrics, loss, stats, grad_norm, self.optimizer, state.num_tokens,
-                               self.gang)
+                               self.gang, self.whole_batch)
         metrics.update(judge_metrics(every, every_ended, every_chosen, self.xpo), beta=cfg.beta)
         if self.xpo:
             metrics["alpha"] = cfg.alpha

@@ -181,23 +181,30 @@ class RewardScorer:
     def score(
         self, step: int, items: list[PromptItem], completions: list[list[str]],
         *, token_counts: list[list[int]] | None = None, should_stop: Callable[[], bool] = lambda: False,
+        whole: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> tuple[np.ndarray, dict[str, float]]:
         """Rewards of shape (B, G) as float32 (weighted sum over sources, None counting as 0;
         NaN where every source returned None) and per-source metrics {"rewards/<name>/mean", "rewards/<name>/std"} over the values
         that apply (left out when none does). token_counts: generated tokens per completion,
         needed by length sources with unit 'tokens'. should_stop: the job's cancel flag,
-        looked at while waiting on a reward server (RewardStopped when it is set)."""
+        looked at while waiting on a reward server (RewardStopped when it is set). whole: a
+        gang's rank's (B, G, sources) values as the whole step's (worker/kinds/grpo.py
+        whole_batch), so that the metrics are the whole step's."""
         _check_shapes(items, completions, token_counts)
         batch = ScoringBatch(self.job_id, step, items, completions, token_counts, should_stop)
         total = np.zeros(sum(len(g) for g in completions), dtype=np.float64)
         scored = np.zeros(total.shape, dtype=bool)
+        values = np.full((len(self.sources), total.size), np.nan)  # each source's, NaN where it returned None
+        for i, (source, reward_fn) in enumerate(zip(self.sources, self._reward_fns)):
+            returned = reward_fn(batch)
+            total += source.weight * np.array([0.0 if v is None else v for v in returned], dtype=np.float64)
+            scored |= np.array([v is not None for v in returned])
+            values[i] = [np.nan if v is None else v for v in returned]
+        if whole is not None:
+            values = whole(values.T.reshape(len(completions), -1, len(self.sources))).reshape(-1, len(self.sources)).T
         metrics: dict[str, float] = {}
-        for source, reward_fn in zip(self.sources, self._reward_fns):
-            values = reward_fn(batch)
-            total += source.weight * np.array([0.0 if v is None else v for v in values], dtype=np.float64)
-            scored |= np.array([v is not None for v in values])
-            applied = [v for v in values if v is not None]
-            if applied:
+        for source, applied in zip(self.sources, (v[~np.isnan(v)] for v in values)):
+            if applied.size:
                 metrics[f"rewards/{source.metric_name}/mean"] = float(np.mean(applied))
                 metrics[f"rewards/{source.metric_name}/std"] = float(np.std(applied))
         total[~scored] = np.nan

@@ -76,7 +76,7 @@ def train(job, kind: Kind, spec, run: Run, settings: Settings) -> dict:
         evaluate(job, run, state.step, reports)
     try:
         while state.step < cfg.iters:
-            if job.should_stop():
+            if job.stop_before_step():
                 raise Cancelled()
             job.mark(run.phase)
             metrics, kept = run.step(state, job.should_stop, saver.flush)
@@ -96,7 +96,7 @@ def train(job, kind: Kind, spec, run: Run, settings: Settings) -> dict:
             log.info("job %s step %d/%d loss %.4f (%.2fs)", job.job_id, state.step, cfg.iters, metrics["loss"],
                      metrics["step_time"])
     except Cancelled:
-        if job.marks.hand_back_requested:  # the worker is shutting down: keep what was done
+        if job.handing_back:  # a worker (of its gang) is shutting down: keep what was done
             saver.save_now(run.module, run.optimizer, state, run.reference)
         raise
 

@@ -96,6 +96,7 @@ class JobRun:
         self.tenant = tenant  # a trainer's job uses only that trainer's adapters and files (None: anyone's)
         self.shown_phase: str | None = None  # the phase in the job record
         self.kept: dict[str, deque] = {}  # event type -> stream ids of the kept events of that type
+        self.handing_back = False  # the worker (a gang: any rank's) is shutting down: the job goes back
 
     def mark(self, phase: str | None = None) -> None:
         """A progress mark; a new phase is also written to the job record (a few writes per
@@ -122,7 +123,20 @@ class JobRun:
             os._exit(1)
         if self.lease.lost.is_set():
             raise LeaseLost(f"job {self.job_id}: lease lost")
-        return self.marks.hand_back_requested or self.lease.cancel_requested()
+        if self.gang.size == 1 and self.marks.hand_back_requested:  # a gang's ranks stop together: stop_before_step
+            self.handing_back = True
+        return self.handing_back or self.lease.cancel_requested()
+
+    def stop_before_step(self) -> bool:
+        """should_stop, checked before each step. A gang's ranks agree on it (one sum across
+        them), so that a warm shutdown of any rank's worker stops every rank before the same
+        step and rank 0 checkpoints it (worker/runtime/job_loop.py): the next gang redoes no step."""
+        stop = self.should_stop()
+        if self.gang.size == 1:
+            return stop
+        asked = self.gang.sum(mx.array([float(self.marks.hand_back_requested), float(stop)])).tolist()
+        self.handing_back = asked[0] > 0
+        return self.handing_back or asked[1] > 0
 
     def write(self, event: dict | None = None, **fields) -> None:
         self.lease.write(event, **fields)
@@ -222,6 +236,7 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
     ranks: (rank, hostfile) of this worker's part of a gang job (worker/supervisor/gang_claims.py)."""
     lease = Lease(r, job_id, worker, epoch)
     rank = 0 if ranks is None else ranks[0]
+    job = None
     try:
         stored = retrying(lambda: jobstore.load_job(r, job_id), "job read")
     except ValueError as e:  # a record this version cannot load: failed (by rank 0), never retried
@@ -252,8 +267,10 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
         lease.finish("completed", events, adapter=fields.pop("adapter", None), **fields)
         return "completed"
     except Cancelled:
-        if marks.hand_back_requested:  # the worker is shutting down: keep what was done
-            lease.hand_back("worker shutting down")
+        if job is not None and job.handing_back:  # a worker is shutting down: keep what was done
+            if rank == 0:  # for the gang
+                lease.hand_back("worker shutting down" if marks.hand_back_requested else
+                                "a worker of its gang shutting down")
             return "handed back"
         return "cancelled"  # the cancel itself ended the job (shared/lifecycle.py)
     except LeaseLost as e:

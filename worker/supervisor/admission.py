@@ -7,12 +7,16 @@ the job's lease, the supervisor asks `admit`, which reads of the job only its re
     NotStarted(reason)    no attempt spent: the job needs more memory than this worker has
                           (routed again with the need measured here: the router's memory class
                           is a lower bound), or this worker is claimed by another job's gang
-                          (routed again), or a gang job found too few free workers (back on
-                          its queue)
-    Start()               the worker runs the job alone
+                          (routed again), or a gang job found too few free workers or one of
+                          them refused its claim, having just taken another job (back on its queue)
+    Start(token)          the worker runs the job alone
     LeadGang(members)     a gang job (config.workers > 1, worker/supervisor/gang_claims.py):
                           its members are claimed, this worker first, as rank 0; once it holds
                           the lease the leader pushes the other ranks' jobs (`push_ranks`)
+
+A worker that takes a job holds its claim key for it (gang_claims.hold; the supervisor renews
+it while the job runs and drops it after): the claim of a gang that wants it then fails, in the
+same atomic step that would have claimed it, and this worker refuses a job while a gang holds it.
 
 Every Redis call here is retried through Redis trouble (worker/supervisor/lease.py retrying).
 """
@@ -52,7 +56,7 @@ class NotStarted:
 
 @dataclass(frozen=True)
 class Start:
-    pass
+    token: str  # this worker's hold for the job (gang_claims.hold)
 
 
 @dataclass(frozen=True)
@@ -70,12 +74,14 @@ def admit(r, here: Here, job_id: str, rq_job_id: str, kind: str | None,
     """May this worker take the job of `rq_job_id` now (the table above)? summary None: the
     record cannot be read; only the gang claim is checked (the job fails once started)."""
     reason = None if summary is None else does_not_fit(r, here, job_id, rq_job_id, kind, summary)
-    reason = reason or claimed_by_another_gang(r, here.name, job_id, rq_job_id)
     if reason:
         return NotStarted(reason)
+    token = retrying(lambda: gang_claims.hold(r, here.name, job_id, load_settings().lease_ttl_s), "hold")
+    if token is None:
+        return NotStarted(claimed_by_another_gang(r, here.name, job_id, rq_job_id))
     if summary is not None and summary["config"].get("workers", 1) > 1:
-        return form_gang(r, here.name, job_id, rq_job_id, kind, summary)
-    return Start()
+        return form_gang(r, here.name, job_id, rq_job_id, kind, summary, token)
+    return Start(token)
 
 
 def does_not_fit(r, here: Here, job_id: str, rq_job_id: str, kind: str, summary: dict[str, Any]) -> str | None:
@@ -96,38 +102,44 @@ def does_not_fit(r, here: Here, job_id: str, rq_job_id: str, kind: str, summary:
     return reason
 
 
-def claimed_by_another_gang(r, name: str, job_id: str, rq_job_id: str) -> str | None:
+def claimed_by_another_gang(r, name: str, job_id: str, rq_job_id: str) -> str:
     """This worker is claimed by another job's gang, whose rank job is on its way: route the
-    job elsewhere. The reason, or None."""
+    job elsewhere. The reason."""
     claimed = retrying(lambda: gang_claims.claimed_by(r, name), "gang claim")
-    if claimed is None or claimed == job_id:
-        return None
     reason = f"worker {name} is claimed by the gang of job {claimed}"
     retrying(lambda: lifecycle.reroute(r, job_id, rq_job_id, reason), "reroute")
     time.sleep(GANG_RETRY_S)  # not at once again, should the job come back here
     return reason
 
 
-def form_gang(r, name: str, job_id: str, rq_job_id: str, kind: str, summary: dict[str, Any]) -> LeadGang | NotStarted:
-    """Pick the gang's members among the free workers that can run the job, this worker as
-    rank 0, and claim them all at once; else put the job back on its queue, not started."""
+def form_gang(r, name: str, job_id: str, rq_job_id: str, kind: str, summary: dict[str, Any],
+              held: str) -> LeadGang | NotStarted:
+    """Pick the gang's members among the free workers that can run the job, this worker (which
+    holds itself for the job: `held`) as rank 0, and claim them all at once; else drop the hold
+    and put the job back on its queue, not started."""
     live = retrying(lambda: workers.live_workers(r), "live workers")
     where = routing.route(kind, summary, live, warm=False,
                           finished=lambda j: r.hget(job_key(j), "status") != b"running")
     members = gang_claims.pick(name, list(where.free), summary["config"]["workers"])
     join_s = load_settings().gang_join_s
-    token = members and retrying(lambda: gang_claims.claim(r, [w["name"] for w in members], job_id, join_s), "gang claim")
+    token, refused = None, None
+    if members:
+        token, refused = retrying(lambda: gang_claims.claim(r, [w["name"] for w in members], job_id, join_s), "gang claim")
     if token:
         return LeadGang(members, token)
+    retrying(lambda: gang_claims.release(r, [name], held), "gang claim")
     retrying(lambda: lifecycle.wait_for_gang(r, job_id, rq_job_id), "wait for gang")
+    reason = where.waiting_for_worker or (f"worker {refused} took another job (or is shutting down) just before its "
+                                          "gang's claim")
+    log.info("job %s: not started: %s; back on its queue", job_id, reason)
     time.sleep(GANG_RETRY_S)  # the job is back on the queue this worker reads: not at once again
-    return NotStarted(where.waiting_for_worker or "its gang could not be claimed")
+    return NotStarted(reason)
 
 
 def push_ranks(r, job_id: str, epoch: int, gang: LeadGang, lane: str) -> list[list[str]]:
     """The leader holds the job's lease under `epoch`: push each other member's rank job
-    (worker.jobs.run_rank) on that member's own queue, which it serves first, and drop the
-    leader's own claim. The gang's hostfile."""
+    (worker.jobs.run_rank) on that member's own queue, which it serves first (its rank job
+    holds it from then on). The gang's hostfile."""
     hosts = gang_claims.hostfile(gang.members)
     size = len(gang.members)
     for rank, member in enumerate(gang.names[1:], 1):
@@ -136,6 +148,5 @@ def push_ranks(r, job_id: str, epoch: int, gang: LeadGang, lane: str) -> list[li
             gang_claims.RANK_JOB_FUNC, args=(job_id, epoch, rank, hosts, gang.token), timeout=-1,
             job_id=f"{job_id}-e{epoch}-rank{rank}", result_ttl=3600, failure_ttl=3600,
             description=f"rank {rank} of {size} of job {job_id} (epoch {epoch})"), "rank job")
-    gang_claims.release(r, gang.names[:1], gang.token)
     log.info("job %s: leading a gang of %d: %s", job_id, size, ", ".join(gang.names))
     return hosts

@@ -8,8 +8,12 @@ any job's, by one worker: the leader, its rank 0 (worker/supervisor/admission.py
               (shared/routing.py Route.free) and advertise a gang address on the same device and
               backend (MTQ_GANG_BACKEND; jaccl: cabled to each other); fewer: the job goes
               back on its queue, not started, waiting_for_worker saying how many it has of N
-    claim     all N at once (MSETNX of their claim keys, which expire after MTQ_GANG_JOIN_S):
-              two leaders never share a worker, and a claimed worker takes no other job
+    claim     all N at once, in one step that first checks each is idle (a Lua script over
+              their claim keys): a worker that takes any job holds its own key for that job
+              (`hold`, renewed while the job runs), so a member that took another job just
+              before refuses the claim, named at once, and the leader puts the job back on its
+              queue, not started (no attempt); a claimed worker takes no other job. The members'
+              claims expire after MTQ_GANG_JOIN_S unless their rank jobs start and hold them
     start     lifecycle.start: the job is running under the leader's lease epoch E; `gang` in
               its record names the members by rank
     ranks     a rank job (worker.jobs.run_rank: job, E, rank, hostfile) on each member's own
@@ -35,6 +39,7 @@ import redis
 
 CLAIM_PREFIX = "mtq:gang-claim:"
 RANK_JOB_FUNC = "worker.jobs.run_rank"
+SHUTTING_DOWN = "(shutting down)"  # what holds a worker in a warm shutdown (`retire`), in place of a job id
 GANG_LOST = "gang attempt lost: "  # a rank's training process: its gang's attempt cannot go on (a peer is gone)
 
 
@@ -71,19 +76,51 @@ def hostfile(members: list[dict[str, Any]]) -> list[list[str]]:
         for i, w in enumerate(members)]
 
 
-def claim(r: redis.Redis, names: list[str], job_id: str, ttl_s: float) -> str | None:
-    """Claim every worker of `names` for the job's gang, or none; the claim's token."""
+# Set every key of KEYS to ARGV[2] (for ARGV[3] ms) if none is held by another job than the one
+# ARGV[1] prefixes; else set none and return the index (from 1) of the first that is.
+_CLAIM = """
+for i, key in ipairs(KEYS) do
+  local held = redis.call('get', key)
+  if held and string.sub(held, 1, string.len(ARGV[1])) ~= ARGV[1] then return i end
+end
+for _, key in ipairs(KEYS) do redis.call('set', key, ARGV[2], 'px', ARGV[3]) end
+return 0
+"""
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+
+
+def claim(r: redis.Redis, names: list[str], job_id: str, ttl_s: float) -> tuple[str | None, str | None]:
+    """Claim every worker of `names` for the job, or none: (the claim's token, None), or (None,
+    the first worker held by another job). A worker already held for this same job is claimed
+    again (the leader's own hold, a new attempt's gang)."""
     token = f"{job_id}:{secrets.token_hex(4)}"
-    with r.pipeline() as p:
-        p.msetnx({claim_key(n): token for n in names})
-        for n in names:
-            p.pexpire(claim_key(n), max(int(ttl_s * 1000), 1000))
-        claimed = p.execute()[0]
-    return token if claimed else None
+    refused = r.eval(_CLAIM, len(names), *map(claim_key, names), f"{job_id}:", token, max(int(ttl_s * 1000), 1000))
+    return (token, None) if refused == 0 else (None, names[refused - 1])
+
+
+def hold(r: redis.Redis, worker: str, job_id: str, ttl_s: float) -> str | None:
+    """This worker takes the job (alone, as a gang's leader or as its rank): hold its claim key
+    for it, unless another job holds it; the token (renewed by `renew` while the job runs)."""
+    return claim(r, [worker], job_id, ttl_s)[0]
+
+
+def retire(r: redis.Redis, worker: str, ttl_s: float) -> str:
+    """This worker is shutting down (warm): hold it for no job, whatever held it, so that no
+    gang claims it, not even its own job's next gang (rank 0 hands the job back meanwhile); the
+    token, renewed until the worker is gone."""
+    token = f"{SHUTTING_DOWN}:{secrets.token_hex(4)}"
+    r.set(claim_key(worker), token, px=max(int(ttl_s * 1000), 1000))
+    return token
+
+
+def renew(r: redis.Redis, worker: str, token: str, ttl_s: float) -> bool:
+    """Keep this worker's hold for another ttl_s; False when it is no longer this token's."""
+    return bool(r.eval(_RENEW, 1, claim_key(worker), token, max(int(ttl_s * 1000), 1000)))
 
 
 def claimed_by(r: redis.Redis, worker: str) -> str | None:
-    """The job whose gang has claimed this worker, if any."""
+    """The job that holds this worker (its own job, or the gang that claimed it), if any."""
     token = r.get(claim_key(worker))
     return None if token is None else token.decode().rsplit(":", 1)[0]
 
@@ -91,8 +128,7 @@ def claimed_by(r: redis.Redis, worker: str) -> str | None:
 def release(r: redis.Redis, names: list[str], token: str) -> None:
     """Drop these workers' claims, where they are still this token's."""
     for n in names:
-        r.eval("if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0",
-               1, claim_key(n), token)
+        r.eval(_RELEASE, 1, claim_key(n), token)
 
 
 def members_of(rec: dict[str, str]) -> list[str]:

@@ -2,16 +2,25 @@
 a `running` job whose lease expired, a `queued` job whose rq job is gone (its worker died
 between dequeuing it and starting), and routes again a job left on a gone or busy worker's own
 queue; and when the live workers change, the jobs that wait on the hub queue or for a worker
-(`follow_workers`). Every repair is a lifecycle transition (shared/lifecycle.py)."""
+(`follow_workers`). Every repair is a lifecycle transition (shared/lifecycle.py). It also drops
+the rank jobs a gang's leader pushed on the own queue of a member that is gone
+(`drop_dead_ranks`): no one else serves that queue, and the attempt they were for is over."""
 
+import logging
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 import redis
+from rq import Queue
+from rq.exceptions import DeserializationError
 
 from shared import routing, workers
 from shared.keys import QUEUED_JOBS, RUNNING_JOBS, job_key, lease_key
 from shared.lifecycle import RQ_JOB_PREFIX, lose, refresh_route, requeue_if_orphaned, reroute
+from worker.supervisor.gang_claims import RANK_JOB_FUNC
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,7 +37,39 @@ class Reconciler:
     workers_seen: tuple | None = None  # what the live workers offered at the last follow_workers
 
     def scan(self) -> list[str]:
+        self.drop_dead_ranks()
         return self.scan_running() + self.scan_queued()
+
+    def drop_dead_ranks(self) -> list[str]:
+        """Delete the rank jobs (gang_claims.RANK_JOB_FUNC) waiting over `grace_s` on the own
+        queue of a worker that is not live: its gang's attempt ended when the rank did not join
+        (MTQ_GANG_JOIN_S), and a worker of that name that comes back must not find it. The rq
+        job ids dropped."""
+        keys = [k.decode() for k in self.r.smembers(Queue.redis_queues_keys)]
+        own = [k for k in keys if routing.queue_owner(k.removeprefix(Queue.redis_queue_namespace_prefix))]
+        with self.r.pipeline(transaction=False) as p:
+            for key in own:
+                p.llen(key)
+            waiting = [key for key, n in zip(own, p.execute()) if n]
+        if not waiting:
+            return []
+        live = {w["name"] for w in workers.live_workers(self.r)}
+        dropped = []
+        for key in waiting:
+            name = key.removeprefix(Queue.redis_queue_namespace_prefix)
+            if routing.queue_owner(name) in live:
+                continue
+            for job in Queue(name, connection=self.r).get_jobs():
+                try:
+                    rank_job = job.func_name == RANK_JOB_FUNC
+                except DeserializationError:  # not one this version pushed: it stays
+                    continue
+                enqueued = (job.enqueued_at or datetime.now(timezone.utc)).replace(tzinfo=timezone.utc)
+                if rank_job and (datetime.now(timezone.utc) - enqueued).total_seconds() > self.grace_s:
+                    job.delete()
+                    log.warning("%s: dropped from %s: its worker is gone", job.description, name)
+                    dropped.append(job.id)
+        return dropped
 
     def scan_running(self) -> list[str]:
         running = [j.decode() for j in self.r.smembers(RUNNING_JOBS)]

@@ -58,6 +58,7 @@ class Supervisor(RQWorker):
         self.training = TrainingProcess(self.name, self.declared_models)
         self.lease: Lease | None = None  # of the job being run, for the heartbeat thread
         self.current_job: str | None = None
+        self.held: str | None = None  # this worker's hold for its job (gang_claims.hold), for the heartbeat
         self.models: dict[str, dict] = {}  # model key -> what it advertises of the models it has on disk
         self._advertising = threading.Lock()
         self._started_at = time.time()
@@ -87,8 +88,10 @@ class Supervisor(RQWorker):
             beat.join(5)  # no advertisement after the withdrawal
             try:
                 workers.withdraw(self.connection, self.name)
+                if self.held:  # after the withdrawal: a leader picks only advertised workers
+                    gang_claims.release(self.connection, [self.name], self.held)
             except redis.RedisError:
-                pass  # it expires on its own
+                pass  # they expire on their own
 
     # ------------------------------------------------------------------ one job
 
@@ -103,8 +106,9 @@ class Supervisor(RQWorker):
             return self.lead_gang(job_id, summary, decision)
         lease = Lease.start(self.connection, job_id, self.name)
         if lease is None:
+            retrying(lambda: gang_claims.release(self.connection, [self.name], decision.token), "gang claim")
             return NO_LONGER_QUEUED
-        return self._run_leased(lease, summary, unreadable)
+        return self._run_leased(lease, summary, unreadable, held=decision.token)
 
     def lead_gang(self, job_id: str, summary: dict, gang: admission.LeadGang) -> str:
         """Start the gang job admission formed, this worker as rank 0, and push the other ranks."""
@@ -113,17 +117,22 @@ class Supervisor(RQWorker):
             gang_claims.release(self.connection, gang.names, gang.token)
             return NO_LONGER_QUEUED
         hosts = admission.push_ranks(self.connection, job_id, lease.epoch, gang, summary["config"]["queue"])
-        return self._run_leased(lease, summary, gang=(0, hosts))
+        return self._run_leased(lease, summary, gang=(0, hosts), held=gang.token)
 
     def run_rank(self, job_id: str, epoch: int, rank: int, hosts: list[list[str]], token: str) -> str:
         """rq's rank job (worker/jobs.py): this worker's part of a gang job its leader started
         under `epoch`; watched as any job, so that its death or stall ends the gang's attempt."""
-        gang_claims.release(self.connection, [self.name], token)
+        ttl = load_settings().lease_ttl_s
+        # The gang's claim (token) becomes this rank's hold while it runs (held afresh if it lapsed).
+        held = retrying(lambda: token if gang_claims.renew(self.connection, self.name, token, ttl)
+                        else gang_claims.hold(self.connection, self.name, job_id, ttl), "gang claim")
         lease = Lease(self.connection, job_id, self.name, epoch)
-        if not lease.renew():
+        if held is None or not lease.renew():
+            if held:
+                retrying(lambda: gang_claims.release(self.connection, [self.name], held), "gang claim")
             return "not started: the gang's attempt is over"
         _, summary, unreadable = self._read(job_id)
-        return self._run_leased(lease, summary, unreadable, gang=(rank, hosts))
+        return self._run_leased(lease, summary, unreadable, gang=(rank, hosts), held=held)
 
     def _read(self, job_id: str) -> tuple[str | None, dict | None, str | None]:
         """(kind, summary, why it cannot be read): no summary when the job is gone or its record
@@ -139,8 +148,10 @@ class Supervisor(RQWorker):
         return admission.Here(self.name, self.memory_gb, None if device is None else device["device"], self.models)
 
     def _run_leased(self, lease: Lease, summary: dict | None, unreadable: str | None = None,
-                    gang: tuple[int, list[list[str]]] | None = None) -> str:
-        """Run the job (or its gang rank) under the lease this worker holds; watch its child."""
+                    gang: tuple[int, list[list[str]]] | None = None, held: str | None = None) -> str:
+        """Run the job (or its gang rank) under the lease this worker holds (and its hold:
+        gang_claims.hold); watch its child."""
+        self.held = held
         self._begin(lease)
         try:
             if summary is None:
@@ -178,10 +189,29 @@ class Supervisor(RQWorker):
     def _end(self) -> None:
         self.lease = None
         self.current_job = None
+        if self.stopping:  # retired (handle_warm_shutdown_request): held until it is gone; no fresh process
+            self._advertise()
+            return
+        held, self.held = self.held, None
+        if held:
+            try:
+                gang_claims.release(self.connection, [self.name], held)
+            except redis.RedisError:
+                pass  # it expires after the lease's TTL
         if self.training.in_gang:  # its process is in the attempt's group for good: a fresh one for the next job
             self.training.kill()
             self.training.start()
         self._advertise()
+
+    def handle_warm_shutdown_request(self):
+        """rq's hook on SIGTERM / Ctrl-C: before the watchdog asks the child to hand the job back,
+        this worker holds itself for no job (gang_claims.retire), so that no gang, its job's next
+        one included, claims it on its way out (rq's own hook writes to Redis here too)."""
+        super().handle_warm_shutdown_request()
+        try:
+            self.held = gang_claims.retire(self.connection, self.name, load_settings().lease_ttl_s)
+        except redis.RedisError:
+            log.warning("could not mark this worker as shutting down in Redis; a gang may still claim it")
 
     # ------------------------------------------------------------------ the heartbeat thread
 
@@ -201,9 +231,11 @@ class Supervisor(RQWorker):
     def _beat(self, reconciler: Reconciler) -> None:
         """Renew the running job's lease (a lost one never comes back) and rq's heartbeats, show
         its progress, and repair what lost workers left."""
-        lease = self.lease
+        lease, held = self.lease, self.held
         if lease is not None and not lease.lost.is_set() and not lease.renew():
             log.warning("job %s: lease lost to another worker; dropping it", lease.job_id)
+        if held is not None:
+            gang_claims.renew(self.connection, self.name, held, load_settings().lease_ttl_s)
         running = self.running
         if running is not None:
             self.renew_rq_heartbeats()
