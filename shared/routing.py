@@ -162,15 +162,27 @@ def spec_summary(spec) -> dict[str, Any]:
     return summary
 
 
-def member_step(summary: dict[str, Any]) -> dict[str, Any]:
+# A gang member of a supervised kind takes rows by its measured speed (worker/runtime/gang_group.py
+# apportion), at most this many times its even share: what routing sizes it for.
+SPEED_SHARE_MAX = 1.5
+
+
+def max_share(rows: int, gang: int, by_speed: bool = True) -> int:
+    """The most of a step's `rows` one of `gang` members takes: the even share, rank 0's
+    ceil(rows / gang), or by speed up to SPEED_SHARE_MAX times that."""
+    even = math.ceil(rows / gang)
+    return min(rows, math.ceil(SPEED_SHARE_MAX * even)) if by_speed else even
+
+
+def member_step(summary: dict[str, Any], by_speed: bool = False) -> dict[str, Any]:
     """The step one worker holds (`step_of`): a gang's member (config.workers > 1,
-    worker/runtime/gang_group.py) holds its share, every N-th example of the batch with its
-    rows, rank 0's the largest: ceil(batch_size / N) examples."""
+    worker/runtime/gang_group.py) holds its share of the batch's examples with their rows
+    (`max_share`; by_speed: a supervised kind's, whose shares follow the members' speeds)."""
     step, cfg = summary["step"], summary["config"]
     gang, batch = cfg.get("workers", 1), cfg.get("batch_size")
     if gang == 1 or not batch or not step["rows"]:
         return step
-    return {**step, "rows": step["rows"] // batch * math.ceil(batch / gang)}
+    return {**step, "rows": step["rows"] // batch * max_share(batch, gang, by_speed)}
 
 
 def job_need_gb(kind: str, summary: dict[str, Any], model: dict[str, Any], device: str = "gpu",
@@ -182,7 +194,8 @@ def job_need_gb(kind: str, summary: dict[str, Any], model: dict[str, Any], devic
     if not model.get("shape") or model.get("size_bytes") is None:
         return None
     family = kinds.KINDS[kind].family
-    need = need_bytes(family, ModelShape(**model["shape"]), int(model["size_bytes"]), **member_step(summary),
+    need = need_bytes(family, ModelShape(**model["shape"]), int(model["size_bytes"]),
+                      **member_step(summary, by_speed=family == "supervised"),
                       device=device)
     if "teacher_model_id" in summary:
         if not teacher or teacher.get("size_bytes") is None:

@@ -57,8 +57,9 @@ def test_a_gang_job_counts_the_free_workers_that_can_run_it_and_its_leader_picks
 
 
 def test_routing_and_admission_size_a_gang_member_for_its_share_of_the_batch():
-    """A member of a gang holds every N-th example of a step (rank 0 the most: ceil(B / N)), so
-    a worker that runs that share is capable, though the whole batch would not fit it."""
+    """A member of a gang holds its share of a step's examples (GRPO: every N-th, rank 0 the most,
+    ceil(B / N); a supervised kind by speed, at most 1.5 times that: routing.max_share), so a
+    worker that runs that share is capable, though the whole batch would not fit it."""
     from shared import routing
     from shared.schemas import JobCreate
     from shared.train_specs import SFTJobCreate
@@ -346,7 +347,7 @@ def test_a_gang_runs_on_workers_that_fit_its_share_though_not_the_whole_batch(st
     """Per-share sizing with the real workers: an SFT batch whose rows (max_seq_length, chosen
     from the pair's advertised memory and the model's advertised shape) need more than the
     pair's memory class waits on one worker, naming its need; as a gang of two, each member
-    sized for half the rows, the API routes it to a queue the pair serves and their admission
+    sized for its share of the rows (routing.max_share), the API routes it to a queue the pair serves and their admission
     takes it (the rows are short: the step itself is small)."""
     from shared import routing
     from shared.train_specs import SFTJobCreate

@@ -171,3 +171,15 @@ def test_an_nccl_gang_trains_as_one_worker(stack, client):
     finally:
         for p in procs:
             stack.stop_proc(p)
+
+
+def test_speed_shares_stay_within_what_routing_sized_each_member_for():
+    """A much faster member takes more rows, but never more than routing.max_share of a step
+    (what its memory was sized for); the rest go to the others; equal speeds split evenly."""
+    from shared.routing import max_share
+    from worker.runtime.gang_group import apportion
+
+    assert apportion(8, [1.0, 1.0]) == [4, 4] and apportion(8, [2.0, 1.0]) == [5, 3]
+    for n, speeds in ((8, [10.0, 1.0]), (8, [1.0, 10.0]), (9, [1.0, 1.0, 10.0]), (16, [5.0, 1.0, 1.0, 1.0])):
+        counts = apportion(n, speeds)
+        assert sum(counts) == n and max(counts) == max_share(n, len(speeds)) and min(counts) >= 1, (n, speeds, counts)

@@ -36,6 +36,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from shared.routing import max_share
+
 BUCKET_BYTES = 32 * 2**20  # mlx_lm's all-reduce bucket
 BACKENDS = ("ring", "jaccl", "jaccl-ring", "nccl")
 PACE_DECAY = 0.5  # weight of the newest step's seconds per row in a rank's pace
@@ -45,8 +47,10 @@ SLOW_S_PER_ROW = float(os.environ.get("MTQ_GANG_SLOW_S_PER_ROW") or 0)
 
 
 def apportion(n: int, speeds: list[float]) -> list[int]:
-    """n rows split in proportion to speeds, at least one each (largest remainders; ties: the
-    lower rank), so that the even split of rows[rank::size] comes out for equal speeds."""
+    """n rows split in proportion to speeds, at least one each and at most `max_share` (what
+    routing sized each member for; the rows over it go to the fastest ranks under it), by
+    largest remainders (ties: the lower rank), so that the even split of rows[rank::size]
+    comes out for equal speeds."""
     k = len(speeds)
     if n < k or not all(s > 0 for s in speeds):
         return [len(range(r, n, k)) for r in range(k)]
@@ -54,6 +58,13 @@ def apportion(n: int, speeds: list[float]) -> list[int]:
     counts = [1 + int(e) for e in exact]
     for r in sorted(range(k), key=lambda r: (-(exact[r] - int(exact[r])), r))[: n - sum(counts)]:
         counts[r] += 1
+    cap = max_share(n, k)
+    over = sum(max(c - cap, 0) for c in counts)
+    counts = [min(c, cap) for c in counts]
+    for r in sorted(range(k), key=lambda r: (-speeds[r], r)):
+        more = min(over, cap - counts[r])
+        counts[r] += more
+        over -= more
     return counts
 
 
