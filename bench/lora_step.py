@@ -1,0 +1,111 @@
+"""Where a LoRA SFT step's time goes, against full fine-tuning of the same model and rows, in
+interleaved rounds in one process (docs/performance.md "LoRA's product in the model's dtype").
+
+    python bench/lora_step.py MODEL_DIR [--batch-size 4] [--length 128] [--steps 10] [--warmup 3] [--rounds 3]
+
+Variants, each on the same padded rows (bench/train_step.py rows_for), LoRA rank 8 on every
+linear layer of every block, full fine-tuning of every block:
+  step_lora       the SFT trainer's compiled step (worker/kinds/sft_job.py) with the job's layers
+                  (worker/runtime/adapter_layers.py InputDtypeLoRALinear: the product in the
+                  model's dtype, float32 weights)
+  step_lora_f32   the same with mlx_lm's LoRALinear (its product promoted to float32)
+  step_full       the trainer's step, fine_tune_type full
+  fwdbwd_*        the SFT loss's forward and backward alone (not compiled, no update) of each,
+                  and of `merged`: the adapter added into the base weight before one matmul
+                  (x @ (W + s (A B)^T)^T), a layer this project does not use (measured as an option)
+Prints each variant's median seconds per round (min / median / max over the rounds) and the
+ratios of the rounds. Imports MLX, mlx_lm and the trainer modules only (runs where bench/train_step.py runs).
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from worker.supervisor.openblas import reexec_with_openblas  # noqa: E402
+
+reexec_with_openblas()
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx_lm  # noqa: E402
+from mlx_lm.tuner.lora import LoRALinear  # noqa: E402
+from train_step import LORA, rows_for  # noqa: E402
+
+from shared.kinds import KINDS  # noqa: E402
+from worker.kinds.sft_job import SFTTrainer  # noqa: E402
+from worker.runtime.adapter_layers import InputDtypeLoRALinear, attach_adapter, remove_adapter_layers  # noqa: E402
+from worker.runtime.train_core import TrainState  # noqa: E402
+
+
+class MergedLoRALinear(InputDtypeLoRALinear):
+    def __call__(self, x):
+        w = self.linear.weight + (self.scale * (self.lora_b.T @ self.lora_a.T)).astype(x.dtype)
+        y = x @ w.T
+        return y + self.linear.bias if "bias" in self.linear else y
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--length", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    model, tokenizer = mlx_lm.load(args.model)
+    rows = rows_for("sft", args.batch_size * 2, args.length)
+
+    def trainer(fine_tune_type: str, layer_class=None) -> SFTTrainer:
+        spec = KINDS["sft"].spec_model.model_validate({"model_id": "bench", "dataset": rows, "config": {
+            "batch_size": args.batch_size, "iters": 100_000, **LORA, "fine_tune_type": fine_tune_type}})
+        mx.random.seed(0)
+        attach_adapter(model, spec.config, fine_tune_type)
+        for _, m in model.named_modules():
+            if layer_class is not None and isinstance(m, LoRALinear):
+                m.__class__ = layer_class
+        return SFTTrainer(model, tokenizer, spec, rows, None)
+
+    def step(fine_tune_type, layer_class=None):
+        made, state = trainer(fine_tune_type, layer_class), TrainState()
+        return lambda: made.step(state)
+
+    def fwd_bwd(fine_tune_type, layer_class=None):
+        made = trainer(fine_tune_type, layer_class)
+        (arrays, _) = made.arrays(list(range(args.batch_size)), rows)
+        vg = nn.value_and_grad(model, lambda *a: made.loss(model, *a)[0])
+        return lambda: mx.eval(vg(*arrays))
+
+    variants = {"step_lora": lambda: step("lora"), "step_lora_f32": lambda: step("lora", LoRALinear),
+                "step_full": lambda: step("full"), "fwdbwd_lora": lambda: fwd_bwd("lora"),
+                "fwdbwd_lora_f32": lambda: fwd_bwd("lora", LoRALinear), "fwdbwd_full": lambda: fwd_bwd("full"),
+                "fwdbwd_merged": lambda: fwd_bwd("lora", MergedLoRALinear)}
+    seconds = {name: [] for name in variants}
+    for r in range(args.rounds):
+        for name, make in variants.items():
+            run = make()
+            for _ in range(args.warmup):
+                run()
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+            seconds[name].append(statistics.median(times))
+            remove_adapter_layers(model)
+            print(f"round {r} {name}: {seconds[name][-1] * 1e3:.1f} ms", flush=True)
+    print(f"device {mx.default_device()}, mlx {mx.__version__}, {args.batch_size} rows of ~{args.length} tokens")
+    for name, v in seconds.items():
+        print(f"{name:16s} ms  min {min(v) * 1e3:7.1f}  median {statistics.median(v) * 1e3:7.1f}  max {max(v) * 1e3:7.1f}")
+    for a, b in (("step_lora", "step_full"), ("step_lora_f32", "step_lora"), ("fwdbwd_lora", "fwdbwd_full"),
+                 ("fwdbwd_lora_f32", "fwdbwd_lora"), ("fwdbwd_merged", "fwdbwd_full")):
+        ratios = [x / y for x, y in zip(seconds[a], seconds[b])]
+        print(f"{a} / {b}: median {statistics.median(ratios):.2f}, rounds {[round(x, 2) for x in ratios]}")
+
+
+if __name__ == "__main__":
+    main()
