@@ -145,7 +145,7 @@ def step_of(spec) -> dict[str, Any]:
     if kind.family == "session":
         return {"rows": 1, "width": cfg.max_seq_len, "checkpointing": False}
     if kind.family == "export":  # no step: the base and its fused (dequantized) copy
-        return {"rows": 0, "width": 0, "checkpointing": False, "dequantize": spec.dequantize}
+        return {"rows": 0, "width": 0, "checkpointing": False, "dequantize": spec.dequantize or spec.quantize}
     return {"rows": cfg.batch_size * kind.rows_per_example, "width": cfg.max_seq_length,
             "checkpointing": cfg.gradient_checkpointing}
 
