@@ -256,3 +256,11 @@ def test_exporting_quantized_a_job_without_qat_needs_its_bits(stack, jobs):
         assert resp.status_code == 400 and "did not train with QAT" in resp.text, resp.text
         resp = c.post(EXPORTS, json={"source": jobs["q6"]["job_id"], "quant_bits": 4})
         assert resp.status_code == 400 and "give quantize: true" in resp.text, resp.text
+
+
+def test_qat_on_a_quantized_model_directory_fails_the_job_saying_why(stack, jobs):
+    with stack.client() as c:
+        job_id = c.post(SFT, json={"model_id": "tiny-q6", "dataset": ROWS,
+                                   "config": {**JOB, "qat_enable": True, "max_attempts": 1}}).json()["job_id"]
+    job = wait_done(stack, SFT, job_id, timeout=120, status="failed")
+    assert "no unquantized linear layer" in job["error"], job["error"]
