@@ -44,7 +44,7 @@ from shared.schemas import (
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 SCHEDULES = ("cosine_decay", "linear_schedule", "exponential_decay", "step_decay")
 # MLX's quantization modes a base or QAT can use: the group size each fixes, and the bits an MX mode fixes
-# (affine: any of AFFINE_BITS). mx.quantize's table; nvfp4 is left out (mlx_lm's LoRA fuse cannot rebuild it).
+# (affine: any of AFFINE_BITS). mx.quantize's table, nvfp4 left out.
 QUANT_MODES = {"affine": (64, None), "mxfp4": (32, 4), "mxfp8": (32, 8)}
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 QuantMode = Literal[tuple(QUANT_MODES)]  # type: ignore[valid-type]
@@ -89,8 +89,8 @@ class TrainConfig(OptimizerConfig, ReportConfig):
     steps_per_save: int = Field(100, ge=1, le=1_000_000, description="Checkpoint (LoRA + optimizer state) every N steps.")
     gradient_checkpointing: bool = False
     # Quantization-aware training, mlx-lm-lora's flags (docs/quantization.md).
-    qat_enable: bool = Field(False, description="Fake-quantize every plain linear layer's weight in the forward "
-                             "(straight-through gradients): the model trains as it will run once quantized.")
+    qat_enable: bool = Field(False, description="Fake-quantize every unquantized linear and embedding weight in the "
+                             "forward (straight-through gradients): the model trains as it will run once quantized.")
     qat_bits: QuantBits = Field(8, description="The bits QAT simulates (affine; an MX qat_mode has its own: 4 or 8).")
     qat_group_size: Literal[32, 64, 128] = Field(64, description="Affine QAT's group size (an MX qat_mode's is 32).")
     qat_mode: QuantMode = Field("affine", description="MLX's quantization mode QAT simulates.")

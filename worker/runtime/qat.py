@@ -1,14 +1,15 @@
 """Quantization-aware training, as mlx-lm-lora's `--qat-*` flags define it: in the forward of a QAT
-step every plain linear layer's weight is replaced by the weight as quantization rounds it, with
-a straight-through gradient (w + stop_gradient(q(w) - w): the forward sees q(w), the gradient
-reaches w as if unrounded). The trained weights stay full precision; the model learns to work
-through the rounding it will have once quantized (mtq export's `quantize`).
+step every unquantized linear and embedding layer computes with its weight as quantization rounds
+it, with a straight-through gradient (w + stop_gradient(round(w) - w): the forward sees the
+rounded weight, the gradient reaches w as if unrounded). The trained weights stay full precision;
+the model learns to work through the rounding it will have once quantized (mtq export's `quantize`).
 
-As mlx-lm-lora's hooks: every nn.Linear is rounded, the frozen ones included, so with LoRA the
-base inside each LoRA layer is rounded and the adapter's own matrices are not; with full
-fine-tuning the trained weights themselves are. Unlike mlx-lm-lora (a symmetric rounding of its
-own), the rounding is MLX's quantize / dequantize with the job's bits, group size and mode: the
-grid the export quantizes to (mlx_lm's quantize_model), so what was trained is what is exported.
+With full fine-tuning the trained weights themselves are rounded. Under a LoRA layer the fused
+weight W + scale * (a b)^T is, as the export fuses and quantizes it (mlx-lm-lora rounds the base
+alone, whose small LoRA deltas the export's rounding of the fused weight then mostly loses); a
+DoRA layer's base is rounded alone. The rounding is MLX's quantize / dequantize with the job's
+bits, group size and mode (mlx-lm-lora's is a symmetric one of its own): the grid mlx_lm's
+quantize_model gives the exported model, embeddings included.
 """
 
 import contextlib
