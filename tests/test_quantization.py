@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from conftest import ROOT, Stack, running, wait_done
 from shared.kinds import KINDS
+from shared.memory_estimate import ModelShape, dense_bytes, need_bytes
 from shared.train_specs import DPOJobCreate, KTOJobCreate, ORPOJobCreate, SFTJobCreate
 from worker.kinds.dpo_job import DPOTrainer
 from worker.kinds.kto_job import KTOTrainer
@@ -110,6 +111,24 @@ def test_full_fine_tuning_qat_has_the_rounded_weights_gradient(lm):
     assert any(g.ndim == 2 for g in grads.values())
     for k in grads:
         np.testing.assert_allclose(np.array(qat_grads[k]), np.array(grads[k]), rtol=1e-4, atol=1e-6)
+
+
+def test_qat_needs_the_rounded_weights_beside_the_weights_and_the_estimate_counts_them(lm, tiny_model):
+    """The backward keeps each layer's rounded weight: a LoRA step's peak memory grows by about
+    the unquantized weights, the term the memory estimate adds for QAT (shared/memory_estimate.py)."""
+    peaks = []
+    for qat in (False, True):
+        made = trainer(lm, SFTJobCreate, SFTTrainer, ROWS[:2], qat_enable=qat, qat_bits=4, qat_start_step=0)
+        state = TrainState()
+        peaks.append(max(made.step(state)["peak_memory_gb"] for _ in range(3)) * 1e9)
+    config = json.loads((tiny_model / "config.json").read_text())
+    shape = ModelShape(config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"],
+                       config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"],
+                       config["vocab_size"], 4)
+    step = dict(rows=2, width=32, checkpointing=False, device="cpu")
+    added = need_bytes("sft", shape, 0, **step, qat=True) - need_bytes("sft", shape, 0, **step)
+    assert added == dense_bytes(shape)
+    assert 0.5 * added < peaks[1] - peaks[0] < 1.5 * added, (peaks, added)
 
 
 @pytest.mark.parametrize("spec_class, trainer_class, rows", [(DPOJobCreate, DPOTrainer, PAIRS),
