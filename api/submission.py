@@ -209,6 +209,10 @@ def export_source(r, spec: ExportJobCreate, who: Principal) -> ExportJobCreate:
         model_id = json.loads(raw_spec)["model_id"]
     except (ValueError, KeyError, TypeError):
         raise HTTPException(status.HTTP_409_CONFLICT, f"source: job {job_id}'s stored record cannot be read") from None
+    if spec.quantize and spec.quant_bits is None and spec.quant_mode is None and not (
+            json.loads(raw_spec).get("config") or {}).get("qat_enable"):
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"quantize: job {job_id} did not train with QAT "
+                            "(qat_enable): give quant_bits or quant_mode")
     if spec.model_id is not None and spec.model_id != model_id:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"model_id: job {job_id}'s adapter was trained on "
                             f"{model_id!r}, not {spec.model_id!r} (leave model_id out: it is the source's)")

@@ -56,6 +56,7 @@ import mlx_lm  # noqa: E402
 from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 
 from shared.kinds import KINDS  # noqa: E402
+from shared.train_specs import quantization  # noqa: E402
 from worker.kinds.dpo_job import DPOTrainer  # noqa: E402
 from worker.kinds.reward_model_job import RewardTrainer  # noqa: E402
 from worker.kinds.sft_job import SFTTrainer  # noqa: E402
@@ -91,8 +92,8 @@ def model_for(fine_tune_type: str | None, shared, args):
     if fine_tune_type not in ("full", "qlora"):
         return shared
     model, tokenizer, config = mlx_lm.load(args.model, lazy=True, return_config=True)
-    quant_bits = args.quant_bits if fine_tune_type == "qlora" else None
-    prepare_private(model, config, args.model, fine_tune_type, quant_bits, max_gb=float("inf"))
+    quant = quantization(args.quant_bits, "affine") if fine_tune_type == "qlora" else None
+    prepare_private(model, config, args.model, fine_tune_type, quant, max_gb=float("inf"))
     return model, tokenizer
 
 

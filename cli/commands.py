@@ -180,7 +180,10 @@ def cmd_export(client: ApiClient, args: argparse.Namespace) -> int:
     """An export job of the job's adapter (docs/export.md), followed as `mtq watch` does, its model
     directory then unpacked into DIR. The exit code is watch's when the export does not complete."""
     kind = KINDS["export"]
-    job = client.submit(kind, {"source": args.job_id, "dequantize": args.dequantize, "gguf": args.gguf})
+    body = {"source": args.job_id, "dequantize": args.dequantize, "gguf": args.gguf}
+    if args.quantize:
+        body.update(quantize=True, quant_bits=args.quant_bits, quant_mode=args.quant_mode)
+    job = client.submit(kind, body)
     console.print(f"submitted export job [bold]{job['job_id']}[/] of job {job['source']} ({job['model_id']})")
     code = watch(client, job["job_id"], console)
     if code:
@@ -305,6 +308,10 @@ def add_client_commands(commands) -> None:
     export.add_argument("--dequantize", action="store_true", help="write a quantized base's fused model unquantized")
     export.add_argument("--gguf", action="store_true", help="also write ggml-model-f16.gguf (llama, mixtral and "
                         "mistral models, unquantized or with --dequantize)")
+    export.add_argument("--quantize", action="store_true", help="quantize the fused model: to the job's QAT bits, "
+                        "or to --quant-bits / --quant-mode")
+    export.add_argument("--quant-bits", type=int, choices=[2, 3, 4, 5, 6, 8], help="with --quantize: the bits")
+    export.add_argument("--quant-mode", choices=["affine", "mxfp4", "mxfp8"], help="with --quantize: the mode")
 
     plot = add("plot", cmd_plot, "draw the job's curves (its kind's: reward, loss, KL, margins, ...) into a PNG")
     plot.add_argument("job_id", metavar="ID")

@@ -64,7 +64,7 @@ def _gb(text: str) -> float:
 def cmd_make_model(args: argparse.Namespace) -> int:
     from worker.runtime.make_model import make_model
 
-    path = make_model(args.dir, size=args.size, quantize=args.quantize, seed=args.seed)
+    path = make_model(args.dir, size=args.size, quantize=args.quantize, seed=args.seed, quantize_mode=args.quantize_mode)
     print(path or args.dir)
     return 0
 
@@ -124,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     make = commands.add_parser("make-model", help="write a random-weight model directory (for tests and benchmarks)")
     make.add_argument("dir", metavar="DIR")
     make.add_argument("--size", choices=["tiny", "small", "qwen3-0.6b"], default="tiny")
-    make.add_argument("--quantize", type=int, metavar="BITS", help="quantize the weights to BITS bits")
+    make.add_argument("--quantize", type=int, metavar="BITS", help="quantize the weights to BITS bits (2, 3, 4, 5, 6, 8)")
+    make.add_argument("--quantize-mode", choices=["affine", "mxfp4", "mxfp8"], default="affine",
+                      help="MLX's quantization mode (mxfp4: --quantize 4, mxfp8: --quantize 8)")
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=cmd_make_model)
 

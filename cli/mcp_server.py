@@ -196,12 +196,15 @@ def make_server(token: str | None, files_dir: Path | None = None) -> MCPServer:
         ctx: Context, job_id: str,
         dequantize: Annotated[bool, Field(description="Write a quantized base's fused model unquantized.")] = False,
         gguf: Annotated[bool, Field(description="Also write a GGUF file (llama, mistral, mixtral only).")] = False,
+        quantize: Annotated[bool, Field(description="Quantize the fused model to the bits the job trained with QAT "
+                                                    "(docs/quantization.md).")] = False,
     ) -> dict:
         """Fuse a completed job's adapter into its base model, on a worker (docs/export.md): starts an
         export job and returns it; follow it with job_progress, then download_adapter of the export
         job's id gives the model directory, which mlx_lm.load(directory) loads."""
         with api(ctx) as client:
-            return client.submit(KINDS["export"], {"source": job_id, "dequantize": dequantize, "gguf": gguf})
+            return client.submit(KINDS["export"], {"source": job_id, "dequantize": dequantize, "gguf": gguf,
+                                                   "quantize": quantize})
 
     @server.tool()
     def chat(

@@ -14,11 +14,11 @@ export_source), so the stored spec names both.
 
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.model_ids import MODEL_ID_RE
 from shared.schemas import DEFAULT_LANE, LANE_PATTERN, JobRecord
-from shared.train_specs import ADAPTER_NAME
+from shared.train_specs import ADAPTER_NAME, QuantBits, QuantMode, quantization
 
 
 class ExportConfig(BaseModel):
@@ -47,7 +47,29 @@ class ExportJobCreate(BaseModel):
                              "(mlx_lm fuse --dequantize); otherwise a quantized base stays quantized.")
     gguf: bool = Field(False, description="Also write ggml-model-f16.gguf (mlx_lm's convert_to_gguf): only for the "
                        "families it converts (llama, mixtral, mistral), unquantized (or with dequantize).")
+    quantize: bool = Field(False, description="Quantize the fused model (fused unquantized first, as with dequantize): "
+                           "to the source's QAT (its qat_bits, qat_group_size, qat_mode), or to quant_bits / quant_mode.")
+    quant_bits: QuantBits | None = Field(None, description="With quantize: the bits (affine; an MX mode has its own; "
+                                         "null: the QAT's, else 4).")
+    quant_mode: QuantMode | None = Field(None, description="With quantize: the mode (null: the QAT's, else affine).")
     config: ExportConfig = Field(default_factory=ExportConfig)
+
+    @model_validator(mode="after")
+    def _quantize(self):
+        if not self.quantize and (self.quant_bits is not None or self.quant_mode is not None):
+            raise ValueError("quant_bits and quant_mode say how to quantize: give quantize: true with them")
+        if self.quantize and self.gguf:
+            raise ValueError("gguf: mlx_lm converts only unquantized models to GGUF: give quantize or gguf, not both")
+        return self
+
+    def quantization(self, qat: dict | None) -> dict | None:
+        """quantize_model's arguments for the fused model (None: not quantized), given the source
+        job's QAT quantization (its adapter_config.json's "qat"; None: it had none)."""
+        if not self.quantize:
+            return None
+        if self.quant_bits is None and self.quant_mode is None and qat:
+            return qat
+        return quantization(self.quant_bits or 4, self.quant_mode or "affine")
 
 
 class ExportJob(JobRecord):
@@ -56,4 +78,7 @@ class ExportJob(JobRecord):
     source: str = Field(description="The id of the job whose adapter it fuses.")
     dequantize: bool
     gguf: bool
+    quantize: bool = False
+    quant_bits: int | None = None
+    quant_mode: str | None = None
     config: ExportConfig

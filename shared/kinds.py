@@ -185,7 +185,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind(ReinforceJobCreate.kind, "/admin/api/fine-tune/reinforce/jobs", "REINFORCE jobs", "a REINFORCE job",
          ReinforceJobCreate, ReinforceJob, LORA_SHAPE, "worker.kinds.reinforce", "grpo", GRPO_CHARTS, first_step=0),
     _supervised(SFTJobCreate, "/admin/api/fine-tune/jobs", "SFT jobs", "an SFT job", "worker.kinds.sft_job", SFT_CHARTS, 1,
-                (*LORA_SHAPE, "fine_tune_type", "quantize_base", "quant_bits"), SFTJob, mlx_reports=True, unset_time=None),
+                (*LORA_SHAPE, "fine_tune_type", "quantize_base", "quant_bits", "quant_mode", "mxfp8"), SFTJob, mlx_reports=True, unset_time=None),
     _supervised(DPOJobCreate, "/admin/api/fine-tune/dpo/jobs", "DPO jobs", "a DPO job",
                 "worker.kinds.dpo_job", DPO_CHARTS, 2, (*LORA_SHAPE, "method"), also_reads=("orpo",), **PREFERENCE_SEED),
     _supervised(ORPOJobCreate, "/admin/api/fine-tune/orpo/jobs", "ORPO jobs", "an ORPO job", "worker.kinds.dpo_job",

@@ -86,15 +86,16 @@ def dense_bytes(s: ModelShape) -> int:
 
 
 def need_bytes(family: str, s: ModelShape, weights: int, rows: int, width: int, checkpointing: bool, device: str,
-               dequantize: bool = False) -> int:
+               dequantize: bool = False, qat: bool = False) -> int:
     """The least memory a step of a job of this family (shared/kinds.py) runs in, with `rows`
     rows of `width` tokens. GRPO: the weights plus the larger of sampling every row and a loss
     step of one row (the micro-batch then grows into whatever room is left). Supervised kinds:
     the weights plus a loss step of all the rows (a batch is one forward and backward pass).
     An export (no step): the base and its fused copy, which is written while the base is
-    still held; with dequantize, a copy at least as large as the unquantized model."""
+    still held; with dequantize, a copy at least as large as the unquantized model. QAT
+    (worker/runtime/qat.py) adds the rounded copy of every weight, which the backward keeps."""
     if family == "export":
         return weights + (max(weights, dense_bytes(s)) if dequantize else weights)
     if family == "grpo":
         return weights + max(sampling_bytes(s, rows, width, device), loss_bytes(s, 1, width, checkpointing))
-    return weights + loss_bytes(s, rows, width, checkpointing)
+    return weights + loss_bytes(s, rows, width, checkpointing) + (dense_bytes(s) if qat else 0)

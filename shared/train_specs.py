@@ -43,6 +43,19 @@ from shared.schemas import (
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 SCHEDULES = ("cosine_decay", "linear_schedule", "exponential_decay", "step_decay")
+# MLX's quantization modes a base or QAT can use: the group size each fixes, and the bits an MX mode fixes
+# (affine: any of AFFINE_BITS). mx.quantize's table, nvfp4 left out.
+QUANT_MODES = {"affine": (64, None), "mxfp4": (32, 4), "mxfp8": (32, 8)}
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+QuantMode = Literal[tuple(QUANT_MODES)]  # type: ignore[valid-type]
+QuantBits = Literal[AFFINE_BITS]  # type: ignore[valid-type]
+
+
+def quantization(bits: int, mode: str) -> dict:
+    """mlx_lm's quantize_model arguments (its config.json's "quantization") for bits in a mode: the
+    mode's group size, and its own bits for an MX mode."""
+    group_size, mode_bits = QUANT_MODES[mode]
+    return {"group_size": group_size, "bits": mode_bits or bits, "mode": mode}
 
 
 class LRSchedule(BaseModel):
@@ -75,6 +88,14 @@ class TrainConfig(OptimizerConfig, ReportConfig):
     steps_per_eval: int = Field(200, ge=1, le=1_000_000, description="Evaluate on the valid set every N steps (and at the last).")
     steps_per_save: int = Field(100, ge=1, le=1_000_000, description="Checkpoint (LoRA + optimizer state) every N steps.")
     gradient_checkpointing: bool = False
+    # Quantization-aware training, mlx-lm-lora's flags (docs/quantization.md).
+    qat_enable: bool = Field(False, description="Fake-quantize every unquantized linear and embedding weight in the "
+                             "forward (straight-through gradients): the model trains as it will run once quantized.")
+    qat_bits: QuantBits = Field(8, description="The bits QAT simulates (affine; an MX qat_mode has its own: 4 or 8).")
+    qat_group_size: Literal[32, 64, 128] = Field(64, description="Affine QAT's group size (an MX qat_mode's is 32).")
+    qat_mode: QuantMode = Field("affine", description="MLX's quantization mode QAT simulates.")
+    qat_start_step: int = Field(1, ge=0, le=1_000_000, description="Fake quantization after this many optimizer steps.")
+    qat_interval: int = Field(1, ge=1, le=1_000_000, description="Then every N-th step (1: every step).")
     seed: int = Field(0, ge=0, le=SEED_MAX)
     queue: str = Field(DEFAULT_LANE, pattern=LANE_PATTERN, description="The job's lane (as GRPO's: shared/routing.py).")
     workers: int = Field(1, ge=1, le=MAX_GANG, description=GANG_DESCRIPTION)
@@ -84,6 +105,14 @@ class TrainConfig(OptimizerConfig, ReportConfig):
     stall_timeout_s: float = Field(600.0, ge=1.0, le=86_400.0)
 
     _a_share_per_worker = model_validator(mode="after")(check_gang)
+
+    @property
+    def qat(self) -> dict | None:
+        """QAT's quantization (mx.quantize's arguments), or None without QAT."""
+        if not self.qat_enable:
+            return None
+        q = quantization(self.qat_bits, self.qat_mode)
+        return {**q, "group_size": self.qat_group_size} if self.qat_mode == "affine" else q
 
     @model_validator(mode="after")
     def _one_schedule(self):
@@ -96,11 +125,13 @@ class SFTConfig(TrainConfig):
     fine_tune_type: Literal["lora", "dora", "full", "qlora"] = Field("lora", description=(
         "lora / dora: an adapter on the shared base; full: the last lora_layers blocks' own weights "
         "(mlx_lm's full fine-tuning), the result a complete model directory; qlora: LoRA on a copy of the base "
-        "quantized to quant_bits. full and qlora train on a private copy of the model."))
+        "quantized to quant_bits in quant_mode. full and qlora train on a private copy of the model."))
     quantize_base: bool = Field(False, description="Quantize a private copy of the base before attaching LoRA / DoRA (qlora implies it).")
-    quant_bits: Literal[4, 8] = 4
-    mxfp8: bool = Field(False, description="The seed server's field: MXFP8 training, which mlx_lm has not; a job "
-                        "with it fails at start, as the seed's does.")
+    quant_bits: QuantBits = Field(4, description="The quantized base's bits (affine; an MX quant_mode has its own: 4 or 8).")
+    quant_mode: QuantMode | None = Field(None, description="MLX's quantization mode of the quantized base: affine "
+                                         "(group size 64), mxfp4 or mxfp8 (group size 32); null: affine (mxfp8 with mxfp8).")
+    mxfp8: bool = Field(False, description="The seed server's field: QLoRA on an MXFP8 copy of the base "
+                        "(quant_mode mxfp8 and quantize_base).")
     mask_prompt: bool = Field(False, description="Train only on completions / the last assistant message "
                               "(of the rows that assistant_only_loss leaves to mlx_lm).")
     assistant_only_loss: bool | None = Field(None, description=(
@@ -113,11 +144,30 @@ class SFTConfig(TrainConfig):
     def _full_is_not_quantized(self):
         if self.fine_tune_type == "full" and self.quantize_base:
             raise ValueError("fine_tune_type 'full' trains the base weights themselves: quantize_base does not apply")
+        if self.mxfp8 and self.fine_tune_type == "full":
+            raise ValueError("mxfp8 trains LoRA on an MXFP8 copy of the base: fine_tune_type 'full' does not apply")
+        if self.mxfp8 and self.quant_mode not in (None, "mxfp8"):
+            raise ValueError(f"mxfp8 with quant_mode {self.quant_mode}: mxfp8 is quant_mode mxfp8")
+        if self.quant_mode not in (None, "affine") and not self.quantized:
+            raise ValueError(f"quant_mode {self.quant_mode} quantizes a copy of the base: give fine_tune_type qlora "
+                             "or quantize_base")
+        if self.qat_enable and self.quantized:
+            raise ValueError("qat_enable fake-quantizes unquantized weights: a quantized base (qlora, quantize_base, "
+                             "mxfp8) has none; quantize after training instead (mtq export --quantize)")
         return self
 
     @property
     def quantized(self) -> bool:
-        return self.fine_tune_type == "qlora" or self.quantize_base
+        return self.fine_tune_type == "qlora" or self.quantize_base or self.mxfp8
+
+    @property
+    def base_mode(self) -> str:
+        return "mxfp8" if self.mxfp8 else self.quant_mode or "affine"
+
+    @property
+    def base_quantization(self) -> dict | None:
+        """The quantized base's quantize_model arguments, or None (unquantized)."""
+        return quantization(self.quant_bits, self.base_mode) if self.quantized else None
 
 
 class PreferenceConfig(TrainConfig):

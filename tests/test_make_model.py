@@ -104,11 +104,12 @@ def test_same_seed_same_bytes_other_seed_other_weights(tiny_model, tmp_path):
     assert not mx.array_equal(w0["model.layers.0.self_attn.q_proj.weight"], w1["model.layers.0.self_attn.q_proj.weight"])
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_quantized_loads_and_generates(tmp_path, bits):
-    out = make_model(tmp_path / f"q{bits}", size="tiny", quantize=bits, seed=0)
+@pytest.mark.parametrize("bits, mode, group_size", [(4, "affine", 64), (8, "affine", 64), (6, "affine", 64),
+                                                    (4, "mxfp4", 32)])
+def test_quantized_loads_and_generates(tmp_path, bits, mode, group_size):
+    out = make_model(tmp_path / f"q{bits}", size="tiny", quantize=bits, seed=0, quantize_mode=mode)
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization"]["group_size"] == 64 and config["quantization"]["bits"] == bits
+    assert config["quantization"] == {"group_size": group_size, "bits": bits, "mode": mode}
 
     model, tokenizer = mlx_lm.load(str(out))
     # All linear layers and the (tied) embedding are quantized: tiny's dims are multiples of 64.
@@ -116,7 +117,7 @@ def test_quantized_loads_and_generates(tmp_path, bits):
     assert not any(type(m) in (nn.Linear, nn.Embedding) for m in modules)
     quantized = [m for m in modules if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     assert len(quantized) == 1 + 7 * SIZES["tiny"]["num_hidden_layers"]
-    assert all(m.bits == bits and m.group_size == 64 for m in quantized)
+    assert all((m.bits, m.group_size, m.mode) == (bits, group_size, mode) for m in quantized)
     prompt = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     assert mlx_lm.generate(model, tokenizer, prompt=prompt, max_tokens=8)
 

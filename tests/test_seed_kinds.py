@@ -267,18 +267,18 @@ def test_running_completed_and_failed_jobs_decode(stack, client, worker):
     assert running_job["status"] == "running" and running_job["progress"]["iter"] >= 1
     decode_pair_job(ok(client.post(f"{DPO}/{dpo['job_id']}/cancel")))
 
-    # Completed, and failed (the seed's mxfp8; a dataset path the worker does not have).
+    # Completed, and failed (a dataset path the worker does not have).
     done = ok(client.post(SFT, json={"model_id": "tiny", "dataset": ROWS, "config": QUICK}))
-    failed = ok(client.post(SFT, json={"model_id": "tiny", "dataset": ROWS, "config": {**QUICK, "mxfp8": True}}))
-    rm = ok(client.post(REWARD, json={"model_id": "tiny", "preference_pairs": PAIRS, "config": QUICK}))
     missing = str(stack.data_root / "not-there")
+    failed = ok(client.post(SFT, json={"model_id": "tiny", "dataset": missing, "config": QUICK}))
+    rm = ok(client.post(REWARD, json={"model_id": "tiny", "preference_pairs": PAIRS, "config": QUICK}))
     rm_failed = ok(client.post(REWARD, json={"model_id": "tiny", "dataset": missing, "config": QUICK}))
     for job_id, path in ((done["job_id"], SFT), (failed["job_id"], SFT), (rm["job_id"], REWARD), (rm_failed["job_id"], REWARD)):
         wait_for(lambda: ok(client.get(f"{path}/{job_id}"))["status"] in ("completed", "failed"), 120, "a job's end", 0.2)
     finished = {name: ok(client.get(f"{path}/{job['job_id']}")) for name, path, job in (
         ("done", SFT, done), ("failed", SFT, failed), ("rm", REWARD, rm), ("rm_failed", REWARD, rm_failed))}
     assert finished["done"]["status"] == "completed" and finished["rm"]["status"] == "completed", finished
-    assert finished["failed"]["status"] == "failed" and "mxfp8" in finished["failed"]["error"]
+    assert finished["failed"]["status"] == "failed" and "does not exist" in finished["failed"]["error"]
     assert finished["rm_failed"]["status"] == "failed" and "does not exist" in finished["rm_failed"]["error"]
     for name in ("done", "failed"):
         decode(finished[name], FINE_TUNE_JOB_DTO)

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 
-from shared.train_specs import DPOJobCreate, SFTJobCreate
+from shared.train_specs import DPOJobCreate, SFTJobCreate, quantization
 from worker.kinds.dpo_job import DPOTrainer
 from worker.kinds.sft_job import SFTTrainer
 from worker.runtime.adapter_layers import attach_adapter, lora_disabled, remove_adapter_layers
@@ -21,6 +21,7 @@ from worker.runtime.models import gradient_checkpointing
 from worker.runtime.train_core import Rows, TrainState
 
 ROWS = [{"prompt": "Q0?", "completion": "red apple"}, {"prompt": "Q1?", "completion": "blue stone"}]
+Q4 = quantization(4, "affine")  # a qlora job's base: 4-bit affine
 BASE = dict(lora_layers=-1, lora_rank=4, lora_alpha=4, learning_rate=1e-2, batch_size=2, iters=3, mask_prompt=True)
 
 
@@ -395,13 +396,13 @@ def test_full_fine_tuning_is_bounded_and_quantized_bases_are_refused(tiny_model,
     monkeypatch.setenv("MTQ_FULL_FINETUNE_MAX_GB", "0.0005")  # the tiny model's weights: 0.56 MB
     with pytest.raises(UnsupportedBase, match=r"its weights are 0.000559 GB, above MTQ_FULL_FINETUNE_MAX_GB \(0.0005 GB"):
         private_base("tiny", load_settings(), "full", None)
-    model, _, _, quantization = private_base("tiny", load_settings(), "lora", 4)  # the bound is full's only
+    model, _, _, quantization = private_base("tiny", load_settings(), "lora", Q4)  # the bound is full's only
     assert quantization == {"group_size": 64, "bits": 4, "mode": "affine"}
     assert type(model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
     monkeypatch.setenv("MTQ_FULL_FINETUNE_MAX_GB", "0.001")
     assert private_base("tiny", load_settings(), "full", None)[3] is None
     with pytest.raises(UnsupportedBase, match="is already quantized"):
-        private_base(str(quantized), load_settings(), "lora", 4)
+        private_base(str(quantized), load_settings(), "lora", Q4)
 
 
 def test_the_step_benchmark_imports_only_mlx_and_its_dependencies():

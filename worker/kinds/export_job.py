@@ -6,7 +6,8 @@ artefact.
     a private copy of the base (never the shared one the worker keeps loaded: its layers stay
     the base's), quantized as the source job quantized it (a QLoRA job's adapter_config.json
     says how), with the adapter's LoRA / DoRA layers on it (mlx_lm's load_adapters)
-    each adapter layer's fuse(dequantize), then with dequantize mlx_lm's dequantize_model
+    each adapter layer's fuse(dequantize), then with dequantize mlx_lm's dequantize_model; with
+    quantize, the fused model quantized (mlx_lm's quantize_model) as its QAT job trained it, or as asked
     mlx_lm's save: weights, config.json, tokenizer; with gguf, mlx_lm's convert_to_gguf
     the directory committed through the job's lease (GET .../export/jobs/{id}/adapter)
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.gguf import convert_to_gguf
 from mlx_lm.tuner.utils import load_adapters
-from mlx_lm.utils import dequantize_model, save
+from mlx_lm.utils import dequantize_model, quantize_model, save
 
 from shared import adapters
 from shared.adapters import CONFIG_FILE, WEIGHTS_FILE, AdapterFileError, adapter_dir, cached_copy
@@ -47,24 +48,29 @@ def run(job, spec: ExportJobCreate) -> dict:
     if WEIGHTS_FILE not in stored or CONFIG_FILE not in stored:
         raise AdapterFileError(f"the adapter of job {spec.source} is gone (deleted, or expired after MTQ_JOB_RETENTION_S)")
     adapter = cached_copy(settings, f"adapters/{spec.source}", stored)
-    quantization = json.loads(stored[CONFIG_FILE]).get("quantization")  # a QLoRA job's base, as it quantized it
+    trained = json.loads(stored[CONFIG_FILE])
+    quantization = trained.get("quantization")  # a QLoRA job's base, as it quantized it
+    target = spec.quantization(trained.get("qat"))  # the fused model's, with quantize
     where = resolve_model(spec.model_id, settings)
     model, tokenizer, config = load_private(spec.model_id, settings)  # lazily: nothing read yet
     job.publish_loaded()  # the shared copy, if this process held one, was dropped
     check_gguf(spec, config, quantization)
     if quantization:
-        config, _ = prepare_private(model, config, spec.model_id, "qlora", quantization["bits"], settings.full_finetune_max_gb)
+        config, _ = prepare_private(model, config, spec.model_id, "qlora", quantization, settings.full_finetune_max_gb)
     load_adapters(model, str(adapter))
     job.write(event={"type": "model_ready", "cached": False, "private_copy": True, "load_s": time.perf_counter() - t0})
 
     job.mark("fusing")
-    fused = [(name, m.fuse(dequantize=spec.dequantize)) for name, m in model.named_modules() if hasattr(m, "fuse")]
+    dequantize = spec.dequantize or target is not None
+    fused = [(name, m.fuse(dequantize=dequantize)) for name, m in model.named_modules() if hasattr(m, "fuse")]
     if fused:
         model.update_modules(tree_unflatten(fused))
-    if spec.dequantize:
+    if dequantize:
         model = dequantize_model(model)
         config.pop("quantization", None)
         config.pop("quantization_config", None)
+    if target is not None:  # the fused weights rounded as a QAT job trained through them (worker/runtime/qat.py)
+        model, config = quantize_model(model, config, **target)
     weights = dict(tree_flatten(model.parameters()))  # lazy: sizes known, nothing computed yet
     size = sum(v.nbytes for v in weights.values())
     stored_size = size * (2 if spec.gguf else 1)  # the GGUF file holds the weights again
@@ -86,6 +92,7 @@ def run(job, spec: ExportJobCreate) -> dict:
     return {"adapter_path": str(out), "adapter": None, "history": [],
             "events": [{"type": "exported", "source": spec.source, "fused_layers": len(fused), "size_bytes": size,
                         "dequantize": spec.dequantize, "gguf": spec.gguf, "quantized": "quantization" in config,
+                        **({"quantization": target} if target else {}),
                         "export_s": time.perf_counter() - t0}]}
 
 

@@ -25,7 +25,6 @@ from shared.train_specs import SFTConfig, SFTJobCreate
 from worker.kinds import supervised_trainer
 from worker.kinds.supervised_trainer import Trainer
 from worker.runtime.logprobs import token_logps
-from worker.runtime.models import UnsupportedBase
 from worker.runtime.train_core import Rows, cut, pad_rows
 
 # --------------------------------------------------------------------------- the math
@@ -124,7 +123,4 @@ class SFTTrainer(Trainer):
 def load(job, spec: SFTJobCreate, settings):
     """The job's Run (worker/kinds/supervised_trainer.py load): full and quantized bases train a private copy."""
     cfg = spec.config
-    if cfg.mxfp8:  # the seed server's field, failing as its job does
-        raise UnsupportedBase("mxfp8 mixed-precision training is not supported (mlx_lm has no fp8 training path); "
-                              "use qlora for memory savings")
-    return supervised_trainer.load(job, spec, settings, SFTTrainer, cfg.fine_tune_type, cfg.quant_bits if cfg.quantized else None)
+    return supervised_trainer.load(job, spec, settings, SFTTrainer, cfg.fine_tune_type, cfg.base_quantization)

@@ -30,6 +30,7 @@ from worker.runtime.adapter_layers import adapter_config, attach_adapter, remove
 from worker.runtime.gang_group import SOLO, Gang
 from worker.runtime.logprobs import pair_tokens
 from worker.runtime.models import get_model, gradient_checkpointing, private_base
+from worker.runtime.qat import check_qat, qat_loss, qat_step
 from worker.runtime.train_core import (
     Rows,
     Run,
@@ -111,7 +112,8 @@ class Trainer:
         self.module, self.cfg, self.train_rows, self.valid_rows = module, cfg, train, valid
         self.optimizer = make_optimizer(cfg, cfg.iters, cfg.optimizer, cfg.lr_schedule and cfg.lr_schedule.model_dump())
         self.optimizer.init(module.trainable_parameters())
-        self.micro_step, self.micro_step_state = None, None  # made at the first step (make_step), below
+        self.micro_steps, self.micro_step_state = {}, None  # made at a step's first use (make_step), below: plain, QAT
+        check_qat(module, cfg)
 
     def step(self, state: TrainState, on_finite_loss: Callable[[], None] = lambda: None) -> dict[str, float]:
         """One optimizer step; on_finite_loss is called once the current weights gave a finite
@@ -127,21 +129,23 @@ class Trainer:
         parts = [1.0] * len(micro) if self.gang.size == 1 else [
             w / max(t, 1e-30) for w, t in zip(weights, self.gang.sum(mx.array(weights, dtype=mx.float32)).tolist())]
         if self.micro_step_state is not self.optimizer.state:  # a checkpoint's restore put in a new state
-            self.micro_step = make_step(self.module, self.optimizer, self.loss, len(micro), cfg.max_grad_norm, self.gang,
-                                        self.compiled)
-            self.micro_step_state = self.optimizer.state
+            self.micro_steps, self.micro_step_state = {}, self.optimizer.state
+        qat = qat_step(cfg, state.step)
+        if qat not in self.micro_steps:
+            self.micro_steps[qat] = make_step(self.module, self.optimizer, qat_loss(self.loss, cfg.qat) if qat else self.loss,
+                                              len(micro), cfg.max_grad_norm, self.gang, self.compiled)
         self.module.train()
         running, local = None, time.perf_counter()
         solo = self.gang.size == 1  # a gang's rank sums its micro-batches, times that, then updates
         for k, ((arrays, _), part) in enumerate(zip(micro, parts)):
-            running, metrics = self.micro_step(arrays, mx.array(part, dtype=mx.float32), running,
-                                               solo and k == len(micro) - 1)
+            running, metrics = self.micro_steps[qat](arrays, mx.array(part, dtype=mx.float32), running,
+                                                     solo and k == len(micro) - 1)
             mx.eval(running if running is not None else (metrics, self.module.state, self.optimizer.state))
         if not solo:
             rows = sum(map(len, shares))
             self.gang.local_work_done(rows)
             local = time.perf_counter() - local
-            _, metrics = self.micro_step(None, mx.array(1.0), running, True)
+            _, metrics = self.micro_steps[qat](None, mx.array(1.0), running, True)
             mx.eval(metrics, self.module.state, self.optimizer.state)
             per_rank = [sum(n) for n in zip(*(self.gang.rows_per_rank(len(rows)) for rows in ids))]
             shared_rows = {f"gang/rows_rank{r}": float(n) for r, n in enumerate(per_rank)}
@@ -169,13 +173,15 @@ class Trainer:
         return float(len(ids))
 
     def evaluate(self) -> dict[str, float]:
-        """The loss and statistics over val_batches batches of the valid rows, as val_<name>."""
+        """The loss and statistics over val_batches batches of the valid rows, as val_<name>; with
+        QAT through the fake-quantized weights (the loss of the model as it will be quantized)."""
         totals: dict[str, float] = {}
         batches = eval_batches(len(self.valid_rows), self.cfg.batch_size, self.cfg.val_batches)
         n = sum(len(ids) for ids in batches)
+        loss_fn = qat_loss(self.loss, self.cfg.qat) if self.cfg.qat_enable else self.loss
         for ids in batches:
             arrays, _ = self.arrays(ids, self.valid_rows)
-            loss, stats = self.loss(self.module, *arrays)
+            loss, stats = loss_fn(self.module, *arrays)
             for k, v in {"loss": loss, **stats}.items():
                 totals[k] = totals.get(k, 0.0) + float(v.item()) * len(ids) / n
         return {f"val_{k}": v for k, v in totals.items()}
@@ -276,15 +282,15 @@ def load_datasets(r, spec, settings, tenant: str | None = None) -> tuple[list[di
 
 @contextlib.contextmanager
 def load(job, spec, settings, make_trainer: Callable, fine_tune_type: str = "lora",
-         quant_bits: int | None = None) -> Iterator[Run]:
+         quantization: dict | None = None) -> Iterator[Run]:
     """The model and the datasets, the adapter attached, the trainer made: its Run. `full` and
-    a quantized base (quant_bits) train a private copy of the model, which is left to go with
-    the job; the shared model is left without the job's adapter."""
+    a quantized base (quantization: quantize_model's arguments) train a private copy of the
+    model, which is left to go with the job; the shared model is left without the job's adapter."""
     cfg = spec.config
     t0 = time.perf_counter()
-    private = fine_tune_type == "full" or quant_bits is not None
+    private = fine_tune_type == "full" or quantization is not None
     if private:
-        model, tokenizer, base_config, quantization = private_base(spec.model_id, settings, fine_tune_type, quant_bits)
+        model, tokenizer, base_config, quantization = private_base(spec.model_id, settings, fine_tune_type, quantization)
         cached = False
     else:
         model, tokenizer, cached = get_model(spec.model_id, settings)

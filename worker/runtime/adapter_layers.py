@@ -43,13 +43,15 @@ def adapter_config(cfg, fine_tune_type: str = "lora", quantization: dict | None 
     lora_alpha, lora_dropout). lora_alpha is mlx_lm's LoRA `scale` itself, as the seed server
     passes it (so the same request trains the same model). A quantized base (qlora) adds
     `quantization`, the arguments of mlx_lm's quantize_model that rebuild it (the key mlx_lm's
-    config.json uses for a quantized model); mlx_lm itself keeps none there. keys: the
+    config.json uses for a quantized model); mlx_lm itself keeps none there. A QAT job adds `qat`,
+    the quantization it trained through (worker/runtime/qat.py). keys: the
     projections that carry LoRA (mlx_lm's `keys`: names inside a block, or a model-level name
     such as lm_head); None: mlx_lm's default, every linear layer of the blocks."""
     return {"fine_tune_type": fine_tune_type, "num_layers": cfg.lora_layers,
             "lora_parameters": {"rank": cfg.lora_rank, "scale": cfg.lora_alpha, "dropout": cfg.lora_dropout,
                                 **({"keys": keys} if keys is not None else {})},
-            **({"quantization": quantization} if quantization else {})}
+            **({"quantization": quantization} if quantization else {}),
+            **({"qat": cfg.qat} if getattr(cfg, "qat", None) else {})}  # what mtq export --quantize rounds to
 
 
 def adapter_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

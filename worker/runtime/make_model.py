@@ -14,7 +14,8 @@ Everything is deterministic: the same (size, quantize, seed) gives byte-identica
 The tokenizer depends only on the size (its vocab size), never on the seed, so models of
 one size made with different seeds share a tokenizer and differ only in weights.
 
-    python -m worker.runtime.make_model OUT_DIR [--size tiny|small|qwen3-0.6b] [--quantize 4|8] [--seed 0]
+    python -m worker.runtime.make_model OUT_DIR [--size tiny|small|qwen3-0.6b] [--quantize 2|3|4|5|6|8]
+        [--quantize-mode affine|mxfp4|mxfp8] [--seed 0]
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import qwen3
 from mlx_lm.utils import quantize_model, save_config, save_model
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from shared.train_specs import AFFINE_BITS, QUANT_MODES, quantization
 
 # Qwen's special tokens. Like Qwen they come after the BPE vocabulary (the last 3 ids).
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -81,7 +84,6 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-GROUP_SIZE = 64  # mlx_lm.convert's default for affine quantization
 INIT_STD = 0.02
 
 _COMMON = dict(
@@ -97,7 +99,7 @@ _COMMON = dict(
 
 # vocab_size is the target of BPE training; the model's vocab is exactly the tokenizer's.
 SIZES: dict[str, dict] = {
-    # Every matmul input dim is a multiple of 64 so that quantize=4/8 quantizes all layers.
+    # Every matmul input dim is a multiple of 64 so that every bits and mode quantizes all layers.
     "tiny": dict(_COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=1024,
                  torch_dtype="float32"),
@@ -309,18 +311,20 @@ def build_model(config: dict, seed: int):
     return model
 
 
-def quantize_weights(model, config: dict, bits: int):
+def quantize_weights(model, config: dict, bits: int, mode: str = "affine"):
     """mlx_lm.convert's path: quantize_model adds "quantization" (and the HF alias
-    "quantization_config") to the config, which mlx_lm.load uses to rebuild the layers."""
-    if bits not in (4, 8):
-        raise ValueError(f"quantize must be 4 or 8, got {bits}")
-    return quantize_model(model, config, group_size=GROUP_SIZE, bits=bits, mode="affine")
+    "quantization_config") to the config, which mlx_lm.load uses to rebuild the layers.
+    bits in an MX mode must be the mode's own (shared/train_specs.py quantization)."""
+    q = quantization(bits, mode)
+    if bits not in AFFINE_BITS or q["bits"] != bits:
+        raise ValueError(f"quantize must be one of {AFFINE_BITS} (affine), 4 (mxfp4) or 8 (mxfp8), got {bits} ({mode})")
+    return quantize_model(model, config, **q)
 
 
 # ---------------------------------------------------------------------------- write
 
 def make_model(out_dir: str | Path, size: str = "tiny", quantize: int | None = None, seed: int = 0,
-               final_norm: float = 1.0) -> Path:
+               final_norm: float = 1.0, quantize_mode: str = "affine") -> Path:
     """Write a random-weight Qwen3 model directory for mlx_lm.load; returns its path.
 
     final_norm: the last RMSNorm's scale. At 1, tied Normal(0, 0.02) embeddings keep a tiny
@@ -343,7 +347,7 @@ def make_model(out_dir: str | Path, size: str = "tiny", quantize: int | None = N
     model = build_model(config, seed)
     model.model.norm.weight = model.model.norm.weight * final_norm
     if quantize:
-        model, config = quantize_weights(model, config, quantize)
+        model, config = quantize_weights(model, config, quantize, quantize_mode)
 
     save_model(out, model, donate_model=True)
     save_config(config, out / "config.json")
@@ -361,11 +365,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    p.add_argument("--quantize", type=int, choices=[4, 8], default=None)
+    p.add_argument("--quantize", type=int, choices=AFFINE_BITS, default=None)
+    p.add_argument("--quantize-mode", choices=sorted(QUANT_MODES), default="affine")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     start = time.perf_counter()
-    out = make_model(args.out_dir, args.size, args.quantize, args.seed)
+    out = make_model(args.out_dir, args.size, args.quantize, args.seed, quantize_mode=args.quantize_mode)
     size_mb = sum(f.stat().st_size for f in out.iterdir()) / 1e6
     print(f"wrote {out} ({size_mb:.1f} MB) in {time.perf_counter() - start:.1f}s")
 

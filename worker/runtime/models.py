@@ -164,19 +164,20 @@ class UnsupportedBase(Exception):
     """The model cannot be fine-tuned or exported the way the job asks (already quantized, too large)."""
 
 
-def private_base(model_id: str, settings, fine_tune_type: str, quant_bits: int | None):
+def private_base(model_id: str, settings, fine_tune_type: str, quantization: dict | None):
     """(model, tokenizer, config, quantization) for a job that changes the base weights: its own
     copy (worker/runtime/models.py load_private), made ready by prepare_private."""
     model, tokenizer, config = load_private(model_id, settings)
-    return (model, tokenizer, *prepare_private(model, config, model_id, fine_tune_type, quant_bits,
+    return (model, tokenizer, *prepare_private(model, config, model_id, fine_tune_type, quantization,
                                                 settings.full_finetune_max_gb))
 
 
-def prepare_private(model: nn.Module, config: dict, name: str, fine_tune_type: str, quant_bits: int | None,
+def prepare_private(model: nn.Module, config: dict, name: str, fine_tune_type: str, quantization: dict | None,
                     max_gb: float) -> tuple[dict, dict | None]:
     """Check a lazily loaded private copy and quantize it for qlora, as mlx_lm.convert does
-    (affine, group size 64); (its config, the quantization or None). `full` is bounded by
-    max_gb (MTQ_FULL_FINETUNE_MAX_GB), checked before any weight is read."""
+    (quantization: quantize_model's group_size, bits and mode: shared/train_specs.py quantization);
+    (its config, the quantization or None). `full` is bounded by max_gb (MTQ_FULL_FINETUNE_MAX_GB),
+    checked before any weight is read."""
     if "quantization" in config or "quantization_config" in config:
         raise UnsupportedBase(f"model {name!r} is already quantized: fine_tune_type lora or dora on it is QLoRA "
                               "as it is; full, qlora and quantize_base need an unquantized model")
@@ -186,9 +187,8 @@ def prepare_private(model: nn.Module, config: dict, name: str, fine_tune_type: s
             f"full fine-tuning of {name!r}: its weights are {size / 1e9:.3g} GB, above MTQ_FULL_FINETUNE_MAX_GB "
             f"({max_gb} GB; checkpoints hold the weights and twice that of optimizer state in Redis); "
             "use lora, dora or qlora")
-    quantization = None
-    if quant_bits:
-        _, config = quantize_model(model, config, group_size=None, bits=quant_bits, mode="affine")
+    if quantization:
+        _, config = quantize_model(model, config, **quantization)
         quantization = {k: config["quantization"][k] for k in ("group_size", "bits", "mode")}
     mx.eval(model.parameters())
     return config, quantization
