@@ -5,9 +5,9 @@ unpacked (each micro-batch right-padded to its longest row), on rows of mixed le
                            [--steps 6] [--rounds 3] [--pack-to-max] [--json OUT.json]
 
 The dataset: --rows text rows of mixed length (seeded): a --long-share of them long (a half to
-all of --max-seq-length tokens), the rest short (a twentieth to a quarter of it), as chat and
-instruction data mostly are. The trainers (worker/kinds/sft_job.py SFTTrainer, LoRA rank 8 on
-every layer) take the same rows at each step (the same seed): `unpacked`, `packed` (as a job
+all of --max-seq-length words, cut to --max-seq-length tokens), the rest short (a twentieth to a
+quarter of it), as chat and instruction data mostly are. The trainers (worker/kinds/sft_job.py
+SFTTrainer, LoRA rank 8 on every layer) take the same rows at each step (the same seed): `unpacked`, `packed` (as a job
 packs: sequences as long as the micro-batch's longest row) and, with --pack-to-max,
 `packed_to_max` (sequences of max_seq_length positions, as TRL packs). Each round builds them,
 runs --steps steps of each once (a compile of every batch shape they meet) and then times the
