@@ -7,6 +7,7 @@ against TRL's CPOTrainer.
     python bench/parity.py --trl-python /path/to/trl-env/bin/python [--trl-ppo-path DIR] [--steps 40] [--json OUT.json]
                            [--only-rloo | --only-ppo]
     python bench/parity.py --trl-python /path/to/trl-env/bin/python --only-gkd [--gkd-beta 0.5] [--steps 40]
+    python bench/parity.py --only-sft [--steps 40]       (mlx_lm only: no TRL interpreter needed)
     python bench/parity.py online --trl-python /path/to/trl-env/bin/python [--steps 24] [--json OUT.json]
     python bench/parity.py losses --trl-python /path/to/trl-env/bin/python [--steps 40] [--lr 2e-3] [--only NAME ...]
 
@@ -343,6 +344,36 @@ def mlx_lm_sft(model_dir: Path, data_dir: Path, init: Path, config: dict, optimi
     losses = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^\s*(\d+)\s+(\d+\.\d+) [▼▲]", text, re.M)}
     assert len(losses) == config["iters"] // config["steps_per_report"], res.stdout[-2000:]
     return losses
+
+
+# mlx_lm's optimizer and TRL's: (this project's config fields, mlx_lm's optimizer_config for adamw)
+SFT_OPTIMIZERS = {
+    "mlx_lm's (the seed server's)": ({"bias_correction": False, "weight_decay": 0.01, "max_grad_norm": None},
+                                      {"bias_correction": False, "weight_decay": 0.01}),
+    "TRL's (bias-corrected, no weight decay)": ({"max_grad_norm": None}, {"bias_correction": True, "weight_decay": 0.0}),
+}
+
+
+def sft_parity(client, work: Path, model_dir: Path, init_file: str, steps: int) -> dict[str, dict]:
+    """Each optimizer's SFT run here and by `mlx_lm lora` (the data directory under work/data, which
+    must be the stack's data root): every report's train loss on both sides, printed, and the
+    largest relative deviation."""
+    sft_data, length = sft_rows(model_dir, 4)
+    data_dir = work / "data" / "sft"
+    data_dir.mkdir(parents=True)
+    for split in ("train", "valid"):
+        (data_dir / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in sft_data) + "\n")
+    sft_config = {**SFT_CONFIG, "iters": steps, "batch_size": len(sft_data), "max_seq_length": length}
+    figures = {}
+    for i, (name, (our_fields, mlx_fields)) in enumerate(SFT_OPTIMIZERS.items()):
+        mine = ours_sft(client, model_dir.name, data_dir, init_file, {**sft_config, **our_fields})
+        theirs = mlx_lm_sft(model_dir, data_dir, work / "init", sft_config, mlx_fields, work / f"mlx_lm-{i}")
+        dev = {step: abs(mine[step] - theirs[step]) / theirs[step] for step in theirs}
+        figures[name] = {"reports": {step: [mine[step], theirs[step]] for step in theirs}, "max_deviation": max(dev.values())}
+        print(f"SFT with {name} optimizer: step  train_loss (this project, mlx_lm lora)")
+        for step in theirs:
+            print(f"  {step:>3}  {mine[step]:.4f} {theirs[step]:.3f}")
+    return figures
 
 
 # --------------------------------------------------------------------------- TRL's side (run by --trl-python)
@@ -1040,10 +1071,11 @@ def main() -> int:
         trl_gkd(*sys.argv[2:4])
         return 0
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trl-python", required=True, help="an interpreter with torch, transformers, peft, datasets, trl")
+    ap.add_argument("--trl-python", help="an interpreter with torch, transformers, peft, datasets, trl (all but --only-sft)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--pairs", type=int, default=16)
     ap.add_argument("--json", help="write the figures here too")
+    ap.add_argument("--only-sft", action="store_true", help="only the SFT comparison (against mlx_lm lora)")
     ap.add_argument("--only-rloo", action="store_true", help="only the RLOO comparison")
     ap.add_argument("--trl-ppo-path", default="", help="a directory with TRL 1.12 (`pip install --no-deps --target DIR "
                     "trl==1.12.0`): TRL 1.13 removed PPOTrainer")
@@ -1051,6 +1083,8 @@ def main() -> int:
     ap.add_argument("--only-gkd", action="store_true", help="only the GKD comparison")
     ap.add_argument("--gkd-beta", type=float, default=GKD_CONFIG["beta"], help="GKD's beta")
     args = ap.parse_args()
+    if not args.trl_python and not args.only_sft:
+        ap.error("--trl-python is required (but for --only-sft)")
 
     sys.path.insert(0, str(ROOT))
     from bench.private_stack import private_stack
@@ -1061,6 +1095,16 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="mtq-parity-"))
     model_dir = make_model(work / "models" / "tiny", size="tiny", seed=0)
     init_archive = initial_adapter(model_dir, work / "init")
+    (work / "data").mkdir()
+    if args.only_sft:
+        with private_stack(model_dir, MTQ_DATA_ROOTS=str(work / "data")) as (stack, client, log):
+            wait_up(client, stack, log)
+            sft = sft_parity(client, work, model_dir, upload(client, init_archive), args.steps)
+        for name, f in sft.items():
+            print(f"SFT ({name}): largest per-report train loss deviation from mlx_lm lora {f['max_deviation']:.3%}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"sft": sft}, indent=2))
+        return 0 if all(f["max_deviation"] <= 0.01 for f in sft.values()) else 1
     if args.only_gkd:
         gkd = gkd_parity(args.trl_python, work, model_dir, init_archive, args.steps, args.gkd_beta)
         print(f"GKD: largest per-step loss deviation {gkd['max_loss_deviation']:.4%} over {gkd['steps']} steps")
@@ -1094,25 +1138,11 @@ def main() -> int:
                                                              "rows": ordered, "steps": args.steps, "config": DPO_CONFIG},
                              model_dir, ordered)[0]}
 
-    sft_data, length = sft_rows(model_dir, 4)
-    data_dir = work / "data" / "sft"
-    data_dir.mkdir(parents=True)
-    for split in ("train", "valid"):
-        (data_dir / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in sft_data) + "\n")
-    sft_config = {**SFT_CONFIG, "iters": args.steps, "batch_size": len(sft_data), "max_seq_length": length}
-    optimizers = {
-        "mlx_lm's (the seed server's)": ({"bias_correction": False, "weight_decay": 0.01, "max_grad_norm": None},
-                                          {"bias_correction": False, "weight_decay": 0.01}),
-        "TRL's (bias-corrected, no weight decay)": ({"max_grad_norm": None}, {"bias_correction": True, "weight_decay": 0.0}),
-    }
     with private_stack(model_dir, MTQ_DATA_ROOTS=str(work / "data")) as (stack, client, log):
         wait_up(client, stack, log)
         init_file = upload(client, init_archive)
         ours = ours_pairs(client, "dpo", model_dir.name, rows, init_file, args.steps, DPO_CONFIG)  # its own order is `ordered`
-        sft = {}
-        for i, (name, (our_fields, mlx_fields)) in enumerate(optimizers.items()):
-            sft[name] = (ours_sft(client, model_dir.name, data_dir, init_file, {**sft_config, **our_fields}),
-                         mlx_lm_sft(model_dir, data_dir, work / "init", sft_config, mlx_fields, work / f"mlx_lm-{i}"))
+        sft = sft_parity(client, work, model_dir, init_file, args.steps)
 
     gkd = gkd_parity(args.trl_python, work, model_dir, init_archive, args.steps, args.gkd_beta)
     deviation = [abs(o["loss"] - t["loss"]) / abs(t["loss"]) for o, t in zip(ours, trl["steps"])]
@@ -1121,16 +1151,10 @@ def main() -> int:
                        "final_margin": [ours[-1]["margin"], trl["steps"][-1]["margin"]],
                        "final_margin_deviation": abs(ours[-1]["margin"] - trl["steps"][-1]["margin"]) / abs(trl["steps"][-1]["margin"]),
                        "first_logps_chosen": [ours[0]["logps_chosen"], trl["steps"][0]["logps_chosen"]]},
-               "sft": {}, "rloo": rloo, "ppo": ppo, "gkd": gkd}
+               "sft": sft, "rloo": rloo, "ppo": ppo, "gkd": gkd}
     print(f"DPO, {args.steps} steps: step  loss (this project, TRL)  rewards/margins (this project, TRL)")
     for k, (o, t) in enumerate(zip(ours, trl["steps"])):
         print(f"  {k:>3}  {o['loss']:.4f} {t['loss']:.4f}  {o['margin']:+.4f} {t['margin']:+.4f}")
-    for name, (mine, theirs) in sft.items():
-        dev = {step: abs(mine[step] - theirs[step]) / theirs[step] for step in theirs}
-        figures["sft"][name] = {"reports": {step: [mine[step], theirs[step]] for step in theirs}, "max_deviation": max(dev.values())}
-        print(f"SFT with {name} optimizer: step  train_loss (this project, mlx_lm lora)")
-        for step in theirs:
-            print(f"  {step:>3}  {mine[step]:.4f} {theirs[step]:.3f}")
     d = figures["dpo"]
     print(f"DPO: largest per-step loss deviation {d['max_loss_deviation']:.2%}; final margin {d['final_margin'][0]:.4f} "
           f"vs TRL {d['final_margin'][1]:.4f} ({d['final_margin_deviation']:.2%}); final loss {d['final_loss'][0]:.4f} "

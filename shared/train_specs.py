@@ -139,6 +139,10 @@ class SFTConfig(TrainConfig):
         "null: on for rows with tools, tool calls, tool messages, weights or several assistant messages; "
         "the other rows as mlx_lm tokenises them (mask_prompt). true: every row (messages rows only); "
         "false: none (weight 0 is then refused)."))
+    packing: bool = Field(False, description=(
+        "Pack each micro-batch's rows end to end (best-fit-decreasing) into sequences as long as its longest row, "
+        "each row attending only to itself from position 0: the same rows, loss and gradients as unpacked, "
+        "in fewer, denser sequences. Attention-only models (not recurrent / SSM layers)."))
 
     @model_validator(mode="after")
     def _full_is_not_quantized(self):

@@ -6,6 +6,9 @@ messages' tokens, or every token of a text row; padding never):
 
     loss = sum_{i,t} m_it * -log p_theta(y_it | y_i,<t) / sum_{i,t} m_it
 
+(`packing`: the micro-batch's rows end to end, each attending only to itself: the same terms,
+worker/runtime/packing.py.)
+
 Rows are tokenised by mlx_lm's own dataset classes (text, messages with tools, prompt/
 completion; `mask_prompt` trains only on the completion / last assistant message), except the
 messages rows that train on their assistant messages only (shared/datasets.py
@@ -25,6 +28,7 @@ from shared.train_specs import SFTConfig, SFTJobCreate
 from worker.kinds import supervised_trainer
 from worker.kinds.supervised_trainer import Trainer
 from worker.runtime.logprobs import token_logps
+from worker.runtime.packing import check_packable, pack_rows, packed_logits
 from worker.runtime.train_core import Rows, cut, pad_rows
 
 # --------------------------------------------------------------------------- the math
@@ -95,18 +99,31 @@ def tokenize_rows(tokenizer, rows: list[dict], cfg: SFTConfig, where: str) -> Ro
 
 
 class SFTTrainer(Trainer):
+    # Positions per packed sequence; None: the micro-batch's longest row's, so that a packed batch is never wider
+    # than the padded one (MLX's attention computes a sequence's every query-key pair, masked or not: longer
+    # sequences of short rows would cost more attention than they save). bench/packing.py compares max_seq_length.
+    pack_to: int | None = None
+
     def __init__(self, model, tokenizer, spec: SFTJobCreate, train: list[dict], valid: list[dict] | None):
         cfg = spec.config
         self.train_tok, n_cut = cut(tokenize_rows(tokenizer, train, cfg, "dataset"), cfg.max_seq_length)
         self.valid_tok, n_cut_valid = cut(tokenize_rows(tokenizer, valid, cfg, "valid_dataset"),
                                           cfg.max_seq_length) if valid else (None, 0)
         self.truncated = n_cut + n_cut_valid
+        if cfg.packing:
+            check_packable(model)
         super().__init__(model, cfg, train, valid)
 
     def arrays(self, ids: list[int], rows: list[dict]):
+        """A micro-batch's rows padded, or packed (cfg.packing: the same rows, each with its positions
+        and segment, so the same loss; worker/runtime/packing.py) into sequences of pack_to positions."""
         tok = self.train_tok if rows is self.train_rows else self.valid_tok
-        batch = pad_rows(Rows([tok.tokens[i] for i in ids], [tok.starts[i] for i in ids],
-                              None if tok.masks is None else [tok.masks[i] for i in ids]))
+        rows = Rows([tok.tokens[i] for i in ids], [tok.starts[i] for i in ids],
+                    None if tok.masks is None else [tok.masks[i] for i in ids])
+        if self.cfg.packing:
+            batch = pack_rows(rows, self.pack_to or max(len(t) for t in rows.tokens) - 1)
+            return (batch.inputs, batch.targets, batch.mask, batch.positions, batch.segments), int(batch.mask.sum().item())
+        batch = pad_rows(rows)
         return (batch.inputs, batch.targets, batch.mask), int(batch.mask.sum().item())
 
     @staticmethod
@@ -114,8 +131,8 @@ class SFTTrainer(Trainer):
         return float(tokens)  # the loss is a mean over the trained tokens
 
     @staticmethod
-    def loss(model, inputs, targets, mask):
-        logits = model(inputs)
+    def loss(model, inputs, targets, mask, *packed):
+        logits = packed_logits(model, inputs, *packed) if packed else model(inputs)
         correct = (mx.argmax(logits, axis=-1) == targets) * mask  # TRL's mean_token_accuracy
         return sft_loss(logits, targets, mask), {"mean_token_accuracy": correct.sum() / mx.maximum(mask.sum(), 1.0)}
 
