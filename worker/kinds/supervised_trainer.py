@@ -104,7 +104,8 @@ class Trainer:
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, train: list, valid: list | None):
         self.module, self.cfg, self.train_rows, self.valid_rows = module, cfg, train, valid
-        self.optimizer = make_optimizer(cfg, cfg.iters, cfg.optimizer, cfg.lr_schedule and cfg.lr_schedule.model_dump())
+        self.optimizer = make_optimizer(cfg, cfg.iters, cfg.optimizer, cfg.lr_schedule and cfg.lr_schedule.model_dump(),
+                                        cfg.momentum)
         self.optimizer.init(module.trainable_parameters())
         self.micro_step, self.micro_step_state = None, None  # made at the first step (make_step), below
 
