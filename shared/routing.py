@@ -131,7 +131,8 @@ def step_of(spec) -> dict[str, Any]:
     (CHARS_PER_TOKEN characters a token, plus a chat template's tokens) and max_completion_len
     (a multi-turn job's: its episode_len; checkpointing unless the job turns it off: the plan may
     turn it on). Supervised kinds:
-    batch_size x rows_per_example rows of max_seq_length. A session: one row of max_seq_len. An
+    batch_size x rows_per_example rows of max_seq_length, checkpointing planned by the worker unless
+    the job asks for it (shared/memory_estimate.py supervised_checkpointing). A session: one row of max_seq_len. An
     export: no rows; whether it dequantizes."""
     kind, cfg = kinds.KINDS[spec.kind], spec.config
     if kind.family == "grpo":
@@ -147,7 +148,7 @@ def step_of(spec) -> dict[str, Any]:
     if kind.family == "export":  # no step: the base and its fused (dequantized) copy
         return {"rows": 0, "width": 0, "checkpointing": False, "dequantize": spec.dequantize}
     return {"rows": cfg.batch_size * kind.rows_per_example, "width": cfg.max_seq_length,
-            "checkpointing": cfg.gradient_checkpointing}
+            "checkpointing": True if cfg.gradient_checkpointing else None}  # None: the worker plans it
 
 
 def spec_summary(spec) -> dict[str, Any]:

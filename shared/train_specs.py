@@ -77,7 +77,9 @@ class TrainConfig(OptimizerConfig, ReportConfig):
     steps_per_report: int = Field(10, ge=1, le=1_000_000, description="A step event every N steps (progress: every step).")
     steps_per_eval: int = Field(200, ge=1, le=1_000_000, description="Evaluate on the valid set every N steps (and at the last).")
     steps_per_save: int = Field(100, ge=1, le=1_000_000, description="Checkpoint (LoRA + optimizer state) every N steps.")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(False, description=(
+        "Recompute each block's activations in the backward pass. false: on only where the worker's memory needs it "
+        "(the step's estimate without it exceeds the worker's memory and with it does not: a memory_plan event says so)."))
     seed: int = Field(0, ge=0, le=SEED_MAX)
     queue: str = Field(DEFAULT_LANE, pattern=LANE_PATTERN, description="The job's lane (as GRPO's: shared/routing.py).")
     workers: int = Field(1, ge=1, le=MAX_GANG, description=GANG_DESCRIPTION)

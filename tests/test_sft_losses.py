@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from conftest import wait_done, wait_for
 from mlx.utils import tree_flatten
-from pydantic import ValidationError
 from test_train_kinds import SFT, events, submit
 
-from shared.train_specs import SFTConfig, SFTJobCreate
+from shared.memory_estimate import GB, ModelShape, need_bytes, supervised_checkpointing
+from shared.routing import step_of
+from shared.train_specs import SFTJobCreate
 from worker.kinds.sft_job import SFTTrainer, masked_mean, token_losses
 from worker.runtime.adapter_layers import attach_adapter, remove_adapter_layers
 from worker.runtime.logprobs import token_logps
@@ -49,7 +50,7 @@ def trainer(lm, **config) -> SFTTrainer:
 def loss_and_grads(t: SFTTrainer):
     (arrays, _) = t.arrays(list(range(len(ROWS))), t.train_rows)
     (loss, stats), grads = nn.value_and_grad(t.module, t.loss)(t.module, *arrays)
-    return float(loss.item()), float(stats["mean_token_accuracy"].item()), dict(tree_flatten(grads)), arrays
+    return float(loss.item()), float(stats["mean_token_accuracy"].item()), dict(tree_flatten(grads))
 
 
 def test_chunked_nll_has_nlls_loss_and_gradients(lm):
@@ -148,3 +149,27 @@ def test_each_optimizer_resumes_bit_exactly_after_kill_9_at_a_checkpoint(stack, 
 def test_optimizer_and_loss_fields_out_of_bounds_are_a_clear_400(client, config, error):
     res = client.post(SFT, json={"model_id": "tiny", "dataset": TEXT_ROWS, "config": config})
     assert res.status_code == 400 and error in res.json()["detail"], res.text
+
+
+# --------------------------------------------------------------------------- long rows
+
+
+def test_long_rows_plan_gradient_checkpointing_where_the_memory_needs_it():
+    """worker/kinds/supervised_trainer.py planned_checkpointing's rule on the estimate the routing uses:
+    a 28-block model (Qwen3-0.6B's shapes) at one row of 8,192 tokens needs several times less with
+    checkpointing; the tiny model's 2 blocks gain nothing (attention's probabilities dominate)."""
+    qwen = ModelShape(layers=28, hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, vocab=151_936,
+                      act_bytes=2)
+    weights = int(1.2 * GB)
+    without, with_it = (need_bytes("sft", qwen, weights, 1, 8192, c, "gpu") for c in (False, True))
+    assert with_it < without / 4
+    on, reason = supervised_checkpointing(qwen, weights, 1, 8192, "gpu", (with_it + without) / 2)
+    assert on and reason.startswith("gradient checkpointing on: the step needs about")
+    assert supervised_checkpointing(qwen, weights, 1, 8192, "gpu", without * 1.01) == (False, "")
+    tiny = ModelShape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=1024, act_bytes=4)
+    on, reason = supervised_checkpointing(tiny, 10**6, 1, 16384, "cpu", 1 * GB)
+    assert not on and "would not lower it" in reason
+    # The routing counts a job that does not ask for it at the lower need: a worker that fits it with
+    # checkpointing takes it, and plans it.
+    step = step_of(SFTJobCreate(model_id="tiny", dataset=ROWS, config={"max_seq_length": 8192, "batch_size": 1}))
+    assert step["checkpointing"] is None and need_bytes("sft", qwen, weights, **step, device="gpu") == with_it
