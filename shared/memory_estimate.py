@@ -85,7 +85,7 @@ def dense_bytes(s: ModelShape) -> int:
     return (s.layers * (d * (2 * q + 2 * kv) + 3 * d * s.intermediate) + s.vocab * d) * s.act_bytes
 
 
-def need_bytes(family: str, s: ModelShape, weights: int, rows: int, width: int, checkpointing: bool, device: str,
+def need_bytes(family: str, s: ModelShape, weights: int, rows: int, width: int, checkpointing: bool | None, device: str,
                dequantize: bool = False, qat: bool = False) -> int:
     """The least memory a step of a job of this family (shared/kinds.py) runs in, with `rows`
     rows of `width` tokens. GRPO: the weights plus the larger of sampling every row and a loss
@@ -93,9 +93,28 @@ def need_bytes(family: str, s: ModelShape, weights: int, rows: int, width: int, 
     the weights plus a loss step of all the rows (a batch is one forward and backward pass).
     An export (no step): the base and its fused copy, which is written while the base is
     still held; with dequantize, a copy at least as large as the unquantized model. QAT
-    (worker/runtime/qat.py) adds the rounded copy of every weight, which the backward keeps."""
+    (worker/runtime/qat.py) adds the rounded copy of every weight, which the backward keeps.
+    checkpointing None: the worker plans it (supervised_checkpointing): the lower need."""
+    if checkpointing is None:
+        return min(need_bytes(family, s, weights, rows, width, c, device, dequantize, qat) for c in (False, True))
     if family == "export":
         return weights + (max(weights, dense_bytes(s)) if dequantize else weights)
     if family == "grpo":
         return weights + max(sampling_bytes(s, rows, width, device), loss_bytes(s, 1, width, checkpointing))
     return weights + loss_bytes(s, rows, width, checkpointing) + (dense_bytes(s) if qat else 0)
+
+
+def supervised_checkpointing(s: ModelShape, weights: int, rows: int, width: int, device: str,
+                             memory: float, qat: bool = False) -> tuple[bool, str]:
+    """Gradient checkpointing for a supervised job that does not ask for it: on where its step
+    (rows of width tokens, as the routing counts them) needs more than `memory` without it and
+    less with it; why, when it is not simply off."""
+    without = need_bytes("supervised", s, weights, rows, width, False, device, qat=qat)
+    if without <= memory:
+        return False, ""
+    with_it = need_bytes("supervised", s, weights, rows, width, True, device, qat=qat)
+    if with_it >= without:
+        return False, (f"the step needs about {without / GB:.2f} GB of the worker's {memory / GB:.2f} GB, and "
+                       "gradient checkpointing would not lower it")
+    return True, (f"gradient checkpointing on: the step needs about {without / GB:.2f} GB without it, "
+                  f"{with_it / GB:.2f} GB with it, of the worker's {memory / GB:.2f} GB")

@@ -130,9 +130,10 @@ def step_of(spec) -> dict[str, Any]:
     and whether its loss step recomputes activations. GRPO: B*G rows of the longest prompt
     (CHARS_PER_TOKEN characters a token, plus a chat template's tokens) and max_completion_len
     (a multi-turn job's: its episode_len; checkpointing unless the job turns it off: the plan may
-    turn it on). Supervised kinds: batch_size x rows_per_example rows of max_seq_length, and
-    whether it trains with QAT. A session: one row of max_seq_len. An export: no rows; whether
-    it dequantizes."""
+    turn it on). Supervised kinds: batch_size x rows_per_example rows of max_seq_length,
+    checkpointing planned by the worker unless the job asks for it (shared/memory_estimate.py
+    supervised_checkpointing), and whether it trains with QAT. A session: one row of
+    max_seq_len. An export: no rows; whether it dequantizes."""
     kind, cfg = kinds.KINDS[spec.kind], spec.config
     if kind.family == "grpo":
         chars = max(prompt_chars(p) for p in spec.prompts)
@@ -147,7 +148,8 @@ def step_of(spec) -> dict[str, Any]:
     if kind.family == "export":  # no step: the base and its fused (dequantized) copy
         return {"rows": 0, "width": 0, "checkpointing": False, "dequantize": spec.dequantize or spec.quantize}
     return {"rows": cfg.batch_size * kind.rows_per_example, "width": cfg.max_seq_length,
-            "checkpointing": cfg.gradient_checkpointing, "qat": cfg.qat_enable}
+            "checkpointing": True if cfg.gradient_checkpointing else None,  # None: the worker plans it
+            "qat": cfg.qat_enable}
 
 
 def spec_summary(spec) -> dict[str, Any]:

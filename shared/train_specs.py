@@ -76,7 +76,10 @@ class TrainConfig(OptimizerConfig, ReportConfig):
     lora_rank: int = Field(8, ge=1, le=1024)
     lora_alpha: float = Field(16.0, gt=0.0, le=1e4, description="mlx_lm's LoRA scale (as the seed server passes it).")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    optimizer: Literal["adamw", "adam"] = "adamw"
+    optimizer: Literal["adamw", "adam", "muon", "sgd", "adafactor"] = Field("adamw", description=(
+        "mlx.optimizers' AdamW (TRL's, with the adam_* fields), Adam, Muon, SGD or Adafactor (worker/runtime/train_core.py "
+        "make_optimizer); each one's state is in the checkpoint."))
+    momentum: float | None = Field(None, ge=0.0, lt=1.0, description="SGD's and Muon's momentum; null: theirs (SGD 0, Muon 0.95).")
     learning_rate: float = Field(1e-5, ge=0.0, le=10.0)
     lr_schedule: LRSchedule | None = Field(None, description="mlx_lm's schedule, in place of lr_scheduler and warmup_steps.")
     batch_size: int = Field(4, ge=1, le=1024)
@@ -87,7 +90,9 @@ class TrainConfig(OptimizerConfig, ReportConfig):
     steps_per_report: int = Field(10, ge=1, le=1_000_000, description="A step event every N steps (progress: every step).")
     steps_per_eval: int = Field(200, ge=1, le=1_000_000, description="Evaluate on the valid set every N steps (and at the last).")
     steps_per_save: int = Field(100, ge=1, le=1_000_000, description="Checkpoint (LoRA + optimizer state) every N steps.")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(False, description=(
+        "Recompute each block's activations in the backward pass. false: on only where the worker's memory needs it "
+        "(the step's estimate without it exceeds the worker's memory and with it does not: a memory_plan event says so)."))
     # Quantization-aware training, mlx-lm-lora's flags (docs/quantization.md).
     qat_enable: bool = Field(False, description="Fake-quantize every unquantized linear and embedding weight in the "
                              "forward (straight-through gradients): the model trains as it will run once quantized.")
@@ -115,6 +120,12 @@ class TrainConfig(OptimizerConfig, ReportConfig):
         return {**q, "group_size": self.qat_group_size} if self.qat_mode == "affine" else q
 
     @model_validator(mode="after")
+    def _momentum_of_its_optimizer(self):
+        if self.momentum is not None and self.optimizer not in ("sgd", "muon"):
+            raise ValueError(f"momentum applies to optimizer sgd or muon, not {self.optimizer}")
+        return self
+
+    @model_validator(mode="after")
     def _one_schedule(self):
         if self.lr_schedule is not None and (self.lr_scheduler != "constant" or self.warmup_steps):
             raise ValueError("give lr_schedule (mlx_lm's) or lr_scheduler and warmup_steps (TRL's), not both")
@@ -132,6 +143,10 @@ class SFTConfig(TrainConfig):
                                          "(group size 64), mxfp4 or mxfp8 (group size 32); null: affine (mxfp8 with mxfp8).")
     mxfp8: bool = Field(False, description="The seed server's field: QLoRA on an MXFP8 copy of the base "
                         "(quant_mode mxfp8 and quantize_base).")
+    loss_type: Literal["nll", "chunked_nll", "dft"] = Field("nll", description=(
+        "nll: the masked mean cross-entropy; chunked_nll: the same, the vocabulary projection and log-softmax "
+        "32 positions at a time (a large vocabulary's logits never exist whole); dft: TRL's Dynamic "
+        "Fine-Tuning, each token's NLL weighted by its probability (no gradient through the weight)."))
     mask_prompt: bool = Field(False, description="Train only on completions / the last assistant message "
                               "(of the rows that assistant_only_loss leaves to mlx_lm).")
     assistant_only_loss: bool | None = Field(None, description=(

@@ -1,10 +1,17 @@
 """The SFT job kind: supervised fine-tuning with LoRA, DoRA, QLoRA or of the weights themselves
 (full), as mlx_lm's trainer does, as a job.
 
-The loss, masked cross-entropy over the trained tokens (mask m: completion tokens, assistant
-messages' tokens, or every token of a text row; padding never):
+The loss (`loss_type`), a mean over the trained tokens (mask m: completion tokens, assistant
+messages' tokens, or every token of a text row; padding never), of each token's
 
-    loss = sum_{i,t} m_it * -log p_theta(y_it | y_i,<t) / sum_{i,t} m_it
+    nll:  -log p_it                      (p_it = p_theta(y_it | y_i,<t))
+    dft:  -log p_it * sg(p_it)           (TRL's Dynamic Fine-Tuning; sg: no gradient through it)
+
+    loss = sum_{i,t} m_it * l_it / sum_{i,t} m_it
+
+chunked_nll is nll with the vocabulary projection and log-softmax taken CHUNK positions at a
+time, each chunk's logits recomputed in the backward pass (mx.checkpoint): the [tokens,
+vocabulary] logits never exist whole, the loss and gradients are nll's.
 
 (`packing`: the micro-batch's rows end to end, each attending only to itself: the same terms,
 worker/runtime/packing.py.)
@@ -21,6 +28,7 @@ worker/kinds/supervised_trainer.py's `load` and the job loop (worker/runtime/job
 import types
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.tuner.datasets import create_dataset
 
 from shared.datasets import DatasetError, assistant_only, sft_loss_error
@@ -34,10 +42,63 @@ from worker.runtime.train_core import Rows, cut, pad_rows
 # --------------------------------------------------------------------------- the math
 
 
-def sft_loss(logits: mx.array, targets: mx.array, mask: mx.array) -> mx.array:
-    """Masked mean cross-entropy. logits (N, T, V), targets (N, T), mask (N, T) of 0/1."""
-    nll = -token_logps(logits, targets)
-    return (nll * mask).sum() / mx.maximum(mask.sum(), 1.0)
+# Positions per chunk of chunked_nll. How many chunks are alive at once is MLX's scheduler's: the peak
+# grows with the chunk (bench/chunked_nll.py on a CPU: 1.0 GB of a 151,936 vocabulary's, not its 3.7).
+CHUNK = 32
+
+
+def token_losses(logps: mx.array, loss_type: str) -> mx.array:
+    """Each token's loss from its log-prob: nll's -log p, or dft's -log p * sg(p)."""
+    if loss_type == "dft":
+        return -logps * mx.stop_gradient(mx.exp(logps))
+    return -logps
+
+
+def masked_mean(values: mx.array, mask: mx.array) -> mx.array:
+    return (values * mask).sum() / mx.maximum(mask.sum(), 1.0)
+
+
+def output_head(model: nn.Module) -> tuple[nn.Module, str]:
+    """(module, method) whose call on model.model's hidden states gives the model's logits, for
+    chunked_nll: the lm_head, or a tied embedding's as_linear. UnsupportedBase for a model whose
+    logits are something else (e.g. soft-capped): checked on a few tokens."""
+    inner = getattr(model, "model", None)
+    if "lm_head" in model:
+        head = (model["lm_head"], "__call__")
+    elif inner is not None and hasattr(getattr(inner, "embed_tokens", None), "as_linear"):
+        head = (inner.embed_tokens, "as_linear")
+    else:
+        raise UnsupportedBase("loss_type chunked_nll needs a model with an lm_head or a tied embedding")
+    probe = mx.array([[1, 2, 3]])
+    if not mx.allclose(getattr(head[0], head[1])(inner(probe)), model(probe), rtol=1e-4, atol=1e-4).item():
+        raise UnsupportedBase("loss_type chunked_nll: this model's logits are not its head's projection of its "
+                              "hidden states; use loss_type nll")
+    return head
+
+
+def chunked_token_logps(head: tuple[nn.Module, str], hidden: mx.array, targets: mx.array,
+                        chunk: int = CHUNK) -> tuple[mx.array, mx.array]:
+    """token_logps(head(hidden), targets) and whether each target is the argmax, CHUNK positions at
+    a time. Each chunk is checkpointed with the head's trainable weights as inputs (as mlx_lm's
+    grad_checkpoint), so its backward pass recomputes its logits instead of keeping them."""
+    module, method = head
+    params = module.trainable_parameters()
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+
+    def piece(t):  # the targets a constant: checkpoint differentiates every input
+        def logps(params, h):
+            module.update(params)
+            logits = getattr(module, method)(h).astype(mx.float32)
+            return token_logps(logits, t), (mx.argmax(logits, axis=-1) == t).astype(mx.float32)
+        return mx.checkpoint(logps)
+
+    parts = []
+    for i in range(0, t.shape[0], chunk):
+        # Each chunk after the one before (mx.depends): else MLX may compute them all at once.
+        hi = mx.depends(h[i:i + chunk], parts[-1][0]) if parts else h[i:i + chunk]
+        parts.append(piece(t[i:i + chunk])(params, hi))
+    return (mx.concatenate([p[0] for p in parts]).reshape(targets.shape),
+            mx.concatenate([p[1] for p in parts]).reshape(targets.shape))
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -103,6 +164,7 @@ class SFTTrainer(Trainer):
     # than the padded one (MLX's attention computes a sequence's every query-key pair, masked or not: longer
     # sequences of short rows would cost more attention than they save). bench/packing.py compares max_seq_length.
     pack_to: int | None = None
+    chunk = CHUNK  # chunked_nll's (a test sets fewer)
 
     def __init__(self, model, tokenizer, spec: SFTJobCreate, train: list[dict], valid: list[dict] | None):
         cfg = spec.config
@@ -112,6 +174,7 @@ class SFTTrainer(Trainer):
         self.truncated = n_cut + n_cut_valid
         if cfg.packing:
             check_packable(model)
+        self.head = output_head(model) if cfg.loss_type == "chunked_nll" else None
         super().__init__(model, cfg, train, valid)
 
     def arrays(self, ids: list[int], rows: list[dict]):
@@ -130,11 +193,15 @@ class SFTTrainer(Trainer):
     def weight(ids: list[int], tokens: int) -> float:
         return float(tokens)  # the loss is a mean over the trained tokens
 
-    @staticmethod
-    def loss(model, inputs, targets, mask, *packed):
-        logits = packed_logits(model, inputs, *packed) if packed else model(inputs)
-        correct = (mx.argmax(logits, axis=-1) == targets) * mask  # TRL's mean_token_accuracy
-        return sft_loss(logits, targets, mask), {"mean_token_accuracy": correct.sum() / mx.maximum(mask.sum(), 1.0)}
+    def loss(self, model, inputs, targets, mask, *packed):
+        if self.head is not None:  # chunked_nll
+            hidden = packed_logits(model, inputs, *packed, hidden=True) if packed else model.model(inputs)
+            logps, correct = chunked_token_logps(self.head, hidden, targets, self.chunk)
+        else:
+            logits = packed_logits(model, inputs, *packed) if packed else model(inputs)
+            logps, correct = token_logps(logits, targets), mx.argmax(logits, axis=-1) == targets
+        loss = masked_mean(token_losses(logps, self.cfg.loss_type), mask)
+        return loss, {"mean_token_accuracy": masked_mean(correct, mask)}  # TRL's mean_token_accuracy
 
 
 def load(job, spec: SFTJobCreate, settings):

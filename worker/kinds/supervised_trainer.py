@@ -25,10 +25,13 @@ from mlx_lm.utils import save_config, save_model
 
 from shared.adapters import init_adapter_dir
 from shared.datasets import load_rows
+from shared.memory_estimate import supervised_checkpointing
+from shared.routing import step_of
 from shared.train_specs import TrainConfig
 from worker.runtime.adapter_layers import adapter_config, attach_adapter, remove_adapter_layers, save_adapter, started_from
 from worker.runtime.gang_group import SOLO, Gang
 from worker.runtime.logprobs import pair_tokens
+from worker.runtime.memory_plan import device_kind, device_memory_bytes, model_shape, weights_bytes
 from worker.runtime.models import get_model, gradient_checkpointing, private_base
 from worker.runtime.qat import check_qat, qat_loss, qat_step
 from worker.runtime.train_core import (
@@ -110,7 +113,8 @@ class Trainer:
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, train: list, valid: list | None):
         self.module, self.cfg, self.train_rows, self.valid_rows = module, cfg, train, valid
-        self.optimizer = make_optimizer(cfg, cfg.iters, cfg.optimizer, cfg.lr_schedule and cfg.lr_schedule.model_dump())
+        self.optimizer = make_optimizer(cfg, cfg.iters, cfg.optimizer, cfg.lr_schedule and cfg.lr_schedule.model_dump(),
+                                        cfg.momentum)
         self.optimizer.init(module.trainable_parameters())
         self.micro_steps, self.micro_step_state = {}, None  # made at a step's first use (make_step), below: plain, QAT
         check_qat(module, cfg)
@@ -305,7 +309,7 @@ def load(job, spec, settings, make_trainer: Callable, fine_tune_type: str = "lor
                          **started_from(spec)})
         mx.random.seed(cfg.seed)  # LoRA init
         attach_adapter(model, cfg, fine_tune_type, init)
-        with gradient_checkpointing(model, cfg.gradient_checkpointing):
+        with gradient_checkpointing(model, planned_checkpointing(job, spec, model)):
             trainer = make_trainer(model, tokenizer, spec, train, valid)
             trainer.gang = job.gang
             if init is not None:
@@ -331,6 +335,22 @@ def load(job, spec, settings, make_trainer: Callable, fine_tune_type: str = "lor
             )
     finally:
         remove_adapter_layers(model)  # the process keeps a shared model for the next job
+
+
+def planned_checkpointing(job, spec, model: nn.Module) -> bool:
+    """gradient_checkpointing as the job asks, else where this worker's memory needs it
+    (shared/memory_estimate.py supervised_checkpointing); a memory_plan event says why."""
+    cfg = spec.config
+    if cfg.gradient_checkpointing:
+        return True
+    step = step_of(spec)
+    on, reason = supervised_checkpointing(model_shape(model), weights_bytes(model), step["rows"], step["width"],
+                                          device_kind(), device_memory_bytes(), qat=step.get("qat", False))
+    if on and cfg.lora_dropout > 0:
+        on, reason = False, reason.replace("on:", "left off (lora_dropout > 0: recomputed layers would draw new masks):")
+    if reason:
+        job.write(event={"type": "memory_plan", "gradient_checkpointing": on, "reason": reason})
+    return on
 
 
 def save_full_model(model: nn.Module, tokenizer, config: dict, out_dir: Path, train_config: dict) -> None:

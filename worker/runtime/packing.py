@@ -122,12 +122,14 @@ def per_token_rope(positions: mx.array, calls: list[int]):
         mx.fast.rope = rope
 
 
-def packed_logits(model: nn.Module, inputs: mx.array, positions: mx.array, segments: mx.array) -> mx.array:
-    """The model's logits of a packed batch: each row's as if it were alone."""
+def packed_logits(model: nn.Module, inputs: mx.array, positions: mx.array, segments: mx.array,
+                  hidden: bool = False) -> mx.array:
+    """The model's logits of a packed batch (hidden: its last hidden states, before the output
+    head, for chunked_nll): each row's as if it were alone."""
     cache = PackedCache(positions, segments)
     calls = [0]
     with per_token_rope(positions, calls):
-        logits = model(inputs, cache=[cache] * len(model.layers))
+        logits = (model.model if hidden else model)(inputs, cache=[cache] * len(model.layers))
     if not calls[0]:  # a model that positions tokens otherwise would see the bins' positions
         raise UnsupportedBase(f"packing: the {type(model).__module__} model does not apply RoPE through mx.fast.rope")
     return logits

@@ -143,19 +143,34 @@ def learning_rate_schedule(cfg, total_updates: int) -> Callable | float:
     return optim.join_schedules([optim.linear_schedule(0.0, cfg.learning_rate, warm), main], [warm])
 
 
-def make_optimizer(cfg, total_updates: int, name: str = "adamw", mlx_schedule: dict | None = None) -> optim.Optimizer:
-    """AdamW ("adam": Adam) of a config's optimizer fields (shared/schemas.py OptimizerConfig):
-    bias-corrected as PyTorch's and so TRL's unless bias_correction is off (MLX's default, and
-    mlx_lm's trainer), over total_updates updates. mlx_schedule: mlx_lm's lr_schedule
-    ({name, arguments, warmup}) in place of lr_scheduler and warmup_steps.
+def make_optimizer(cfg, total_updates: int, name: str = "adamw", mlx_schedule: dict | None = None,
+                   momentum: float | None = None) -> optim.Optimizer:
+    """mlx.optimizers' optimizer `name` (mlx_lm's choices) of a config's optimizer fields
+    (shared/schemas.py OptimizerConfig) over total_updates updates. mlx_schedule: mlx_lm's
+    lr_schedule ({name, arguments, warmup}) in place of lr_scheduler and warmup_steps.
+
+    adamw (adam: no weight decay), bias-corrected as PyTorch's and so TRL's unless bias_correction
+    is off (MLX's default, and mlx_lm's trainer):
 
         m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  theta *= 1 - lr * weight_decay
         theta -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)     (bias_correction off: no 1 - b^t)
+
+    sgd and muon: MLX's with `momentum` (None: theirs, 0 and 0.95) and weight_decay. adafactor:
+    the learning rate as given, not Adafactor's relative step nor scaled by each weight's size
+    (transformers' advice for fine-tuning: a LoRA B of zeros would otherwise hardly move).
     """
     lr = build_schedule(mlx_schedule) if mlx_schedule else learning_rate_schedule(cfg, total_updates)
     betas, eps = [cfg.adam_beta1, cfg.adam_beta2], cfg.adam_epsilon
     if name == "adam":
         return optim.Adam(learning_rate=lr, betas=betas, eps=eps, bias_correction=cfg.bias_correction)
+    if name == "sgd":
+        return optim.SGD(learning_rate=lr, momentum=momentum or 0.0, weight_decay=cfg.weight_decay)
+    if name == "muon":
+        return optim.Muon(learning_rate=lr, momentum=0.95 if momentum is None else momentum,
+                          weight_decay=cfg.weight_decay)
+    if name == "adafactor":
+        return optim.Adafactor(learning_rate=lr, relative_step=False, scale_parameter=False,
+                               weight_decay=cfg.weight_decay)
     return optim.AdamW(learning_rate=lr, betas=betas, eps=eps, weight_decay=cfg.weight_decay,
                        bias_correction=cfg.bias_correction)
 
