@@ -128,9 +128,10 @@ def loss_and_grads(t: SFTTrainer, ids: list[int]):
     return float(loss.item()), float(stats["mean_token_accuracy"].item()), dict(tree_flatten(grads)), tokens, arrays[0].shape
 
 
-def test_packed_loss_and_gradients_equal_the_padded_batch(lm):
+@pytest.mark.parametrize("loss_type", ["nll", "chunked_nll"])
+def test_packed_loss_and_gradients_equal_the_padded_batch(lm, loss_type):
     rows = mixed_rows(12, 0)
-    padded, packed = trainer(lm, rows), trainer(lm, rows, packing=True)
+    padded, packed = trainer(lm, rows), trainer(lm, rows, packing=True, loss_type=loss_type)
     assert padded.truncated == packed.truncated > 0  # the 40-word rows are cut to max_seq_length, packed as unpacked
     ids = list(range(12))
     loss, accuracy, grads, tokens, shape = loss_and_grads(padded, ids)
