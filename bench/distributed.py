@@ -45,8 +45,9 @@ from worker.runtime.adapter_layers import attach_adapter  # noqa: E402
 from worker.runtime.train_core import TrainState  # noqa: E402
 
 
-def run_rank(args, part: gang.Gang) -> dict:
-    """This process's steps: their median time, and (in a gang) the all-reduce's alone."""
+def sft_trainer(args, part: gang.Gang):
+    """(model, SFT trainer) on args.batch_size * 4 rows of about args.length tokens, LoRA on every
+    layer, as `part`'s rank (bench/gang_uneven.py uses it too)."""
     model, tokenizer = mlx_lm.load(args.model)
     words = " ".join(["word"] * args.length)
     rows = [{"text": f"{i} {words}"} for i in range(args.batch_size * 4)]
@@ -56,6 +57,24 @@ def run_rank(args, part: gang.Gang) -> dict:
     attach_adapter(model, spec.config, "lora")
     trainer = SFTTrainer(model, tokenizer, spec, rows, None)
     trainer.gang = part
+    return model, trainer
+
+
+def run_ranks(n: int, extra: list[str] = (), env_of=lambda rank: os.environ) -> list[dict]:
+    """This script (sys.argv plus `extra`) as n rank processes joined over loopback: each one's last JSON line."""
+    hosts = [[f"127.0.0.1:{free_port()}"] for _ in range(n)]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(hosts, f)
+    ranks = [subprocess.Popen([sys.executable, sys.argv[0], *sys.argv[1:], "--rank", str(r), "--hostfile", f.name, *extra],
+                              stdout=subprocess.PIPE, text=True, env=env_of(r)) for r in range(n)]
+    outs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in ranks]
+    os.unlink(f.name)
+    return outs
+
+
+def run_rank(args, part: gang.Gang) -> dict:
+    """This process's steps: their median time, and (in a gang) the all-reduce's alone."""
+    model, trainer = sft_trainer(args, part)
     state, times = TrainState(), []
     for i in range(args.warmup + args.steps):
         times.append(trainer.step(state)["step_time"])
@@ -91,13 +110,7 @@ def main():
         print(json.dumps(result), flush=True)
         return
     solo = run_rank(args, gang.SOLO)
-    hosts = [[f"127.0.0.1:{free_port()}"] for _ in range(args.ranks)]
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(hosts, f)
-    ranks = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r), "--hostfile", f.name],
-                              stdout=subprocess.PIPE, text=True, env=os.environ) for r in range(args.ranks)]
-    outs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in ranks]
-    os.unlink(f.name)
+    outs = run_ranks(args.ranks)
     g = outs[0]
     print(json.dumps({"model": args.model, "ranks": args.ranks, "batch_size": args.batch_size, "length": args.length,
                       "solo_step_s": round(solo["step_s"], 4), "gang_step_s": round(g["step_s"], 4),

@@ -18,39 +18,21 @@ No Redis, rq or HTTP: MLX, mlx_lm and the trainer modules only.
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from worker.supervisor.openblas import reexec_with_openblas  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from distributed import run_ranks, sft_trainer  # noqa: E402 (its OpenBLAS re-exec first)
 
-reexec_with_openblas()
-
-import mlx.core as mx  # noqa: E402
-import mlx_lm  # noqa: E402
-
-from shared.train_specs import SFTJobCreate  # noqa: E402
-from worker.kinds.sft_job import SFTTrainer  # noqa: E402
 from worker.runtime import gang_group as gang  # noqa: E402
-from worker.runtime.adapter_layers import attach_adapter  # noqa: E402
 from worker.runtime.train_core import TrainState  # noqa: E402
 
 
 def run_rank(args, part: gang.Gang) -> dict:
     """This rank's steps: their median seconds after the warm-up, and the last step's rows per rank."""
-    model, tokenizer = mlx_lm.load(args.model)
-    words = " ".join(["word"] * args.length)
-    rows = [{"text": f"{i} {words}"} for i in range(args.batch_size * 4)]
-    spec = SFTJobCreate(model_id="bench", dataset=rows, config=dict(
-        batch_size=args.batch_size, max_seq_length=args.length + 8, lora_layers=-1, workers=part.size))
-    mx.random.seed(0)
-    attach_adapter(model, spec.config, "lora")
-    trainer = SFTTrainer(model, tokenizer, spec, rows, None)
-    trainer.gang = part
+    _, trainer = sft_trainer(args, part)
     state, times = TrainState(), []
     for _ in range(args.warmup + args.steps):
         metrics = trainer.step(state)
@@ -59,24 +41,10 @@ def run_rank(args, part: gang.Gang) -> dict:
             "rows": [int(metrics[f"gang/rows_rank{r}"]) for r in range(part.size)]}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pair(args, shares: str) -> dict:
     """One run of the pair: rank 0 as is, rank 1 slowed."""
-    hosts = [[f"127.0.0.1:{free_port()}"] for _ in range(2)]
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(hosts, f)
-    ranks = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r), "--hostfile", f.name,
-                               "--shares", shares], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "MTQ_GANG_SLOW_S_PER_ROW": str(args.slow_s_per_row if r else 0)})
-             for r in range(2)]
-    outs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in ranks]
-    os.unlink(f.name)
-    return outs[0]
+    slowed = lambda rank: {**os.environ, "MTQ_GANG_SLOW_S_PER_ROW": str(args.slow_s_per_row if rank else 0)}  # noqa: E731
+    return run_ranks(2, ["--shares", shares], slowed)[0]
 
 
 def main():
