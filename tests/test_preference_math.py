@@ -28,7 +28,7 @@ from worker.kinds.cpo_job import cpo_loss
 from worker.kinds.dpo_job import dpo_loss, orpo_loss
 from worker.kinds.kto_job import kl_estimate, kto_loss, mismatched
 from worker.kinds.reward_model_job import bradley_terry_loss
-from worker.kinds.sft_job import sft_loss
+from worker.kinds.sft_job import masked_mean, token_losses
 from worker.runtime.logprobs import sequence_logps, token_logps
 from worker.runtime.train_core import Rows, pad_rows
 
@@ -160,7 +160,8 @@ def test_sft_masked_cross_entropy_and_gradient():
     targets = rng.integers(0, 7, size=(2, 5))
     mask = np.array([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0]], dtype=np.float64)  # prompt masked, padding masked
     t, m = mx.array(targets), mx.array(mask, dtype=mx.float32)
-    loss, grad = mx.value_and_grad(lambda x: sft_loss(x, t, m))(mx.array(logits, dtype=mx.float32))
+    loss, grad = mx.value_and_grad(lambda x: masked_mean(token_losses(token_logps(x, t), "nll"), m))(
+        mx.array(logits, dtype=mx.float32))
     close(loss.item(), np_sft(logits, targets, mask))
     close(np.array(grad), numeric_grad(lambda x: np_sft(x, targets, mask), logits))
     assert np.all(np.array(grad)[mask == 0] == 0)  # padding and prompt get no gradient
