@@ -93,8 +93,8 @@ def mtq(stack, *args: str, token: str = ALICE) -> subprocess.CompletedProcess:
                           env=dict(env, MTQ_API_URL=stack.base_url, MTQ_API_TOKEN=token, COLUMNS="120"), timeout=240)
 
 
-def download_adapter(stack, job_id: str, out):
-    with stack.client(ALICE) as c:
+def download_adapter(stack, job_id: str, out, token: str = ALICE):
+    with stack.client(token) as c:
         resp = c.get(f"{SFT}/{job_id}/adapter")
     assert resp.status_code == 200, resp.text
     with tarfile.open(fileobj=io.BytesIO(resp.content)) as tar:
@@ -102,16 +102,16 @@ def download_adapter(stack, job_id: str, out):
     return out
 
 
-def load(model_dir, adapter_dir=None, quantize_bits: int | None = None):
+def load(model_dir, adapter_dir=None, quantization: dict | None = None):
     """mlx_lm.load of the model, with the adapter's layers on it (mlx_lm's load_adapters);
-    quantize_bits: the model quantized first, as mlx_lm.convert does (affine, group size 64)."""
+    quantization: the model quantized first with quantize_model's arguments, as mlx_lm.convert does."""
     import mlx_lm
     from mlx_lm.tuner.utils import load_adapters
     from mlx_lm.utils import quantize_model
 
     model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True)
-    if quantize_bits:
-        quantize_model(model, config, group_size=64, bits=quantize_bits, mode="affine")
+    if quantization:
+        quantize_model(model, config, **quantization)
     if adapter_dir is not None:
         load_adapters(model, str(adapter_dir))
     return model, tokenizer
@@ -138,7 +138,7 @@ def test_an_exported_model_generates_what_base_and_adapter_generate(stack, model
                                                                     flags, bits):
     job_id = sft_jobs[name]
     adapter = download_adapter(stack, job_id, tmp_path / "adapter")
-    reference = load(models / model, adapter, bits)
+    reference = load(models / model, adapter, bits and {"group_size": 64, "bits": bits, "mode": "affine"})
     expected = greedy(reference)
     assert expected != greedy(load(models / model)), "the adapter does not change greedy decoding: the test means nothing"
 

@@ -7,12 +7,10 @@ MXFP4 bases, a 3-bit QLoRA and the seed's mxfp8 train and save adapters mlx_lm l
 export is quantized to its bits; impossible combinations are refused.
 """
 
-import io
 import json
 import re
 import subprocess
 import sys
-import tarfile
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,7 +18,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from conftest import ROOT, Stack, running, wait_done
+from conftest import ROOT, TOKEN, Stack, running, wait_done
+from test_export import download_adapter, load
 from shared.kinds import KINDS
 from shared.memory_estimate import ModelShape, dense_bytes, need_bytes
 from shared.train_specs import DPOJobCreate, KTOJobCreate, ORPOJobCreate, SFTJobCreate
@@ -178,29 +177,6 @@ def jobs(stack, worker):
     return {name: wait_done(stack, SFT, job_id, timeout=240) for name, job_id in ids.items()}
 
 
-def adapter_of(stack, job_id: str, out):
-    with stack.client() as c:
-        resp = c.get(f"{SFT}/{job_id}/adapter")
-    assert resp.status_code == 200, resp.text
-    with tarfile.open(fileobj=io.BytesIO(resp.content)) as tar:
-        tar.extractall(out, filter="data")
-    return out
-
-
-def load(model_dir, adapter_dir=None, quantization: dict | None = None):
-    """mlx_lm.load, the model quantized as given (mlx_lm's quantize_model), the adapter's layers on it."""
-    import mlx_lm
-    from mlx_lm.tuner.utils import load_adapters
-    from mlx_lm.utils import quantize_model
-
-    model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True)
-    if quantization:
-        quantize_model(model, config, **quantization)
-    if adapter_dir is not None:
-        load_adapters(model, str(adapter_dir))
-    return model, tokenizer
-
-
 def logits(loaded) -> mx.array:
     model, tokenizer = loaded
     return model(mx.array([tokenizer.encode(ROWS[0]["prompt"] + " " + ROWS[0]["completion"])]))
@@ -214,7 +190,7 @@ def test_quantized_bases_train_and_save_adapters_mlx_lm_loads(stack, models, job
     with stack.client() as c:
         losses = [h["loss"] for h in c.get(f"{SFT}/{job['job_id']}/history").json()["history"]]
     assert losses[-1] < losses[0] - 0.1, losses
-    adapter = adapter_of(stack, job["job_id"], tmp_path / "adapter")
+    adapter = download_adapter(stack, job["job_id"], tmp_path / "adapter", TOKEN)
     quantization = json.loads((adapter / "adapter_config.json").read_text()).get("quantization")
     if model_id == "tiny":  # a private copy quantized by the job, as its adapter_config.json says
         assert quantization == {"group_size": 32 if mode != "affine" else 64, "bits": bits, "mode": mode}
@@ -228,7 +204,7 @@ def test_quantized_bases_train_and_save_adapters_mlx_lm_loads(stack, models, job
 
 def test_a_qat_job_exports_its_model_quantized_to_the_trained_bits(stack, models, jobs, tmp_path):
     job_id = jobs["qat"]["job_id"]
-    adapter = adapter_of(stack, job_id, tmp_path / "adapter")
+    adapter = download_adapter(stack, job_id, tmp_path / "adapter", TOKEN)
     assert json.loads((adapter / "adapter_config.json").read_text())["qat"] == {"group_size": 64, "bits": 4, "mode": "affine"}
     out = tmp_path / "exported"
     env = {k: v for k, v in stack.env.items() if k not in ("REDIS_URL", "MTQ_API_PORT")}
