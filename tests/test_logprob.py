@@ -316,7 +316,10 @@ def test_a_busy_worker_answers_between_steps_without_disturbing_its_job(stack, w
         waits.append(len(iters()) - before)
     job = stack.wait_job(job_id, timeout=120)
     assert job["status"] == "completed", job["error"]
-    assert waits and max(waits) <= 2, waits  # answered within two optimizer steps
+    # Answered at the first turn between steps after it arrived: the step running when it was
+    # sent, one more if it missed that step's turn by a hair, and one that ends while the
+    # answer travels back; a request the busy worker did not serve would wait out the job.
+    assert waits and max(waits) <= 3, waits
     assert len(iters()) == 30 and min(len(iters()) - w for w in waits) < 30  # while the job was running
 
     with stack.client() as c:
