@@ -20,7 +20,7 @@ import sys
 import time
 
 from shared.settings import load_settings
-from worker.supervisor import kernel_cache
+from worker.supervisor import kernel_cache, mlx_env
 from worker.supervisor.marks import Marks
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ def child_main(main: str, *args) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
     kernel_cache.use(load_settings().kernel_cache_dir)  # before MLX compiles anything
+    mlx_env.use()  # before MLX starts
     module, name = main.rsplit(".", 1)
     getattr(importlib.import_module(module), name)(*args)
 
