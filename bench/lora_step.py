@@ -2,6 +2,12 @@
 interleaved rounds in one process (docs/performance.md "LoRA's product in the model's dtype").
 
     python bench/lora_step.py MODEL_DIR [--batch-size 4] [--length 128] [--steps 10] [--warmup 3] [--rounds 3]
+    python bench/lora_step.py MODEL_DIR --count
+
+--count: no timing; the primitives of each fwdbwd_* variant's graph (the SFT loss and its
+gradients, before evaluation: mx.export_to_dot), by type. Where a step is host-bound (the H200:
+a cost per primitive), their count is what a variant adds; it depends on the layer count and
+the kind of layers, not on their width or the rows, so any machine can print it.
 
 Variants, each on the same padded rows (bench/train_step.py rows_for), LoRA rank 8 on every
 linear layer of every block, full fine-tuning of every block:
@@ -18,7 +24,10 @@ ratios of the rounds. Imports MLX, mlx_lm and the trainer modules only (runs whe
 """
 
 import argparse
+import collections
+import re
 import statistics
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -32,6 +41,7 @@ reexec_with_openblas()
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import mlx_lm  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.tuner.lora import LoRALinear  # noqa: E402
 from train_step import LORA, rows_for  # noqa: E402
 
@@ -48,6 +58,18 @@ class MergedLoRALinear(InputDtypeLoRALinear):
         return y + self.linear.bias if "bias" in self.linear else y
 
 
+def print_primitives(name: str):
+    """A function of (loss, grads) that prints the primitives of their graph, by type."""
+    def count(outputs) -> None:
+        loss, grads = outputs
+        with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+            mx.export_to_dot(f.name, loss, *[g for _, g in tree_flatten(grads)])
+            kinds = collections.Counter(re.findall(r'label ="([A-Za-z]+)"', f.read()))
+        top = ", ".join(f"{k} {n}" for k, n in kinds.most_common(8))
+        print(f"{name:16s} primitives {sum(kinds.values()):6d}: {top}", flush=True)
+    return count
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
@@ -56,6 +78,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--count", action="store_true", help="print each fwdbwd variant's primitives by type, no timing")
     args = p.parse_args()
     model, tokenizer = mlx_lm.load(args.model)
     rows = rows_for("sft", args.batch_size * 2, args.length)
@@ -74,11 +97,18 @@ def main() -> None:
         made, state = trainer(fine_tune_type, layer_class), TrainState()
         return lambda: made.step(state)
 
-    def fwd_bwd(fine_tune_type, layer_class=None):
+    def fwd_bwd(fine_tune_type, layer_class=None, run=mx.eval):
         made = trainer(fine_tune_type, layer_class)
         (arrays, _) = made.arrays(list(range(args.batch_size)), rows)
         vg = nn.value_and_grad(model, lambda *a: made.loss(model, *a)[0])
-        return lambda: mx.eval(vg(*arrays))
+        return lambda: run(vg(*arrays))
+
+    if args.count:
+        for name, (fine_tune_type, layer_class) in {"fwdbwd_lora": ("lora", None), "fwdbwd_lora_f32": ("lora", LoRALinear),
+                                                    "fwdbwd_full": ("full", None), "fwdbwd_merged": ("lora", MergedLoRALinear)}.items():
+            fwd_bwd(fine_tune_type, layer_class, run=print_primitives(name))()
+            remove_adapter_layers(model)
+        return
 
     variants = {"step_lora": lambda: step("lora"), "step_lora_f32": lambda: step("lora", LoRALinear),
                 "step_full": lambda: step("full"), "fwdbwd_lora": lambda: fwd_bwd("lora"),
