@@ -2,6 +2,7 @@
 (worker/supervisor/kernel_cache.py): what a second worker on the same $MTQ_HOME saves.
 
     python bench/first_step.py MODEL_DIR [--kinds sft dpo grpo] [--cache DIR] [--fleet REDIS_URL]
+                               [--vary lora_rank=16 lora_layers=2 batch_size=4]
 
 For each kind, two fresh processes in turn, each set up as a worker's training process is
 (kernel_cache.use with MTQ_KERNEL_CACHE = a new empty directory, or --cache, emptied first):
@@ -13,6 +14,10 @@ Prints one JSON line per kind:
   later_step_s       the warm process's second step
   kernels            compiled kernels in the cache after the cold run (the CPU's .so files;
                      CUDA: each kernel's .ptx and .txt)
+--vary KEY=VALUE ...: then, for each, one more process on the same warm cache whose job differs
+from the first two by that one field (a job's config; batch_size is GRPO's prompts per step):
+  varied            per field: its first step and the kernels it compiled that the cache lacked
+                    (what a job of another LoRA rank, layer count or batch costs a warm worker)
 With --fleet, the cold process also publishes its kernels to that Redis as a worker does
 (worker/supervisor/kernel_share.py; MTQ_KERNEL_SHARE_MB must not be 0), and a third process, on
 an empty kernel cache and an empty CUDA driver cache (a new machine joining the fleet), fetches
@@ -41,9 +46,10 @@ from worker.supervisor import kernel_cache, kernel_share  # noqa: E402
 from worker.supervisor.openblas import reexec_with_openblas  # noqa: E402
 
 
-def child(kind: str, model_dir: str, fleet: str | None, role: str) -> None:
-    """A training process's first two steps of a job of `kind`, as one JSON line; role "publish":
-    then it publishes its kernels to the fleet's Redis, "fetch": it fetches them first."""
+def child(kind: str, model_dir: str, fleet: str | None, role: str, overrides: dict) -> None:
+    """A training process's first two steps of a job of `kind` (its config changed by overrides),
+    as one JSON line; role "publish": then it publishes its kernels to the fleet's Redis,
+    "fetch": it fetches them first."""
     kernel_cache.use(load_settings().kernel_cache_dir)  # as worker/supervisor/child.py child_main, before MLX
     import mlx.core as mx
     import mlx_lm
@@ -72,13 +78,14 @@ def child(kind: str, model_dir: str, fleet: str | None, role: str) -> None:
         from grpo_step import make_trainer
 
         tokenizer.eos_token_ids = []
-        _, trainer = make_trainer(model, tokenizer, model_dir, 4, 2, 32, 2, {})
+        config = dict(overrides)
+        _, trainer = make_trainer(model, tokenizer, model_dir, 4, config.pop("batch_size", 2), 32, 2, config)
         step = lambda state: trainer.step(state, lambda: False)  # noqa: E731
     else:
-        rows = [{"text": f"{i} {words} {words}"} for i in range(4)] if kind == "sft" else [
-            {"prompt": f"{i} {words}", "chosen": f"yes {words}", "rejected": f"no {words}"} for i in range(4)]
+        rows = [{"text": f"{i} {words} {words}"} for i in range(8)] if kind == "sft" else [
+            {"prompt": f"{i} {words}", "chosen": f"yes {words}", "rejected": f"no {words}"} for i in range(8)]
         spec = KINDS[kind].spec_model.model_validate({"model_id": "bench", "dataset": rows, "config": {
-            "batch_size": 2, "iters": 2, "lora_layers": -1}})
+            "batch_size": 2, "iters": 2, "lora_layers": -1, **overrides}})
         mx.random.seed(0)
         attach_adapter(model, spec.config)
         trainer = (SFTTrainer if kind == "sft" else DPOTrainer)(model, tokenizer, spec, rows, None)
@@ -95,10 +102,12 @@ def child(kind: str, model_dir: str, fleet: str | None, role: str) -> None:
                       "fetch_s": fetch_s, "device": str(mx.default_device())}))
 
 
-def run_child(kind: str, model_dir: str, cache: Path, fleet: str | None = None, role: str = "") -> dict:
+def run_child(kind: str, model_dir: str, cache: Path, fleet: str | None = None, role: str = "",
+              overrides: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "CUDA_CACHE_PATH"}  # each cache its own driver cache
     out = subprocess.run([sys.executable, __file__, model_dir, "--child", kind, "--role", role,
-                          *(["--fleet", fleet] if fleet else [])], capture_output=True, text=True,
+                          "--set", json.dumps(overrides or {}), *(["--fleet", fleet] if fleet else [])],
+                         capture_output=True, text=True,
                          env=dict(env, MTQ_KERNEL_CACHE=str(cache)), timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
@@ -111,12 +120,15 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", default=["sft", "dpo", "grpo"], choices=["sft", "dpo", "grpo"])
     p.add_argument("--cache", type=Path, help="the kernel cache directory to use (emptied first); default: a new temporary one")
     p.add_argument("--fleet", metavar="REDIS_URL", help="also time a new worker that fetches the cold run's kernels from this Redis")
+    p.add_argument("--vary", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="one more warm process per field, the job changed by it (e.g. lora_rank=16)")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--set", default="{}", help=argparse.SUPPRESS)
     p.add_argument("--role", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     reexec_with_openblas()
     if args.child:
-        return child(args.child, args.model, args.fleet, args.role)
+        return child(args.child, args.model, args.fleet, args.role, json.loads(args.set))
     for kind in args.kinds:
         with tempfile.TemporaryDirectory() as d:
             cache = args.cache or Path(d) / "kernel-cache"
@@ -124,9 +136,17 @@ def main() -> None:
             cold = run_child(kind, args.model, cache, args.fleet, "publish")
             warm = run_child(kind, args.model, cache)
             joined = run_child(kind, args.model, Path(d) / "new-machine", args.fleet, "fetch") if args.fleet else None
+            varied, kernels = [], warm["kernels"]
+            for key, value in (kv.split("=", 1) for kv in args.vary):
+                other = run_child(kind, args.model, cache, overrides={key: json.loads(value)})
+                varied.append({key: json.loads(value), "first_step_s": round(other["first_step_s"], 3),
+                               "compiled": other["kernels"] - kernels})
+                kernels = other["kernels"]
         line = {"kind": kind, "device": cold["device"], "cold_first_step_s": round(cold["first_step_s"], 3),
                 "warm_first_step_s": round(warm["first_step_s"], 3), "later_step_s": round(warm["later_step_s"], 3),
                 "kernels": cold["kernels"]}
+        if varied:
+            line["varied"] = varied
         if joined:
             line.update(fleet_fetch_s=round(joined["fetch_s"], 3), fleet_first_step_s=round(joined["first_step_s"], 3),
                         fleet_compiled=joined["kernels"] - joined["fetched"])

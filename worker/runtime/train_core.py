@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.tuner.utils import build_schedule
 
 PAD_TO = 32  # padded widths are multiples of this: few distinct shapes to compile
@@ -176,10 +176,16 @@ def make_optimizer(cfg, total_updates: int, name: str = "adamw", mlx_schedule: d
 
 
 def clipped(grads, max_grad_norm: float | None):
-    """(grads clipped to a global norm of max_grad_norm (None: as they are), their norm before)."""
-    if max_grad_norm is not None:
-        return optim.clip_grad_norm(grads, max_grad_norm)
-    return grads, mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
+    """(grads clipped to a global norm of max_grad_norm (None: as they are), their norm before),
+    as mlx's clip_grad_norm clips them. The squares' sums are stacked and summed, not added one
+    by one (in float32): a compiled chain of additions is a kernel of as many inputs as there are trainable
+    arrays, compiled again for every other layer count (docs/performance.md)."""
+    squares = [(g.astype(mx.float32) if g.dtype == mx.float16 else g).square().sum() for _, g in tree_flatten(grads)]
+    norm = mx.sqrt(mx.stack([s.astype(mx.float32) for s in squares]).sum())
+    if max_grad_norm is None:
+        return grads, norm
+    normalizer = mx.minimum(max_grad_norm / (norm + 1e-6), 1.0)  # clip_grad_norm's, as it scales
+    return tree_map(lambda g: (g * normalizer).astype(g.dtype), grads), norm
 
 
 # --------------------------------------------------------------------------- what the job loop drives
