@@ -225,8 +225,7 @@ def test_keys_roles_and_owners(stack, worker):
             assert c.post("/api/v1/retrieve_future", json={"request_id": futures[0]}, headers=key(BOB)).status_code == 404
             assert c.get(f"/api/v1/training_runs/{tc.model_id}", headers=key(VICTOR)).status_code == 200
         assert tc.model_id not in {r.training_run_id for r in rest(stack, BOB).list_training_runs().result().training_runs}
-        with pytest.raises(tinker.NotFoundError):
-            sc_bob = service(stack, BOB)
+        with service(stack, BOB) as sc_bob, pytest.raises(tinker.NotFoundError):  # closed: no heartbeat left behind
             sc_bob.create_training_client_from_state(path).result()
 
 
