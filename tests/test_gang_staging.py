@@ -22,6 +22,16 @@ def stack(tmp_path_factory, tiny_model):
     yield from running(s)
 
 
+def solo_then_gang(stack, client, name: str) -> tuple[str, str, dict]:
+    """The same SFT job on one worker (adapter NAME-solo), then on a gang of two (NAME-gang):
+    (the solo job's id, the gang job's id, the gang job's record once done)."""
+    body = {"model_id": "tiny", "dataset": ROWS}
+    solo = submit(client, SFT, {**body, "adapter_name": f"{name}-solo", "config": SFT_CONFIG})
+    wait_done(stack, SFT, solo)
+    gang = submit(client, SFT, {**body, "adapter_name": f"{name}-gang", "config": {**SFT_CONFIG, "workers": 2}})
+    return solo, gang, wait_done(stack, SFT, gang)
+
+
 def digests(directory) -> dict[str, str]:
     return {p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*")) if p.is_file()}
@@ -81,11 +91,7 @@ def test_a_slow_member_with_no_model_receives_it_takes_fewer_rows_and_the_gang_t
     b = stack.start_worker("--name", "stage-b", env={**stack.env, "MTQ_MODELS_DIR": str(empty),
                                                      "MTQ_GANG_SLOW_S_PER_ROW": str(SLOW_S_PER_ROW)})
     try:
-        body = {"model_id": "tiny", "dataset": ROWS}
-        solo = submit(client, SFT, {**body, "adapter_name": "stage-solo", "config": SFT_CONFIG})
-        wait_done(stack, SFT, solo)
-        gang = submit(client, SFT, {**body, "adapter_name": "stage-gang", "config": {**SFT_CONFIG, "workers": 2}})
-        job = wait_done(stack, SFT, gang)
+        solo, gang, job = solo_then_gang(stack, client, "stage")
         assert job["worker"] == "stage-a" and job["failed_attempts"] == 0
         assert json.loads(stack.redis.hget(f"mtq:job:{gang}", "gang")) == ["stage-a", "stage-b"]
         staged = [e for _, e in stack.events(gang) if e["type"] == "model_staged"]
@@ -159,11 +165,7 @@ def test_an_nccl_gang_trains_as_one_worker(stack, client):
     procs = [stack.start_worker("--name", f"nccl-{i}", env={**stack.env, "MTQ_GANG_BACKEND": "nccl",
                                                             "CUDA_VISIBLE_DEVICES": gpu}) for i, gpu in enumerate(gpus[:2])]
     try:
-        body = {"model_id": "tiny", "dataset": ROWS}
-        solo = submit(client, SFT, {**body, "adapter_name": "nccl-solo", "config": SFT_CONFIG})
-        wait_done(stack, SFT, solo)
-        gang = submit(client, SFT, {**body, "adapter_name": "nccl-gang", "config": {**SFT_CONFIG, "workers": 2}})
-        job = wait_done(stack, SFT, gang)
+        solo, gang, job = solo_then_gang(stack, client, "nccl")
         loss_diff = rel_diff(step_losses(stack, gang, "sft"), step_losses(stack, solo, "sft"))
         weight_diff = adapter_diff(adapter(client, "nccl-gang"), adapter(client, "nccl-solo"))
         print(f"\nnccl gang of 2 vs 1 worker: losses {loss_diff:.2e}, adapter {weight_diff:.2e}")
