@@ -34,7 +34,7 @@ from shared.jobstore import connect
 from shared.keys import adapter_key, checkpoint_key, events_key
 from shared.metrics import recorder
 from shared.routing import model_key
-from shared.settings import load_settings
+from shared.settings import Settings, load_settings
 from worker.runtime import gang_group, job_loop, model_staging, request_loop
 from worker.runtime.memory_plan import device_description
 from worker.runtime.models import ModelNotFound, forget_loaded, loaded_model_ids, resolve_model
@@ -246,7 +246,7 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
     try:
         if ranks is not None:
             settings = load_settings()
-            stage_model(r, lease, stored.spec.model_id, rank, len(ranks[1]), marks)
+            stage_model(r, lease, stored.spec.model_id, rank, len(ranks[1]), marks, settings)
             marks.mark("joining")  # the supervisor bounds this phase (MTQ_GANG_JOIN_S)
             part = gang_group.join(*ranks, gang_group.backend_of(settings.gang_backend), settings.gang_shares == "speed")
             job = (JobRun if rank == 0 else RankRun)(lease, marks, parent_pid, stored.tenant, part)
@@ -288,10 +288,9 @@ def run_one(r, job_id: str, epoch: int, worker: str, marks: Marks, parent_pid: i
         recorder.flush(r)  # what the job measured since its last step (e.g. the reward errors that failed it)
 
 
-def stage_model(r, lease: Lease, model_id: str, rank: int, size: int, marks: Marks) -> None:
+def stage_model(r, lease: Lease, model_id: str, rank: int, size: int, marks: Marks, settings: Settings) -> None:
     """Before a gang forms: a member without the job's model receives it from rank 0 over Redis
     (worker/runtime/model_staging.py), written under its models directory."""
-    settings = load_settings()
     marks.mark("staging")
     if rank == 0:
         staged = model_staging.lead(r, lease.job_id, lease.epoch, size, Path(resolve_model(model_id, settings)),
