@@ -129,6 +129,7 @@ def main() -> None:
     reexec_with_openblas()
     if args.child:
         return child(args.child, args.model, args.fleet, args.role, json.loads(args.set))
+    vary = {key: json.loads(value) for key, value in (kv.split("=", 1) for kv in args.vary)}
     for kind in args.kinds:
         with tempfile.TemporaryDirectory() as d:
             cache = args.cache or Path(d) / "kernel-cache"
@@ -137,9 +138,9 @@ def main() -> None:
             warm = run_child(kind, args.model, cache)
             joined = run_child(kind, args.model, Path(d) / "new-machine", args.fleet, "fetch") if args.fleet else None
             varied, kernels = [], warm["kernels"]
-            for key, value in (kv.split("=", 1) for kv in args.vary):
-                other = run_child(kind, args.model, cache, overrides={key: json.loads(value)})
-                varied.append({key: json.loads(value), "first_step_s": round(other["first_step_s"], 3),
+            for key, value in vary.items():
+                other = run_child(kind, args.model, cache, overrides={key: value})
+                varied.append({key: value, "first_step_s": round(other["first_step_s"], 3),
                                "compiled": other["kernels"] - kernels})
                 kernels = other["kernels"]
         line = {"kind": kind, "device": cold["device"], "cold_first_step_s": round(cold["first_step_s"], 3),

@@ -27,8 +27,8 @@ import argparse
 import collections
 import re
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,17 +103,17 @@ def main() -> None:
         vg = nn.value_and_grad(model, lambda *a: made.loss(model, *a)[0])
         return lambda: run(vg(*arrays))
 
+    fwd_bwds = {"fwdbwd_lora": ("lora", None), "fwdbwd_lora_f32": ("lora", LoRALinear), "fwdbwd_full": ("full", None),
+                "fwdbwd_merged": ("lora", MergedLoRALinear)}  # name -> (fine_tune_type, layer class)
     if args.count:
-        for name, (fine_tune_type, layer_class) in {"fwdbwd_lora": ("lora", None), "fwdbwd_lora_f32": ("lora", LoRALinear),
-                                                    "fwdbwd_full": ("full", None), "fwdbwd_merged": ("lora", MergedLoRALinear)}.items():
-            fwd_bwd(fine_tune_type, layer_class, run=print_primitives(name))()
+        for name, made_as in fwd_bwds.items():
+            fwd_bwd(*made_as, run=print_primitives(name))()
             remove_adapter_layers(model)
         return
 
     variants = {"step_lora": lambda: step("lora"), "step_lora_f32": lambda: step("lora", LoRALinear),
-                "step_full": lambda: step("full"), "fwdbwd_lora": lambda: fwd_bwd("lora"),
-                "fwdbwd_lora_f32": lambda: fwd_bwd("lora", LoRALinear), "fwdbwd_full": lambda: fwd_bwd("full"),
-                "fwdbwd_merged": lambda: fwd_bwd("lora", MergedLoRALinear)}
+                "step_full": lambda: step("full"),
+                **{name: (lambda made_as=made_as: fwd_bwd(*made_as)) for name, made_as in fwd_bwds.items()}}
     seconds = {name: [] for name in variants}
     for r in range(args.rounds):
         for name, make in variants.items():

@@ -177,11 +177,11 @@ def make_optimizer(cfg, total_updates: int, name: str = "adamw", mlx_schedule: d
 
 def clipped(grads, max_grad_norm: float | None):
     """(grads clipped to a global norm of max_grad_norm (None: as they are), their norm before),
-    as mlx's clip_grad_norm clips them. The squares' sums are stacked and summed, not added one
-    by one (in float32): a compiled chain of additions is a kernel of as many inputs as there are trainable
-    arrays, compiled again for every other layer count (docs/performance.md)."""
-    squares = [(g.astype(mx.float32) if g.dtype == mx.float16 else g).square().sum() for _, g in tree_flatten(grads)]
-    norm = mx.sqrt(mx.stack([s.astype(mx.float32) for s in squares]).sum())
+    as mlx's clip_grad_norm clips them. The squares' sums are stacked and summed in float32, not
+    added one by one: a compiled chain of additions is a kernel of as many inputs as there are
+    trainable arrays, compiled again for every other layer count (docs/performance.md)."""
+    norm = mx.sqrt(mx.stack([(g.astype(mx.float32) if g.dtype == mx.float16 else g).square().sum().astype(mx.float32)
+                             for _, g in tree_flatten(grads)]).sum())
     if max_grad_norm is None:
         return grads, norm
     normalizer = mx.minimum(max_grad_norm / (norm + 1e-6), 1.0)  # clip_grad_norm's, as it scales
