@@ -42,8 +42,15 @@ def call(name: str, **arguments) -> str:
 
 
 def child_pids() -> set[int]:
-    """This process's children (Linux: /proc)."""
-    return {int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()}
+    """This process's children (Linux: /proc), by each of its threads. A thread that ends while
+    they are read is skipped: its children pass to another thread of the process, read too."""
+    pids = set()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            pids.update(int(pid) for pid in (task / "children").read_text().split())
+        except FileNotFoundError:
+            continue
+    return pids
 
 
 @pytest.fixture(scope="module")
