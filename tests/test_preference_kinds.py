@@ -57,8 +57,10 @@ def test_dpo_loss_types_mixed_with_loss_weights_raise_the_margin_and_a_zero_lr_c
     steps, control = run(stack, client, DPO, {"loss_type": ["sppo_hard", "apo_zero"], "loss_weights": [0.5, 2.0], "iters": 10})
     print("\nDPO sppo_hard + apo_zero: rewards/margins, loss by step",
           [(round(e["rewards/margins"], 3), round(e["loss"], 2)) for e in steps])
-    assert steps[0]["loss"] == pytest.approx(27.0, rel=1e-5) and steps[0]["rewards/margins"] == 0
-    assert all(e["rewards/margins"] == 0 and e["loss"] == pytest.approx(27.0, rel=1e-5) for e in control)
+    # Up to rounding: the reference's log-probs come from a plain forward, the policy's from the
+    # compiled step (tests/test_train_kinds.py's DPO test says more).
+    assert steps[0]["loss"] == pytest.approx(27.0, rel=1e-5) and abs(steps[0]["rewards/margins"]) < 1e-5
+    assert all(abs(e["rewards/margins"]) < 1e-5 and e["loss"] == pytest.approx(27.0, rel=1e-5) for e in control)
     assert epoch_margin(steps[-2:]) > 0.1 and steps[-1]["loss"] < 26
 
 

@@ -270,10 +270,12 @@ def test_dpo_raises_accuracies_and_margins_and_a_zero_lr_control_does_not(stack,
     control = events(stack, frozen["job_id"], "dpo_step")
     print("\nDPO rewards/accuracies, rewards/margins by step:",
           [(e["iter"], round(e["rewards/accuracies"], 2), round(e["rewards/margins"], 3)) for e in steps])
-    # The first step's policy is the reference (LoRA B = 0): every reward is 0, the loss log 2.
-    assert steps[0]["rewards/margins"] == 0 and steps[0]["loss"] == pytest.approx(0.6931, abs=1e-4)
+    # The first step's policy is the reference (LoRA B = 0): every reward is 0, the loss log 2. Up
+    # to rounding: the reference's log-probs come from a plain forward, the policy's from the
+    # compiled step, whose fused kernels round otherwise on some CPUs (1e-7 on an AMD EPYC).
+    assert abs(steps[0]["rewards/margins"]) < 1e-5 and steps[0]["loss"] == pytest.approx(0.6931, abs=1e-4)
     assert steps[-1]["rewards/accuracies"] >= 0.9 and steps[-1]["rewards/margins"] > 0.1
-    assert all(e["rewards/margins"] == 0 and e["rewards/accuracies"] == 0 for e in control)
+    assert all(abs(e[k]) < 1e-5 for e in control for k in ("rewards/margins", "rewards/chosen", "rewards/rejected"))
     assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"} <= set(steps[-1])
 
 
@@ -291,11 +293,14 @@ def test_kto_raises_its_margins_on_unpaired_rows_and_a_zero_lr_control_does_not(
     print("\nKTO rewards/margins, kl, loss by step:",
           [(e["iter"], round(e["rewards/margins"], 3), round(e["kl"], 3), round(e["loss"], 4)) for e in steps],
           f"\nmean of the last 10 steps: margins {mean('rewards/margins', steps[-10:]):.3f}, loss {mean('loss', steps[-10:]):.4f}")
-    # The first step's policy is the reference (LoRA B = 0): every reward and z0 are 0, each row's loss 1 - s(0).
-    assert steps[0]["rewards/margins"] == 0 and steps[0]["kl"] == 0 and steps[0]["loss"] == pytest.approx(0.5, abs=1e-6)
+    # The first step's policy is the reference (LoRA B = 0): every reward and z0 are 0, each row's
+    # loss 1 - s(0) (up to rounding, as DPO's above).
+    assert abs(steps[0]["rewards/margins"]) < 1e-5 and abs(steps[0]["kl"]) < 1e-5
+    assert steps[0]["loss"] == pytest.approx(0.5, abs=1e-6)
     assert mean("rewards/margins", steps[-10:]) > 0.15  # batches of 8 of the 32 rows: a noisy curve, measured 0.21
     assert mean("loss", steps[-10:]) < 0.49  # measured 0.477
-    assert all(e["rewards/margins"] == 0 and e["kl"] == 0 and e["loss"] == pytest.approx(0.5, abs=1e-6) for e in control)
+    assert all(abs(e["rewards/margins"]) < 1e-5 and abs(e["kl"]) < 1e-5 and e["loss"] == pytest.approx(0.5, abs=1e-6)
+               for e in control)
     assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"} <= set(steps[-1])
 
 
