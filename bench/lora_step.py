@@ -10,11 +10,14 @@ a cost per primitive), their count is what a variant adds; it depends on the lay
 the kind of layers, not on their width or the rows, so any machine can print it.
 
 Variants, each on the same padded rows (bench/train_step.py rows_for), LoRA rank 8 on every
-linear layer of every block, full fine-tuning of every block:
+linear layer of every block, full fine-tuning of every block, the model's q/k/v and gate/up
+fused as a worker loads it (fuse_shared_inputs):
   step_lora       the SFT trainer's compiled step (worker/kinds/sft_job.py) with the job's layers
                   (worker/runtime/adapter_layers.py InputDtypeLoRALinear: the product in the
-                  model's dtype, float32 weights)
-  step_lora_f32   the same with mlx_lm's LoRALinear (its product promoted to float32)
+                  model's dtype, float32 weights; those that read one input computed together,
+                  SharedInput)
+  step_lora_each  the same, each layer on its own (no SharedInput)
+  step_lora_f32   the same with mlx_lm's LoRALinear (its product promoted to float32; each alone)
   step_full       the trainer's step, fine_tune_type full
   fwdbwd_*        the SFT loss's forward and backward alone (not compiled, no update) of each,
                   and of `merged`: the adapter added into the base weight before one matmul
@@ -48,6 +51,7 @@ from train_step import LORA, rows_for  # noqa: E402
 from shared.kinds import KINDS  # noqa: E402
 from worker.kinds.sft_job import SFTTrainer  # noqa: E402
 from worker.runtime.adapter_layers import InputDtypeLoRALinear, attach_adapter, remove_adapter_layers  # noqa: E402
+from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
 from worker.runtime.train_core import TrainState  # noqa: E402
 
 
@@ -81,9 +85,10 @@ def main() -> None:
     p.add_argument("--count", action="store_true", help="print each fwdbwd variant's primitives by type, no timing")
     args = p.parse_args()
     model, tokenizer = mlx_lm.load(args.model)
+    fuse_shared_inputs(model)  # as a worker loads a shared model (worker/runtime/models.py)
     rows = rows_for("sft", args.batch_size * 2, args.length)
 
-    def trainer(fine_tune_type: str, layer_class=None) -> SFTTrainer:
+    def trainer(fine_tune_type: str, layer_class=None, each: bool = False) -> SFTTrainer:
         spec = KINDS["sft"].spec_model.model_validate({"model_id": "bench", "dataset": rows, "config": {
             "batch_size": args.batch_size, "iters": 100_000, **LORA, "fine_tune_type": fine_tune_type}})
         mx.random.seed(0)
@@ -91,27 +96,31 @@ def main() -> None:
         for _, m in model.named_modules():
             if layer_class is not None and isinstance(m, LoRALinear):
                 m.__class__ = layer_class
+            if each and isinstance(m, InputDtypeLoRALinear):
+                m.shared_input = None
         return SFTTrainer(model, tokenizer, spec, rows, None)
 
-    def step(fine_tune_type, layer_class=None):
-        made, state = trainer(fine_tune_type, layer_class), TrainState()
+    def step(fine_tune_type, layer_class=None, each=False):
+        made, state = trainer(fine_tune_type, layer_class, each), TrainState()
         return lambda: made.step(state)
 
-    def fwd_bwd(fine_tune_type, layer_class=None, run=mx.eval):
-        made = trainer(fine_tune_type, layer_class)
+    def fwd_bwd(fine_tune_type, layer_class=None, each=False, run=mx.eval):
+        made = trainer(fine_tune_type, layer_class, each)
         (arrays, _) = made.arrays(list(range(args.batch_size)), rows)
         vg = nn.value_and_grad(model, lambda *a: made.loss(model, *a)[0])
         return lambda: run(vg(*arrays))
 
-    fwd_bwds = {"fwdbwd_lora": ("lora", None), "fwdbwd_lora_f32": ("lora", LoRALinear), "fwdbwd_full": ("full", None),
-                "fwdbwd_merged": ("lora", MergedLoRALinear)}  # name -> (fine_tune_type, layer class)
+    fwd_bwds = {"fwdbwd_lora": ("lora", None), "fwdbwd_lora_each": ("lora", None, True),
+                "fwdbwd_lora_f32": ("lora", LoRALinear), "fwdbwd_full": ("full", None),
+                "fwdbwd_merged": ("lora", MergedLoRALinear)}  # name -> (fine_tune_type, layer class[, each])
     if args.count:
         for name, made_as in fwd_bwds.items():
             fwd_bwd(*made_as, run=print_primitives(name))()
             remove_adapter_layers(model)
         return
 
-    variants = {"step_lora": lambda: step("lora"), "step_lora_f32": lambda: step("lora", LoRALinear),
+    variants = {"step_lora": lambda: step("lora"), "step_lora_each": lambda: step("lora", each=True),
+                "step_lora_f32": lambda: step("lora", LoRALinear),
                 "step_full": lambda: step("full"),
                 **{name: (lambda made_as=made_as: fwd_bwd(*made_as)) for name, made_as in fwd_bwds.items()}}
     seconds = {name: [] for name in variants}
@@ -131,8 +140,9 @@ def main() -> None:
     print(f"device {mx.default_device()}, mlx {mx.__version__}, {args.batch_size} rows of ~{args.length} tokens")
     for name, v in seconds.items():
         print(f"{name:16s} ms  min {min(v) * 1e3:7.1f}  median {statistics.median(v) * 1e3:7.1f}  max {max(v) * 1e3:7.1f}")
-    for a, b in (("step_lora", "step_full"), ("step_lora_f32", "step_lora"), ("fwdbwd_lora", "fwdbwd_full"),
-                 ("fwdbwd_lora_f32", "fwdbwd_lora"), ("fwdbwd_merged", "fwdbwd_full")):
+    for a, b in (("step_lora", "step_full"), ("step_lora_each", "step_lora"), ("step_lora_f32", "step_lora_each"),
+                 ("fwdbwd_lora", "fwdbwd_full"), ("fwdbwd_lora_each", "fwdbwd_lora"),
+                 ("fwdbwd_lora_f32", "fwdbwd_lora_each"), ("fwdbwd_merged", "fwdbwd_full")):
         ratios = [x / y for x, y in zip(seconds[a], seconds[b])]
         print(f"{a} / {b}: median {statistics.median(ratios):.2f}, rounds {[round(x, 2) for x in ratios]}")
 

@@ -39,7 +39,7 @@ from mlx_lm.models.activations import swiglu
 
 from worker.decode import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel
 from worker.decode.kv_cache import KernelMisfit, Slots, StaticKVCache
-from worker.runtime.projection_groups import Group, base_projection, decode_groups
+from worker.runtime.projection_groups import Group, base_projection, decode_groups, lora_pair
 
 
 class Handoff:
@@ -218,25 +218,10 @@ def decode_blocks(slots: Slots, kernel: bool, handoff: Handoff):
 
 
 def lora_args(model: nn.Module) -> list[tuple[mx.array, mx.array]]:
-    """The LoRA matrices of each decode_groups group with LoRA, as one pair: A side by side,
-    B block-diagonal, so that x @ A @ B holds every projection's LoRA product. Made at each
-    sample() (the job's LoRA weights change between steps): small, rank x outputs."""
-    pairs = []
-    for group in decode_groups(model):
-        mods = group.modules
-        if not group.lora:
-            continue
-        if len(mods) == 1:
-            pairs.append((mods[0].lora_a, mods[0].lora_b))
-        else:
-            ranks, outs = [m.lora_b.shape[0] for m in mods], [m.lora_b.shape[1] for m in mods]
-            b = mx.zeros((sum(ranks), sum(outs)), mods[0].lora_b.dtype)
-            r0 = n0 = 0
-            for m, r, n in zip(mods, ranks, outs):
-                b[r0:r0 + r, n0:n0 + n] = m.lora_b
-                r0, n0 = r0 + r, n0 + n
-            pairs.append((mx.concatenate([m.lora_a for m in mods], axis=1), b))
-    return pairs
+    """The LoRA matrices of each decode_groups group with LoRA, as one pair (lora_pair: A side by
+    side, B block-diagonal). Made at each sample() (the job's LoRA weights change between steps):
+    small, rank x outputs."""
+    return [lora_pair(group.modules) for group in decode_groups(model) if group.lora]
 
 
 @contextlib.contextmanager

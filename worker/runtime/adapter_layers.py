@@ -8,6 +8,7 @@ the shared model and takes them out again at its end (its worker module's `load`
 
 import contextlib
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,6 +19,7 @@ from mlx_lm.tuner.lora import LoRALinear, LoRASwitchLinear
 from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
 
 from shared.adapters import CONFIG_FILE, WEIGHTS_FILE
+from worker.runtime.projection_groups import SHARED_INPUT, lora_pair
 
 
 ADAPTER_LAYERS = (LoRALinear, DoRALinear, LoRASwitchLinear)  # mlx_lm's adapter layers, each around its `linear`
@@ -29,12 +31,70 @@ class InputDtypeLoRALinear(LoRALinear):
     where mlx_lm's promotes it to float32. The weights stay float32, so the optimizer's small
     updates are not rounded away; on a float32 model nothing changes. On MLX CUDA the float32
     product made a LoRA step of a bfloat16 model 1.7x slower (docs/performance.md). A job's
-    layers are these (attach_adapter); the decoder runs its own LoRA products."""
+    layers are these (attach_adapter); the decoder runs its own LoRA products. shared_input:
+    the SharedInput it belongs to, whose one computation gives each of its layers its output."""
+
+    shared_input = None
 
     def __call__(self, x):
+        if self.shared_input is not None:
+            return self.shared_input.output(self, x)
         y = self.linear(x)
         z = (self.dropout(x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
         return y + (self.scale * z).astype(x.dtype)
+
+
+@dataclass(eq=False, repr=False)
+class SharedInput:
+    """A block's LoRA layers that read one input (a SHARED_INPUT group: q/k/v, gate/up), computed
+    together at the first one's call on an input: one matmul of the base weights where the worker
+    fused them, x @ A and @ B of one LoRA pair (lora_pair), then split; each layer gets what its
+    own __call__ gives. On the H200 a step's time followed its matmul count (docs/performance.md):
+    a q/k/v group's forward and backward are 8 matmuls where its layers alone are 24. Only for
+    layers without dropout (one mask would serve them all)."""
+    layers: list[InputDtypeLoRALinear]
+    fused: nn.Module | None  # their base weights side by side (fuse_shared_inputs); None: each its own
+    x: mx.array | None = None  # the input of the outputs below, until every layer has taken its own
+    outputs: list[mx.array] = field(default_factory=list)
+    taken: int = 0
+
+    def output(self, layer: InputDtypeLoRALinear, x: mx.array) -> mx.array:
+        if self.x is not x:
+            self.x, self.outputs, self.taken = x, self.project(x), 0
+        y = self.outputs[next(i for i, m in enumerate(self.layers) if m is layer)]
+        self.taken += 1
+        if self.taken == len(self.layers):  # this step's arrays are not kept past it
+            self.x, self.outputs = None, []
+        return y
+
+    def project(self, x: mx.array) -> list[mx.array]:
+        a, b = lora_pair(self.layers)
+        z = (self.layers[0].scale * ((x @ a.astype(x.dtype)) @ b.astype(x.dtype))).astype(x.dtype)
+        sizes = [m.lora_b.shape[1] for m in self.layers]
+        splits = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
+        if self.fused is not None:
+            return mx.split(self.fused(x) + z, splits, axis=-1)
+        return [m.linear(x) + z_i for m, z_i in zip(self.layers, mx.split(z, splits, axis=-1))]
+
+
+def share_inputs(model: nn.Module, fused: bool = True) -> int:
+    """Group each SHARED_INPUT group of the model's blocks whose layers are all InputDtypeLoRALinear
+    of one scale (SharedInput; layers without dropout), with the worker's fused base weights
+    unless not `fused` (QAT swaps each layer's base weight for a fake-quantized one during a step,
+    which the fused weights would not see). Returns the groups made."""
+    count = 0
+    for block in model.layers:
+        for parent_name, names in SHARED_INPUT:
+            parent = getattr(block, parent_name, None)
+            layers = [getattr(parent, name, None) for name in names]
+            if any(type(m) is not InputDtypeLoRALinear for m in layers) or len({m.scale for m in layers}) > 1:
+                continue
+            info = getattr(parent, "fused_inputs", None) if fused else None
+            group = SharedInput(layers, info.fused if info is not None else None)
+            for m in layers:
+                m.shared_input = group
+            count += 1
+    return count
 
 
 def adapter_config(cfg, fine_tune_type: str = "lora", quantization: dict | None = None,
@@ -60,7 +120,12 @@ def adapter_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def remove_adapter_layers(model: nn.Module) -> None:
-    """Take every LoRA / DoRA layer out (mlx_lm's remove_lora_layers leaves DoRA in)."""
+    """Take every LoRA / DoRA layer out (mlx_lm's remove_lora_layers leaves DoRA in), and out of
+    its SharedInput (a layer and its group refer to each other: the job's weights would wait for
+    Python's cycle collector)."""
+    for _, m in adapter_layers(model):
+        if isinstance(m, InputDtypeLoRALinear):
+            m.shared_input = None
     layers = [(name, m.linear) for name, m in adapter_layers(model)]
     if layers:
         model.update_modules(tree_unflatten(layers))
@@ -86,6 +151,8 @@ def attach_adapter(model: nn.Module, cfg, fine_tune_type: str = "lora", init: Pa
         for _, m in model.named_modules():
             if type(m) is LoRALinear:
                 m.__class__ = InputDtypeLoRALinear  # the same weights and fields, another __call__
+        if not cfg.lora_dropout:
+            share_inputs(model, fused=not getattr(cfg, "qat_enable", False))
     if init is not None:
         load_adapter_weights(model, init / WEIGHTS_FILE)
     model.eval()

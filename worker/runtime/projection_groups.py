@@ -2,7 +2,9 @@
 
 A worker fuses them when it loads a shared model (fuse_shared_inputs, worker/runtime/models.py),
 so that a decode step runs each group as one matmul of its base weights and one pair of LoRA
-matmuls (decode_groups; worker/decode/graph_patches.py grouped_projections runs them). The memory
+matmuls (decode_groups; worker/decode/graph_patches.py grouped_projections runs them), and a
+training step likewise (worker/runtime/adapter_layers.py SharedInput; both take the pair from
+lora_pair). The memory
 plan counts the dense copies of the quantized weights a decode step multiplies by
 (decode_projections, worker/runtime/memory_plan.py). They live here, not in worker/decode/, so
 that loading a model and planning its memory load no part of the decoder (an SFT, DPO or KTO
@@ -100,6 +102,18 @@ def decode_groups(model: nn.Module) -> list[Group]:
         if isinstance(m, LoRALinear) and id(m) not in grouped:
             groups.append(Group([m], True, None))
     return groups
+
+
+def lora_pair(mods: list[LoRALinear]) -> tuple[mx.array, mx.array]:
+    """The LoRA matrices of projections that read one input as one pair: A side by side, B
+    block-diagonal, so that x @ A @ B holds each projection's x @ A_i @ B_i side by side (the
+    zeros add nothing). Gradients reach each A_i and B_i through the concatenation and the pads."""
+    if len(mods) == 1:
+        return mods[0].lora_a, mods[0].lora_b
+    outs = [m.lora_b.shape[1] for m in mods]
+    starts = [sum(outs[:i]) for i in range(len(mods))]
+    b = mx.concatenate([mx.pad(m.lora_b, [(0, 0), (s, sum(outs) - s - n)]) for m, s, n in zip(mods, starts, outs)])
+    return mx.concatenate([m.lora_a for m in mods], axis=1), b
 
 
 def base_projection(m: nn.Module) -> nn.Module:

@@ -1,0 +1,158 @@
+"""A job's LoRA layers that read one input (q/k/v, gate/up) computed together while training
+(worker/runtime/adapter_layers.py SharedInput): what each layer alone gives (outputs, losses,
+gradients, QAT's rounding), with fewer matmuls, on the tiny model in this process."""
+
+import collections
+import gc
+import re
+import tempfile
+import weakref
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from test_sft_losses import BASE, ROWS
+from test_sft_losses import trainer as attach  # a LoRA SFT job's layers, B drawn (the products count)
+
+from shared.train_specs import SFTJobCreate
+from worker.runtime.adapter_layers import InputDtypeLoRALinear, SharedInput, attach_adapter, remove_adapter_layers
+from worker.runtime.projection_groups import fuse_shared_inputs
+from worker.runtime.train_core import TrainState
+
+@pytest.fixture(scope="module", params=["fused", "unfused"])
+def lm(request, tiny_model):
+    """The tiny model, its q/k/v and gate/up fused as a worker loads a shared model, or not (a
+    private copy: QLoRA's)."""
+    model, tokenizer = mlx_lm.load(str(tiny_model))
+    if request.param == "fused":
+        assert fuse_shared_inputs(model) == 2 * len(model.layers)
+    yield model, tokenizer
+    remove_adapter_layers(model)
+
+
+def groups(model) -> list[SharedInput]:
+    found = {id(m.shared_input): m.shared_input for _, m in model.named_modules()
+             if isinstance(m, InputDtypeLoRALinear) and m.shared_input is not None}
+    return list(found.values())
+
+
+def each_alone(model) -> None:
+    for _, m in model.named_modules():
+        if isinstance(m, InputDtypeLoRALinear):
+            m.shared_input = None
+
+
+def loss_and_grads(model, tokens: mx.array):
+    def loss(module):
+        return nn.losses.cross_entropy(module(tokens[:, :-1]), tokens[:, 1:]).mean()
+    value, grads = nn.value_and_grad(model, loss)(model)
+    mx.eval(value, grads)
+    return value.item(), {k: np.array(v) for k, v in tree_flatten(grads)}
+
+
+def matmuls(model, tokens: mx.array) -> int:
+    """The Matmul primitives of the loss's forward and backward graph (mx.export_to_dot)."""
+    def loss(module):
+        return nn.losses.cross_entropy(module(tokens[:, :-1]), tokens[:, 1:]).mean()
+    value, grads = nn.value_and_grad(model, loss)(model)
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, value, *[g for _, g in tree_flatten(grads)])
+        return collections.Counter(re.findall(r'label ="([A-Za-z]+)"', f.read()))["Matmul"]
+
+
+def test_grouped_layers_give_what_each_layer_gives_alone(lm):
+    model, _ = lm
+    attach(lm)
+    made = groups(model)
+    assert len(made) == 2 * len(model.layers)  # q/k/v and gate/up of every block
+    assert all((g.fused is not None) == hasattr(model.layers[0].self_attn, "fused_inputs") for g in made)
+    tokens = mx.random.randint(0, 200, (2, 12))
+    loss, grads = loss_and_grads(model, tokens)
+    assert all(g.x is None and not g.outputs for g in made)  # no array of the step kept past it
+    x = mx.random.normal((2, 3, model.layers[0].self_attn.q_proj.lora_a.shape[0]))
+    attn = model.layers[0].self_attn
+    together = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+    each_alone(model)
+    alone = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+    for a, b in zip(together, alone):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6, atol=1e-7)
+    loss_alone, grads_alone = loss_and_grads(model, tokens)
+    assert loss == pytest.approx(loss_alone, rel=1e-6)
+    assert grads.keys() == grads_alone.keys() and len(grads) == 7 * 2 * len(model.layers)
+    for k in grads:
+        np.testing.assert_allclose(grads[k], grads_alone[k], rtol=1e-4, atol=1e-7, err_msg=k)
+
+
+def test_grouped_layers_take_fewer_matmuls(lm):
+    """Per block, forward and backward: q/k/v alone 24 matmuls (each 8: x W, x A, (x A) B; the
+    input's gradient through W and through A, the gradients of x A, of B and of A), gate/up 16;
+    together 8 each where the worker fused the base weights (one base matmul each way), else 12
+    and 10 (each base its own). Nothing needs the first block's q/k/v input gradient (the
+    embeddings are frozen): alone 6 matmuls fewer there, together 2 (fused) or 4."""
+    model, _ = lm
+    attach(lm)
+    fused = hasattr(model.layers[0].self_attn, "fused_inputs")
+    tokens = mx.random.randint(0, 200, (2, 12))
+    together = matmuls(model, tokens)
+    each_alone(model)
+    saved = len(model.layers) * (24 if fused else 18) - (6 - (2 if fused else 4))
+    assert matmuls(model, tokens) - together == saved
+
+
+def test_a_job_trains_as_with_each_layer_alone(lm):
+    """Three compiled SFT steps: the same losses and weights."""
+    model, _ = lm
+    runs = []
+    for alone in (False, True):
+        trainer = attach(lm)
+        if alone:
+            each_alone(model)
+        state = TrainState()
+        losses = [trainer.step(state)["loss"] for _ in range(3)]
+        runs.append((losses, {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}))
+    (losses, weights), (losses_alone, weights_alone) = runs
+    np.testing.assert_allclose(losses, losses_alone, rtol=1e-5)
+    assert losses[2] != losses[0]  # it trained
+    for k in weights:
+        np.testing.assert_allclose(weights[k], weights_alone[k], rtol=1e-3, atol=1e-6, err_msg=k)
+
+
+def test_qat_trains_each_base_through_its_rounding(lm):
+    """QAT swaps each layer's base weight for its fake-quantized one during a step: a group then
+    multiplies by those, not by the worker's fused (unrounded) weights. 2-bit rounding, from the
+    first step: the loss differs from an unrounded step's, and equals each layer's alone."""
+    model, _ = lm
+    qat = dict(qat_enable=True, qat_bits=2, qat_group_size=32, qat_start_step=0)
+    trainer = attach(lm, **qat)
+    assert groups(model) and all(g.fused is None for g in groups(model))
+    loss = trainer.step(TrainState())["loss"]
+    trainer = attach(lm, **qat)
+    each_alone(model)
+    assert loss == pytest.approx(trainer.step(TrainState())["loss"], rel=1e-6)
+    assert loss != pytest.approx(attach(lm).step(TrainState())["loss"], rel=1e-5)
+
+
+def test_layers_with_dropout_stay_alone(lm):
+    """One dropout mask would serve every layer of a group: with lora_dropout each draws its own."""
+    model, _ = lm
+    attach(lm, lora_dropout=0.1)
+    assert not groups(model)
+
+
+def test_a_job_s_layers_go_with_it(lm):
+    """A layer and its group refer to each other; taking the layers out parts them, so the job's
+    weights go at once, not at Python's next cycle collection."""
+    model, _ = lm
+    spec = SFTJobCreate(model_id="tiny", dataset=ROWS, config=BASE)
+    gc.disable()
+    try:
+        attach_adapter(model, spec.config, "lora")
+        layer = weakref.ref(model.layers[0].self_attn.q_proj)
+        assert layer().shared_input is not None
+        remove_adapter_layers(model)
+        assert layer() is None
+    finally:
+        gc.enable()
