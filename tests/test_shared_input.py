@@ -18,7 +18,8 @@ from test_sft_losses import BASE, ROWS
 from test_sft_losses import trainer as attach  # a LoRA SFT job's layers, B drawn (the products count)
 
 from shared.train_specs import SFTJobCreate
-from worker.runtime.adapter_layers import InputDtypeLoRALinear, SharedInput, attach_adapter, remove_adapter_layers
+from worker.runtime.adapter_layers import (InputDtypeLoRALinear, SharedInput, attach_adapter, lora_disabled,
+                                           remove_adapter_layers, without_adapters)
 from worker.runtime.projection_groups import fuse_shared_inputs
 from worker.runtime.train_core import TrainState
 
@@ -53,14 +54,19 @@ def loss_and_grads(model, tokens: mx.array):
     return value.item(), {k: np.array(v) for k, v in tree_flatten(grads)}
 
 
-def matmuls(model, tokens: mx.array) -> int:
-    """The Matmul primitives of the loss's forward and backward graph (mx.export_to_dot)."""
+def matmuls(*arrays: mx.array) -> int:
+    """The Matmul primitives of the arrays' graph (mx.export_to_dot)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        return collections.Counter(re.findall(r'label ="([A-Za-z]+)"', f.read()))["Matmul"]
+
+
+def loss_graph(model, tokens: mx.array) -> list[mx.array]:
+    """The loss and its gradients, not evaluated."""
     def loss(module):
         return nn.losses.cross_entropy(module(tokens[:, :-1]), tokens[:, 1:]).mean()
     value, grads = nn.value_and_grad(model, loss)(model)
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
-        mx.export_to_dot(f.name, value, *[g for _, g in tree_flatten(grads)])
-        return collections.Counter(re.findall(r'label ="([A-Za-z]+)"', f.read()))["Matmul"]
+    return [value, *[g for _, g in tree_flatten(grads)]]
 
 
 def test_grouped_layers_give_what_each_layer_gives_alone(lm):
@@ -96,10 +102,29 @@ def test_grouped_layers_take_fewer_matmuls(lm):
     attach(lm)
     fused = hasattr(model.layers[0].self_attn, "fused_inputs")
     tokens = mx.random.randint(0, 200, (2, 12))
-    together = matmuls(model, tokens)
+    together = matmuls(*loss_graph(model, tokens))
     each_alone(model)
     saved = len(model.layers) * (24 if fused else 18) - (6 - (2 if fused else 4))
-    assert matmuls(model, tokens) - together == saved
+    assert matmuls(*loss_graph(model, tokens)) - together == saved
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_a_reference_forward_runs_the_base_alone(lm, together):
+    """lora_disabled (the reference policy of DPO, KTO and GRPO's KL term) gives the base model's
+    outputs without the LoRA products' matmuls: 2 a group or a layer alone (8 a block together,
+    14 alone)."""
+    model, _ = lm
+    attach(lm)
+    if not together:
+        each_alone(model)
+    tokens = mx.random.randint(0, 200, (2, 12))
+    with lora_disabled(model):
+        off = model(tokens)
+        without = matmuls(off)
+    assert matmuls(model(tokens)) - without == len(model.layers) * (8 if together else 14)
+    with without_adapters(model):
+        base = model(tokens)
+    np.testing.assert_allclose(np.array(off), np.array(base), rtol=1e-6, atol=1e-6)
 
 
 def test_a_job_trains_as_with_each_layer_alone(lm):

@@ -40,6 +40,8 @@ class InputDtypeLoRALinear(LoRALinear):
         if self.shared_input is not None:
             return self.shared_input.output(self, x)
         y = self.linear(x)
+        if self.scale == 0:  # lora_disabled (a reference policy): the base alone, two matmuls fewer
+            return y
         z = (self.dropout(x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
         return y + (self.scale * z).astype(x.dtype)
 
@@ -68,10 +70,13 @@ class SharedInput:
         return y
 
     def project(self, x: mx.array) -> list[mx.array]:
-        a, b = lora_pair(self.layers)
-        z = (self.layers[0].scale * ((x @ a.astype(x.dtype)) @ b.astype(x.dtype))).astype(x.dtype)
         sizes = [m.lora_b.shape[1] for m in self.layers]
         splits = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
+        scale = self.layers[0].scale
+        if scale == 0:  # lora_disabled (a reference policy): the base alone
+            return mx.split(self.fused(x), splits, axis=-1) if self.fused is not None else [m.linear(x) for m in self.layers]
+        a, b = lora_pair(self.layers)
+        z = (scale * ((x @ a.astype(x.dtype)) @ b.astype(x.dtype))).astype(x.dtype)
         if self.fused is not None:
             return mx.split(self.fused(x) + z, splits, axis=-1)
         return [m.linear(x) + z_i for m, z_i in zip(self.layers, mx.split(z, splits, axis=-1))]
