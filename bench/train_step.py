@@ -62,6 +62,7 @@ from worker.kinds.reward_model_job import RewardTrainer  # noqa: E402
 from worker.kinds.sft_job import SFTTrainer  # noqa: E402
 from worker.runtime.adapter_layers import attach_adapter, remove_adapter_layers  # noqa: E402
 from worker.runtime.models import prepare_private  # noqa: E402
+from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
 from worker.runtime.train_core import TrainState  # noqa: E402
 
 # name -> (job kind, its trainer, SFT fine_tune_type)
@@ -223,6 +224,7 @@ def main() -> None:
     p.add_argument("--json", metavar="OUT", help="also write the results, with the device, to this JSON file")
     args = p.parse_args()
     shared = mlx_lm.load(args.model)
+    fuse_shared_inputs(shared[0])  # as a worker loads a shared model (worker/runtime/models.py)
     results = []
     for name in args.kinds:
         results.append(bench(name, shared, args))

@@ -39,11 +39,11 @@ class InputDtypeLoRALinear(LoRALinear):
     def __call__(self, x):
         if self.shared_input is not None:
             return self.shared_input.output(self, x)
-        y = self.linear(x)
         if self.scale == 0:  # lora_disabled (a reference policy): the base alone, two matmuls fewer
-            return y
-        z = (self.dropout(x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
-        return y + (self.scale * z).astype(x.dtype)
+            return self.linear(x)
+        h = x.reshape(-1, x.shape[-1])  # 2-D rows: each 3-D matmul would add a flatten and an unflatten
+        z = (self.dropout(h) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
+        return (self.linear(h) + (self.scale * z).astype(x.dtype)).reshape(*x.shape[:-1], -1)
 
 
 @dataclass(eq=False, repr=False)
@@ -76,10 +76,11 @@ class SharedInput:
         if scale == 0:  # lora_disabled (a reference policy): the base alone
             return mx.split(self.fused(x), splits, axis=-1) if self.fused is not None else [m.linear(x) for m in self.layers]
         a, b = lora_pair(self.layers)
-        z = (scale * ((x @ a.astype(x.dtype)) @ b.astype(x.dtype))).astype(x.dtype)
+        h, rows = x.reshape(-1, x.shape[-1]), x.shape[:-1]  # 2-D rows, as InputDtypeLoRALinear's
+        z = (scale * ((h @ a.astype(x.dtype)) @ b.astype(x.dtype))).astype(x.dtype)
         if self.fused is not None:
-            return mx.split(self.fused(x) + z, splits, axis=-1)
-        return [m.linear(x) + z_i for m, z_i in zip(self.layers, mx.split(z, splits, axis=-1))]
+            return mx.split((self.fused(h) + z).reshape(*rows, -1), splits, axis=-1)
+        return [(m.linear(h) + z_i).reshape(*rows, -1) for m, z_i in zip(self.layers, mx.split(z, splits, axis=-1))]
 
 
 def share_inputs(model: nn.Module, fused: bool = True) -> int:
