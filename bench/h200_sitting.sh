@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Issue 41's H200 sitting: each target beside its anchor, the figure that matters most first.
+# One stage per device call (at most 10 minutes; a fresh machine spends about 5 of its first call
+# compiling). Run from the repository root where MLX has CUDA (the wheels as the workplace's GPU
+# recipe installs them, PYTHONPATH set); every line also goes to $OUT/<stage>.txt when OUT is set.
+#
+#   bash bench/h200_sitting.sh lora      LoRA step, layers together and alone, against full fine-tuning;
+#                                        SFT against `mlx_lm lora`, bfloat16 then 4-bit (3 rounds each)
+#   bash bench/h200_sitting.sh grpo      GRPO G8 B4 L128 by default and with max_memory_gb 16, G16 B4 L256,
+#                                        each phase's time; TRL's step where torch and trl import
+#   bash bench/h200_sitting.sh decode    decode per position, LoRA on 16 blocks, 8 and 32 rows, beside mlx_lm's
+#   bash bench/h200_sitting.sh kernels   first step: cold, warm, another rank / layer count / batch;
+#                                        24 jobs in one process, as a worker and as a plain process
+#
+# The models (qwen3-0.6b's shape: /tmp/q06f-SIZE bfloat16, /tmp/q06-SIZE 4-bit) are made where missing, about
+# 30 s each. SIZE=small LORA_LAYERS=4 runs a stage on the tests' small model instead (a dry run of
+# the commands; it has 4 blocks).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+stage="${1:?stage: lora, grpo, decode or kernels}"
+size="${SIZE:-qwen3-0.6b}"
+py="${PYTHON:-python3}"
+lora_layers="${LORA_LAYERS:-16}"  # the decode's LoRA blocks: a GRPO job's default
+log="${OUT:-/tmp}/$stage.txt"
+failed=0
+
+model() {  # model DIR [BITS]: the directory, made first if missing
+  [ -f "$1/config.json" ] || "$py" -m worker.runtime.make_model "$1" --size "$size" ${2:+--quantize "$2"} >/dev/null
+  echo "$1"
+}
+
+run() {  # run CMD...: the command's output to the terminal and the log, its status counted
+  echo "\$ $*" | tee -a "$log"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  echo "# rc $rc, $((SECONDS - t0)) s" | tee -a "$log"
+  [ "$rc" = 0 ] || failed=$((failed + 1))
+}
+
+bf16=$(model "/tmp/q06f-$size") q4=$(model "/tmp/q06-$size" 4)
+case "$stage" in
+  lora)
+    run "$py" bench/lora_step.py "$bf16" --rounds 3 --steps 8 --warmup 3
+    run "$py" bench/train_step.py "$bf16" --kinds sft sft-full --mlx-lm --rounds 3 --steps 8 --warmup 3
+    run "$py" bench/train_step.py "$q4" --kinds sft --mlx-lm --rounds 3 --steps 8 --warmup 3 ;;
+  grpo)
+    run "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 16,4,256 --steps 3 --warmup 1
+    run "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 --steps 3 --warmup 1 --set max_memory_gb=16
+    run "$py" bench/step_phases.py "$q4" 8,4,128 --reps 3
+    if "$py" -c "import torch, trl" 2>/dev/null; then
+      run "$py" bench/trl_grpo.py "$bf16" --group-size 8 --batch-size 4 --max-completion-len 128 --steps 5 --warmup 2
+    else
+      echo "# TRL's anchor not run: torch or trl does not import here" | tee -a "$log"
+    fi ;;
+  decode)
+    run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2
+    run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --queries 2 ;;
+  kernels)
+    run "$py" bench/first_step.py "$q4" --kinds sft grpo --vary lora_rank=16 lora_layers=2 batch_size=4
+    run "$py" bench/worker_life.py "$q4" --jobs 24 --steps 3
+    run "$py" bench/worker_life.py "$q4" --jobs 24 --steps 3 --as-worker ;;
+  *) echo "unknown stage $stage: lora, grpo, decode or kernels" >&2; exit 2 ;;
+esac
+echo "# stage $stage: $failed command(s) failed" | tee -a "$log"
+[ "$failed" = 0 ]
