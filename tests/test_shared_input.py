@@ -17,9 +17,10 @@ from mlx.utils import tree_flatten
 from test_sft_losses import BASE, ROWS
 from test_sft_losses import trainer as attach  # a LoRA SFT job's layers, B drawn (the products count)
 
-from shared.train_specs import SFTJobCreate
+from shared.train_specs import SFTJobCreate, quantization
 from worker.runtime.adapter_layers import (InputDtypeLoRALinear, SharedInput, attach_adapter, lora_disabled,
                                            remove_adapter_layers, without_adapters)
+from worker.runtime.models import prepare_private
 from worker.runtime.projection_groups import fuse_shared_inputs
 from worker.runtime.train_core import TrainState
 
@@ -181,3 +182,18 @@ def test_a_job_s_layers_go_with_it(lm):
         assert layer() is None
     finally:
         gc.enable()
+
+
+def test_a_qlora_copy_runs_each_group_on_its_fused_quantized_weights(tiny_model):
+    """A qlora job's private copy never changes once quantized (prepare_private), so it is fused
+    as a shared model is: each group one quantized matmul, the same loss as each layer alone."""
+    model, tokenizer, config = mlx_lm.load(str(tiny_model), lazy=True, return_config=True)
+    prepare_private(model, config, "tiny", "qlora", quantization(4, "affine"), max_gb=1.0)
+    lm = (model, tokenizer)
+    trainer = attach(lm, fine_tune_type="qlora")
+    made = groups(model)
+    assert len(made) == 2 * len(model.layers) and all(type(g.fused) is nn.QuantizedLinear for g in made)
+    loss = trainer.step(TrainState())["loss"]
+    trainer = attach(lm, fine_tune_type="qlora")
+    each_alone(model)
+    assert loss == pytest.approx(trainer.step(TrainState())["loss"], rel=1e-6)

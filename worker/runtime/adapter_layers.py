@@ -74,7 +74,9 @@ class SharedInput:
         splits = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
         scale = self.layers[0].scale
         if scale == 0:  # lora_disabled (a reference policy): the base alone
-            return mx.split(self.fused(x), splits, axis=-1) if self.fused is not None else [m.linear(x) for m in self.layers]
+            if self.fused is not None:
+                return mx.split(self.fused(x), splits, axis=-1)
+            return [m.linear(x) for m in self.layers]
         a, b = lora_pair(self.layers)
         h, rows = x.reshape(-1, x.shape[-1]), x.shape[:-1]  # 2-D rows, as InputDtypeLoRALinear's
         z = (scale * ((h @ a.astype(x.dtype)) @ b.astype(x.dtype))).astype(x.dtype)

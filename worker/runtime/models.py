@@ -175,8 +175,9 @@ def private_base(model_id: str, settings, fine_tune_type: str, quantization: dic
 def prepare_private(model: nn.Module, config: dict, name: str, fine_tune_type: str, quantization: dict | None,
                     max_gb: float) -> tuple[dict, dict | None]:
     """Check a lazily loaded private copy and quantize it for qlora, as mlx_lm.convert does
-    (quantization: quantize_model's group_size, bits and mode: shared/train_specs.py quantization);
-    (its config, the quantization or None). `full` is bounded by max_gb (MTQ_FULL_FINETUNE_MAX_GB),
+    (quantization: quantize_model's group_size, bits and mode: shared/train_specs.py quantization),
+    then fuse its projections that read one input (fuse_shared_inputs); (its config, the
+    quantization or None). `full` is bounded by max_gb (MTQ_FULL_FINETUNE_MAX_GB),
     checked before any weight is read."""
     if "quantization" in config or "quantization_config" in config:
         raise UnsupportedBase(f"model {name!r} is already quantized: fine_tune_type lora or dora on it is QLoRA "
@@ -191,4 +192,6 @@ def prepare_private(model: nn.Module, config: dict, name: str, fine_tune_type: s
         _, config = quantize_model(model, config, **quantization)
         quantization = {k: config["quantization"][k] for k in ("group_size", "bits", "mode")}
     mx.eval(model.parameters())
+    if quantization:
+        fuse_shared_inputs(model)  # a qlora copy's base never changes once quantized, as a shared model's
     return config, quantization

@@ -35,8 +35,9 @@ def fuse_shared_inputs(model: nn.Module) -> int:
     """Fuse every SHARED_INPUT group of plain projections of one type and quantization (a
     model's base, before LoRA is attached): the decode step then runs one matmul per group.
     Memory stays what it was (the projections' weights become views of the fused ones). Only
-    for a model whose base weights never change: the worker's shared models (worker/runtime/models.py;
-    full fine-tuning and QLoRA change theirs, on a private copy). Returns the groups fused."""
+    for a model whose base weights never change: the worker's shared models and a qlora job's
+    private copy once quantized (worker/runtime/models.py; full fine-tuning trains its copy's).
+    Returns the groups fused."""
     count = 0
     for layer in model.layers:
         for parent_name, names in SHARED_INPUT:
