@@ -18,8 +18,8 @@ from test_sft_losses import BASE, ROWS
 from test_sft_losses import trainer as attach  # a LoRA SFT job's layers, B drawn (the products count)
 
 from shared.train_specs import SFTJobCreate, quantization
-from worker.runtime.adapter_layers import (InputDtypeLoRALinear, SharedInput, attach_adapter, lora_disabled,
-                                           remove_adapter_layers, without_adapters)
+from worker.runtime.adapter_layers import (InputDtypeLoRALinear, SharedInput, adapter_swapped, attach_adapter,
+                                           lora_disabled, remove_adapter_layers, without_adapters)
 from worker.runtime.models import prepare_private
 from worker.runtime.projection_groups import fuse_shared_inputs
 from worker.runtime.train_core import TrainState
@@ -169,16 +169,20 @@ def test_layers_with_dropout_stay_alone(lm):
     assert not groups(model)
 
 
-def test_a_job_s_layers_go_with_it(lm):
-    """A layer and its group refer to each other; taking the layers out parts them, so the job's
-    weights go at once, not at Python's next cycle collection."""
+def test_a_job_s_layers_keep_their_groups_between_its_steps_and_go_with_it(lm):
+    """A scoring request between a job's steps swaps the job's layers out and back in
+    (adapter_swapped): they come back with their groups. Taken out at the job's end, they go at
+    once, not at Python's next cycle collection (a group refers to its layers weakly)."""
     model, _ = lm
     spec = SFTJobCreate(model_id="tiny", dataset=ROWS, config=BASE)
     gc.disable()
     try:
         attach_adapter(model, spec.config, "lora")
+        made = groups(model)
+        with adapter_swapped(model, None):
+            assert not groups(model)
+        assert groups(model) == made and len(made) == 2 * len(model.layers)
         layer = weakref.ref(model.layers[0].self_attn.q_proj)
-        assert layer().shared_input is not None
         remove_adapter_layers(model)
         assert layer() is None
     finally:

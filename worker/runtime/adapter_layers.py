@@ -8,6 +8,7 @@ the shared model and takes them out again at its end (its worker module's `load`
 
 import contextlib
 import json
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,7 +55,9 @@ class SharedInput:
     own __call__ gives. On the H200 a step's time followed its matmul count (docs/performance.md):
     a q/k/v group's forward and backward are 8 matmuls where its layers alone are 24. Only for
     layers without dropout (one mask would serve them all)."""
-    layers: list[InputDtypeLoRALinear]
+    # Weak: each layer holds its group, and a cycle would keep a finished job's weights until
+    # Python's cycle collector ran. The layers live as long as the model holds them.
+    refs: list[weakref.ref]
     fused: nn.Module | None  # their base weights side by side (fuse_shared_inputs); None: each its own
     x: mx.array | None = None  # the input of the outputs below, until every layer has taken its own
     outputs: list[mx.array] = field(default_factory=list)
@@ -63,26 +66,27 @@ class SharedInput:
     def output(self, layer: InputDtypeLoRALinear, x: mx.array) -> mx.array:
         if self.x is not x:
             self.x, self.outputs, self.taken = x, self.project(x), 0
-        y = self.outputs[next(i for i, m in enumerate(self.layers) if m is layer)]
+        y = self.outputs[next(i for i, ref in enumerate(self.refs) if ref() is layer)]
         self.taken += 1
-        if self.taken == len(self.layers):  # this step's arrays are not kept past it
+        if self.taken == len(self.refs):  # this step's arrays are not kept past it
             self.x, self.outputs = None, []
         return y
 
     def project(self, x: mx.array) -> list[mx.array]:
-        sizes = [m.lora_b.shape[1] for m in self.layers]
+        layers = [ref() for ref in self.refs]
+        sizes = [m.lora_b.shape[1] for m in layers]
         splits = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
-        scale = self.layers[0].scale
+        scale = layers[0].scale
         if scale == 0:  # lora_disabled (a reference policy): the base alone
             if self.fused is not None:
                 return mx.split(self.fused(x), splits, axis=-1)
-            return [m.linear(x) for m in self.layers]
-        a, b = lora_pair(self.layers)
+            return [m.linear(x) for m in layers]
+        a, b = lora_pair(layers)
         h, rows = x.reshape(-1, x.shape[-1]), x.shape[:-1]  # 2-D rows, as InputDtypeLoRALinear's
         z = (scale * ((h @ a.astype(x.dtype)) @ b.astype(x.dtype))).astype(x.dtype)
         if self.fused is not None:
             return mx.split((self.fused(h) + z).reshape(*rows, -1), splits, axis=-1)
-        return [(m.linear(h) + z_i).reshape(*rows, -1) for m, z_i in zip(self.layers, mx.split(z, splits, axis=-1))]
+        return [(m.linear(h) + z_i).reshape(*rows, -1) for m, z_i in zip(layers, mx.split(z, splits, axis=-1))]
 
 
 def share_inputs(model: nn.Module, fused: bool = True) -> int:
@@ -98,7 +102,7 @@ def share_inputs(model: nn.Module, fused: bool = True) -> int:
             if any(type(m) is not InputDtypeLoRALinear for m in layers) or len({m.scale for m in layers}) > 1:
                 continue
             info = getattr(parent, "fused_inputs", None) if fused else None
-            group = SharedInput(layers, info.fused if info is not None else None)
+            group = SharedInput([weakref.ref(m) for m in layers], info.fused if info is not None else None)
             for m in layers:
                 m.shared_input = group
             count += 1
@@ -128,12 +132,7 @@ def adapter_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def remove_adapter_layers(model: nn.Module) -> None:
-    """Take every LoRA / DoRA layer out (mlx_lm's remove_lora_layers leaves DoRA in), and out of
-    its SharedInput (a layer and its group refer to each other: the job's weights would wait for
-    Python's cycle collector)."""
-    for _, m in adapter_layers(model):
-        if isinstance(m, InputDtypeLoRALinear):
-            m.shared_input = None
+    """Take every LoRA / DoRA layer out (mlx_lm's remove_lora_layers leaves DoRA in)."""
     layers = [(name, m.linear) for name, m in adapter_layers(model)]
     if layers:
         model.update_modules(tree_unflatten(layers))
