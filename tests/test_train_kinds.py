@@ -346,10 +346,10 @@ def test_reward_model_scores_held_out_pairs_and_grpo_raises_its_reward(stack, cl
     # reward_endpoint (the URL names the reward model), scored on the worker itself, no HTTP; the
     # lr-0 control names the reward model as a `reward_model` source, the same thing.
     grpo = {"model_id": "tiny", "prompts": ["Say something about red.", "Say something about tree."],
-            "config": dict(iters=40, learning_rate=5e-2, temperature=0.1, group_size=8, batch_size=2,
+            "config": dict(iters=40, learning_rate=1e-2, temperature=0.1, group_size=8, batch_size=2,
                            max_completion_len=8, lora_layers=-1, use_chat_template=False)}
     endpoint = f"{stack.base_url}{SCORE}?model_id=tiny&adapter_name=rm"
-    bodies = {5e-2: {**grpo, "config": {**grpo["config"], "reward_endpoint": endpoint}},
+    bodies = {1e-2: {**grpo, "config": {**grpo["config"], "reward_endpoint": endpoint}},
               0.0: {**grpo, "reward": [{"type": "reward_model", "model_id": "tiny", "adapter_name": "rm", "name": "endpoint"}],
                     "config": {**grpo["config"], "learning_rate": 0.0}}}
     curves = {}
@@ -366,10 +366,12 @@ def test_reward_model_scores_held_out_pairs_and_grpo_raises_its_reward(stack, cl
     def mean(xs):
         return sum(xs) / len(xs)
 
-    learned_curve, frozen_curve = curves[5e-2], curves[0.0]
-    print(f"\nGRPO reward-model reward, first 5 -> last 10 steps: lr 5e-2 {mean(learned_curve[:5]):.3f} -> "
+    learned_curve, frozen_curve = curves[1e-2], curves[0.0]
+    print(f"\nGRPO reward-model reward, first 5 -> last 10 steps: lr 1e-2 {mean(learned_curve[:5]):.3f} -> "
           f"{mean(learned_curve[-10:]):.3f}; lr 0 {mean(frozen_curve[:5]):.3f} -> {mean(frozen_curve[-10:]):.3f}")
-    # Measured (seed 0): lr 5e-2 -1.96 -> 3.49, lr 0 -2.08 -> -2.26 (sampling noise only).
+    # Measured (seed 0): lr 1e-2 -3.82 -> -3.21, lr 0 -3.73 -> -3.78 (sampling noise only). At 5e-2
+    # the first update flattened the policy (entropy 1.2 -> 5.2) and whether 40 steps recovered
+    # from that turned on float rounding: a change that only reordered sums failed it.
     assert mean(learned_curve[-10:]) > mean(learned_curve[:5]) + 0.25
     assert mean(learned_curve[-10:]) > mean(frozen_curve[-10:]) + 0.3
 
