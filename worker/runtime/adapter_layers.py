@@ -20,7 +20,7 @@ from mlx_lm.tuner.lora import LoRALinear, LoRASwitchLinear
 from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
 
 from shared.adapters import CONFIG_FILE, WEIGHTS_FILE
-from worker.runtime.projection_groups import SHARED_INPUT, lora_pair
+from worker.runtime.projection_groups import lora_pair, shared_input_groups
 
 
 ADAPTER_LAYERS = (LoRALinear, DoRALinear, LoRASwitchLinear)  # mlx_lm's adapter layers, each around its `linear`
@@ -90,22 +90,19 @@ class SharedInput:
 
 
 def share_inputs(model: nn.Module, fused: bool = True) -> int:
-    """Group each SHARED_INPUT group of the model's blocks whose layers are all InputDtypeLoRALinear
+    """Group each of the model's shared_input_groups whose layers are all InputDtypeLoRALinear
     of one scale (SharedInput; layers without dropout), with the worker's fused base weights
     unless not `fused` (QAT swaps each layer's base weight for a fake-quantized one during a step,
     which the fused weights would not see). Returns the groups made."""
     count = 0
-    for block in model.layers:
-        for parent_name, names in SHARED_INPUT:
-            parent = getattr(block, parent_name, None)
-            layers = [getattr(parent, name, None) for name in names]
-            if any(type(m) is not InputDtypeLoRALinear for m in layers) or len({m.scale for m in layers}) > 1:
-                continue
-            info = getattr(parent, "fused_inputs", None) if fused else None
-            group = SharedInput([weakref.ref(m) for m in layers], info.fused if info is not None else None)
-            for m in layers:
-                m.shared_input = group
-            count += 1
+    for parent, layers in shared_input_groups(model):
+        if any(type(m) is not InputDtypeLoRALinear for m in layers) or len({m.scale for m in layers}) > 1:
+            continue
+        info = getattr(parent, "fused_inputs", None) if fused else None
+        group = SharedInput([weakref.ref(m) for m in layers], info.fused if info is not None else None)
+        for m in layers:
+            m.shared_input = group
+        count += 1
     return count
 
 

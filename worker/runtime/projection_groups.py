@@ -12,6 +12,7 @@ job never decodes).
 """
 
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -22,6 +23,17 @@ from mlx_lm.tuner.lora import LoRALinear
 # matmul of its base weights (fuse_shared_inputs) and one pair of LoRA matmuls (decode_groups).
 SHARED_INPUT = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 _ARRAYS = ("weight", "scales", "biases", "bias")  # what nn.Linear / nn.QuantizedLinear hold
+
+
+def shared_input_groups(model: nn.Module) -> Iterator[tuple[nn.Module, list[nn.Module]]]:
+    """Each SHARED_INPUT group of the model's blocks that has all its projections: (the module
+    holding them, the projections), block by block."""
+    for layer in model.layers:
+        for parent_name, names in SHARED_INPUT:
+            parent = getattr(layer, parent_name, None)
+            mods = [getattr(parent, name, None) for name in names]
+            if parent is not None and all(m is not None for m in mods):
+                yield parent, mods
 
 
 @dataclass(eq=False)
@@ -39,26 +51,23 @@ def fuse_shared_inputs(model: nn.Module) -> int:
     private copy once quantized (worker/runtime/models.py; full fine-tuning trains its copy's).
     Returns the groups fused."""
     count = 0
-    for layer in model.layers:
-        for parent_name, names in SHARED_INPUT:
-            parent = getattr(layer, parent_name, None)
-            mods = [getattr(parent, name, None) for name in names]
-            if parent is None or getattr(parent, "fused_inputs", None) is not None or not _fusable(mods):
-                continue
-            keys = [k for k in _ARRAYS if k in mods[0]]
-            fused = copy.copy(mods[0])  # its class and quantization; its arrays replaced below
+    for parent, mods in shared_input_groups(model):
+        if getattr(parent, "fused_inputs", None) is not None or not _fusable(mods):
+            continue
+        keys = [k for k in _ARRAYS if k in mods[0]]
+        fused = copy.copy(mods[0])  # its class and quantization; its arrays replaced below
+        for k in keys:
+            fused[k] = mx.concatenate([m[k] for m in mods], axis=0)
+        mx.eval(fused.parameters())
+        start = 0
+        for m in mods:
+            n = m["weight"].shape[0]
             for k in keys:
-                fused[k] = mx.concatenate([m[k] for m in mods], axis=0)
-            mx.eval(fused.parameters())
-            start = 0
-            for m in mods:
-                n = m["weight"].shape[0]
-                for k in keys:
-                    m[k] = fused[k][start:start + n]
-                start += n
-            mx.eval([m.parameters() for m in mods])
-            parent.fused_inputs = FusedInputs(fused)
-            count += 1
+                m[k] = fused[k][start:start + n]
+            start += n
+        mx.eval([m.parameters() for m in mods])
+        parent.fused_inputs = FusedInputs(fused)
+        count += 1
     return count
 
 
@@ -86,19 +95,14 @@ class Group:
 def decode_groups(model: nn.Module) -> list[Group]:
     """The model's Groups, in a fixed order (worker/decode/graph_patches.py lora_args follows it)."""
     groups, grouped = [], set()
-    for layer in model.layers:
-        for parent_name, names in SHARED_INPUT:
-            parent = getattr(layer, parent_name, None)
-            mods = [getattr(parent, name, None) for name in names]
-            if any(m is None for m in mods):
-                continue
-            lora = all(isinstance(m, LoRALinear) for m in mods) and len({m.scale for m in mods}) == 1
-            plain = all(type(m) in (nn.Linear, nn.QuantizedLinear) for m in mods)
-            info = getattr(parent, "fused_inputs", None)
-            fused = info.fused if info is not None and (lora or plain) else None
-            if lora or fused is not None:
-                groups.append(Group(mods, lora, fused))
-                grouped.update(id(m) for m in mods)
+    for parent, mods in shared_input_groups(model):
+        lora = all(isinstance(m, LoRALinear) for m in mods) and len({m.scale for m in mods}) == 1
+        plain = all(type(m) in (nn.Linear, nn.QuantizedLinear) for m in mods)
+        info = getattr(parent, "fused_inputs", None)
+        fused = info.fused if info is not None and (lora or plain) else None
+        if lora or fused is not None:
+            groups.append(Group(mods, lora, fused))
+            grouped.update(id(m) for m in mods)
     for _, m in model.named_modules():
         if isinstance(m, LoRALinear) and id(m) not in grouped:
             groups.append(Group([m], True, None))
