@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # Issue 41's H200 sitting: each target beside its anchor, the figure that matters most first.
-# One stage per device call (at most 10 minutes; a fresh machine spends about 5 of its first call
-# compiling). Run from the repository root where MLX has CUDA (the wheels as the workplace's GPU
-# recipe installs them, PYTHONPATH set); every line also goes to $OUT/<stage>.txt when OUT is set.
+# Run from the repository root where MLX has CUDA (the wheels as the workplace's GPU recipe installs
+# them, PYTHONPATH set); every line also goes to $OUT/<stage>.txt when OUT is set. A fresh machine
+# spends about 5 minutes compiling, a device call lasts at most 10 and the machine goes back 30 s
+# after one ends, so a sitting runs its stages detached and its calls only wait (make them one batch):
+#
+#   bash bench/h200_sitting.sh start graphs lora grpo ...   the stages one after another, in a session of
+#                                        their own that outlives the call; logs in /tmp/sitting
+#   bash bench/h200_sitting.sh wait 540  until they end or 540 s pass, copying their logs to $OUT as they grow
 #
 #   bash bench/h200_sitting.sh lora      LoRA step, layers together and alone, against full fine-tuning;
 #                                        SFT against `mlx_lm lora`, bfloat16 then 4-bit (3 rounds each)
+#   bash bench/h200_sitting.sh graphs    the LoRA and full steps with MLX's CUDA graphs as they are, off, and cut
+#                                        at 20 nodes (3 rounds of one process each, interleaved): whether
+#                                        graphs instantiated anew each step make LoRA's step slow
 #   bash bench/h200_sitting.sh grpo      GRPO G8 B4 L128 by default and with max_memory_gb 16, G16 B4 L256,
 #                                        each phase's time; TRL's step where torch and trl import
 #   bash bench/h200_sitting.sh decode    decode per position, LoRA on 16 blocks, 8 and 32 rows, beside mlx_lm's
@@ -17,7 +25,24 @@
 # the commands; it has 4 blocks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?stage: lora, grpo, decode or kernels}"
+stage="${1:?stage: lora, graphs, grpo, decode or kernels; or start STAGE... / wait SECONDS}"
+case "$stage" in
+  start)
+    shift
+    mkdir -p /tmp/sitting && rm -f /tmp/sitting/done
+    OUT=/tmp/sitting setsid nohup bash -c 'for s in "$@"; do bash bench/h200_sitting.sh "$s"; done; touch /tmp/sitting/done' \
+      _ "$@" >/tmp/sitting/all.log 2>&1 </dev/null &
+    exit 0 ;;
+  wait)
+    end=$((SECONDS + ${2:-540}))
+    while [ $SECONDS -lt $end ] && [ ! -f /tmp/sitting/done ]; do
+      sleep 5
+      [ -n "${OUT:-}" ] && cp /tmp/sitting/*.txt /tmp/sitting/all.log "$OUT"/ 2>/dev/null
+    done
+    [ -n "${OUT:-}" ] && cp /tmp/sitting/*.txt /tmp/sitting/all.log "$OUT"/ 2>/dev/null
+    tail -c 11000 /tmp/sitting/all.log
+    exit 0 ;;
+esac
 size="${SIZE:-qwen3-0.6b}"
 py="${PYTHON:-python3}"
 lora_layers="${LORA_LAYERS:-16}"  # the decode's LoRA blocks: a GRPO job's default
@@ -44,6 +69,13 @@ case "$stage" in
     run "$py" bench/lora_step.py "$bf16" --rounds 3 --steps 8 --warmup 3
     run "$py" bench/train_step.py "$bf16" --kinds sft sft-full --mlx-lm --rounds 3 --steps 8 --warmup 3
     run "$py" bench/train_step.py "$q4" --kinds sft --mlx-lm --rounds 3 --steps 8 --warmup 3 ;;
+  graphs)  # env read once per process (MLX's device.cpp), so a round is a process
+    for r in 1 2 3; do
+      for knobs in MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=20; do
+        echo "# round $r, $knobs" | tee -a "$log"
+        run env "$knobs" "$py" bench/lora_step.py "$bf16" --rounds 1 --steps 8 --warmup 3 --variants step_lora step_full
+      done
+    done ;;
   grpo)
     run "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 16,4,256 --steps 3 --warmup 1
     run "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 --steps 3 --warmup 1 --set max_memory_gb=16
@@ -60,7 +92,7 @@ case "$stage" in
     run "$py" bench/first_step.py "$q4" --kinds sft grpo --vary lora_rank=16 lora_layers=2 batch_size=4
     run "$py" bench/worker_life.py "$q4" --jobs 24 --steps 3
     run "$py" bench/worker_life.py "$q4" --jobs 24 --steps 3 --as-worker ;;
-  *) echo "unknown stage $stage: lora, grpo, decode or kernels" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: lora, graphs, grpo, decode or kernels" >&2; exit 2 ;;
 esac
 echo "# stage $stage: $failed command(s) failed" | tee -a "$log"
 [ "$failed" = 0 ]

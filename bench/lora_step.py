@@ -2,6 +2,7 @@
 interleaved rounds in one process (docs/performance.md "LoRA's product in the model's dtype").
 
     python bench/lora_step.py MODEL_DIR [--batch-size 4] [--length 128] [--steps 10] [--warmup 3] [--rounds 3]
+    python bench/lora_step.py MODEL_DIR --variants step_lora step_full   # those alone
     python bench/lora_step.py MODEL_DIR --count
 
 --count: no timing; the primitives of each fwdbwd_* variant's graph (the SFT loss and its
@@ -83,6 +84,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--count", action="store_true", help="print each fwdbwd variant's primitives by type, no timing")
+    p.add_argument("--variants", nargs="+", help="time these variants only (default: all)")
     args = p.parse_args()
     model, tokenizer = mlx_lm.load(args.model)
     fuse_shared_inputs(model)  # as a worker loads a shared model (worker/runtime/models.py)
@@ -123,6 +125,10 @@ def main() -> None:
                 "step_lora_f32": lambda: step("lora", LoRALinear),
                 "step_full": lambda: step("full"),
                 **{name: (lambda made_as=made_as: fwd_bwd(*made_as)) for name, made_as in fwd_bwds.items()}}
+    unknown = set(args.variants or ()) - set(variants)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}: {', '.join(variants)}")
+    variants = {name: make for name, make in variants.items() if not args.variants or name in args.variants}
     seconds = {name: [] for name in variants}
     for r in range(args.rounds):
         for name, make in variants.items():
@@ -143,6 +149,8 @@ def main() -> None:
     for a, b in (("step_lora", "step_full"), ("step_lora_each", "step_lora"), ("step_lora_f32", "step_lora_each"),
                  ("fwdbwd_lora", "fwdbwd_full"), ("fwdbwd_lora_each", "fwdbwd_lora"),
                  ("fwdbwd_lora_f32", "fwdbwd_lora_each"), ("fwdbwd_merged", "fwdbwd_full")):
+        if a not in seconds or b not in seconds:
+            continue
         ratios = [x / y for x, y in zip(seconds[a], seconds[b])]
         print(f"{a} / {b}: median {statistics.median(ratios):.2f}, rounds {[round(x, 2) for x in ratios]}")
 
