@@ -79,7 +79,7 @@ case "$stage" in
   grpo)
     run "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 16,4,256 --steps 3 --warmup 1
     run "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 --steps 3 --warmup 1 --set max_memory_gb=16
-    run "$py" bench/step_phases.py "$q4" 8,4,128 --reps 3
+    run "$py" bench/step_phases.py "$q4" 8,4,128 --reps 3 --sampling
     if "$py" -c "import torch, trl" 2>/dev/null; then
       run "$py" bench/trl_grpo.py "$bf16" --group-size 8 --batch-size 4 --max-completion-len 128 --steps 5 --warmup 2
     else
