@@ -11,9 +11,10 @@
 #
 #   bash bench/h200_sitting.sh lora      LoRA step, layers together and alone, against full fine-tuning;
 #                                        SFT against `mlx_lm lora`, bfloat16 then 4-bit (3 rounds each)
-#   bash bench/h200_sitting.sh graphs    the LoRA and full steps with MLX's CUDA graphs as they are, off, and cut
-#                                        at 20 nodes (3 rounds of one process each, interleaved): whether
-#                                        graphs instantiated anew each step make LoRA's step slow
+#   bash bench/h200_sitting.sh graphs    the kernels and graphs of the LoRA and full steps (bench/cuda_graphs.py);
+#                                        the steps with MLX's CUDA graphs as they are, off, and cut at 20
+#                                        nodes (3 rounds of one process each, interleaved): whether graphs
+#                                        instantiated anew each step make LoRA's step slow
 #   bash bench/h200_sitting.sh grpo      GRPO G8 B4 L128 by default and with max_memory_gb 16, G16 B4 L256,
 #                                        each phase's time; TRL's step where torch and trl import
 #   bash bench/h200_sitting.sh decode    decode per position, LoRA on 16 blocks, 8 and 32 rows, beside mlx_lm's
@@ -70,6 +71,12 @@ case "$stage" in
     run "$py" bench/train_step.py "$bf16" --kinds sft sft-full --mlx-lm --rounds 3 --steps 8 --warmup 3
     run "$py" bench/train_step.py "$q4" --kinds sft --mlx-lm --rounds 3 --steps 8 --warmup 3 ;;
   graphs)  # env read once per process (MLX's device.cpp), so a round is a process
+    for v in step_lora step_full; do  # first what the graphs of 3 steps hold
+      rm -rf "/tmp/graphs/$v" && mkdir -p "/tmp/graphs/$v"
+      run env MLX_SAVE_CUDA_GRAPHS_DOT_FILE="/tmp/graphs/$v/g" "$py" bench/lora_step.py "$bf16" \
+        --rounds 1 --steps 1 --warmup 2 --variants "$v"
+    done
+    run "$py" bench/cuda_graphs.py /tmp/graphs/step_lora /tmp/graphs/step_full
     for r in 1 2 3; do
       for knobs in MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=20; do
         echo "# round $r, $knobs" | tee -a "$log"
