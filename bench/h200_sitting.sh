@@ -36,11 +36,11 @@ case "$stage" in
     exit 0 ;;
   wait)
     end=$((SECONDS + ${2:-540}))
-    while [ $SECONDS -lt $end ] && [ ! -f /tmp/sitting/done ]; do
-      sleep 5
+    while :; do  # the logs so far, every 5 s until the stages end or the time is up, then once more
       [ -n "${OUT:-}" ] && cp /tmp/sitting/*.txt /tmp/sitting/all.log "$OUT"/ 2>/dev/null
+      { [ $SECONDS -lt $end ] && [ ! -f /tmp/sitting/done ]; } || break
+      sleep 5
     done
-    [ -n "${OUT:-}" ] && cp /tmp/sitting/*.txt /tmp/sitting/all.log "$OUT"/ 2>/dev/null
     tail -c 11000 /tmp/sitting/all.log
     exit 0 ;;
 esac
