@@ -14,7 +14,8 @@
 #   bash bench/h200_sitting.sh graphs    the kernels and graphs of the LoRA and full steps (bench/cuda_graphs.py);
 #                                        the steps with MLX's CUDA graphs as they are, off, and cut at 20
 #                                        nodes (3 rounds of one process each, interleaved): whether graphs
-#                                        instantiated anew each step make LoRA's step slow
+#                                        instantiated anew each step make LoRA's step slow; each matmul
+#                                        shape of the two steps alone, graphs on and off (bench/matmul_shapes.py)
 #   bash bench/h200_sitting.sh grpo      GRPO G8 B4 L128 by default and with max_memory_gb 16, G16 B4 L256,
 #                                        each phase's time; TRL's step where torch and trl import
 #   bash bench/h200_sitting.sh decode    decode per position, LoRA on 16 blocks, 8 and 32 rows, beside mlx_lm's
@@ -30,7 +31,7 @@ stage="${1:?stage: lora, graphs, grpo, decode or kernels; or start STAGE... / wa
 case "$stage" in
   start)
     shift
-    mkdir -p /tmp/sitting && rm -f /tmp/sitting/done
+    rm -rf /tmp/sitting && mkdir -p /tmp/sitting  # a second start must not append to the first's logs
     OUT=/tmp/sitting setsid nohup bash -c 'for s in "$@"; do bash bench/h200_sitting.sh "$s"; done; touch /tmp/sitting/done' \
       _ "$@" >/tmp/sitting/all.log 2>&1 </dev/null &
     exit 0 ;;
@@ -82,6 +83,9 @@ case "$stage" in
         echo "# round $r, $knobs" | tee -a "$log"
         run env "$knobs" "$py" bench/lora_step.py "$bf16" --rounds 1 --steps 8 --warmup 3 --variants step_lora step_full
       done
+    done
+    for knobs in MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0; do  # then the matmuls' shapes, one by one
+      run env "$knobs" "$py" bench/matmul_shapes.py "$bf16" --rounds 3 --pad 64
     done ;;
   grpo)
     run "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 16,4,256 --steps 3 --warmup 1

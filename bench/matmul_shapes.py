@@ -1,0 +1,145 @@
+"""What each matmul of an SFT forward and backward costs where it runs, by shape: LoRA's (the job's
+layers, rank 8 on every projection) against full fine-tuning's, so that the difference between
+the two steps can be laid on the shapes that make it (issue 41: on the H200 a LoRA step costs
+about twice a full one, and neither the matmul count nor the primitive count explains it;
+docs/performance.md).
+
+    python bench/matmul_shapes.py MODEL_DIR [--tokens 512] [--rank 8] [--calls 28] [--reps 10]
+                                            [--rounds 3] [--pad 64] [--dtype D]
+
+Only the model's config.json is read (no weights). Per block, the projections as a job runs them
+(worker/runtime/adapter_layers.py SharedInput): q/k/v as one fused matmul and one LoRA pair of
+width 3 x rank, o alone, gate/up fused (2 x rank), down alone. For a projection of input width K,
+output width N and LoRA width R on T = --tokens rows (2-D, as the job's layers multiply):
+
+  x W        (T,K) @ (K,N), W stored (N,K)        forward, both
+  g W        (T,N) @ (N,K)                        the input's gradient through W, both
+  dW         (K,T) @ (T,N), x stored (T,K)        the weight's gradient, full fine-tuning only
+  x A        (T,K) @ (K,R)                        LoRA forward
+  t B        (T,R) @ (R,N)
+  g B^T      (T,N) @ (N,R), B stored (R,N)        LoRA backward: the gradient of t
+  dB         (R,T) @ (T,N), t stored (T,R)        B's gradient
+  dt A^T     (T,R) @ (R,K), A stored (K,R)        the input's gradient through A
+  dA         (K,T) @ (T,R), x stored (T,K)        A's gradient
+
+and the output head (x E^T and its input's gradient, both variants). Each case is timed as
+--calls independent matmuls of its shape (as many as the model has blocks by default: distinct
+arrays, evaluated together), the cases in interleaved rounds; it prints microseconds a matmul
+(min / median / max of the rounds' medians) beside an element-wise add of (T, hidden), whose cost
+is the backend's floor per primitive, and what a forward and backward's projection matmuls add
+up to for each variant (count x median). --pad P also times LoRA's cases at width P (a rank
+padded with zeros gives the same products): whether a wider LoRA product costs less.
+
+Environment variables of MLX (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER) apply per process:
+bench/h200_sitting.sh's `graphs` stage runs it with graphs on and off.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from worker.supervisor.openblas import reexec_with_openblas  # noqa: E402
+
+reexec_with_openblas()
+
+import mlx.core as mx  # noqa: E402
+
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+
+def cases(cfg: dict, tokens: int, rank: int, pad: int | None) -> list[tuple]:
+    """(name, a's shape as stored, a transposed, b's shape as stored, b transposed, LoRA's count,
+    full's count) for each matmul of one SFT forward and backward's projections and head."""
+    h, blocks = cfg["hidden_size"], cfg["num_hidden_layers"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv, inter = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d, cfg["intermediate_size"]
+    groups = {"qkv": (h, q + 2 * kv, 3), "o": (q, h, 1), "gate_up": (h, 2 * inter, 2), "down": (inter, h, 1)}
+    t = tokens
+    out = []
+    for g, (k, n, layers) in groups.items():
+        out += [(f"x W {g}", (t, k), False, (n, k), True, blocks, blocks),
+                (f"g W {g}", (t, n), False, (n, k), False, blocks, blocks),
+                (f"dW {g}", (t, k), True, (t, n), False, 0, blocks)]
+        for r, label in [(rank * layers, "")] + ([(pad, f" pad {pad}")] if pad else []):
+            count = 0 if label else blocks  # a padded case is an alternative, not part of the step
+            out += [(f"x A {g}{label}", (t, k), False, (k, r), False, count, 0),
+                    (f"t B {g}{label}", (t, r), False, (r, n), False, count, 0),
+                    (f"g B^T {g}{label}", (t, n), False, (r, n), True, count, 0),
+                    (f"dB {g}{label}", (t, r), True, (t, n), False, count, 0),
+                    (f"dt A^T {g}{label}", (t, r), False, (k, r), True, count, 0),
+                    (f"dA {g}{label}", (t, k), True, (t, r), False, count, 0)]
+    v = cfg["vocab_size"]
+    out += [("x E^T head", (t, h), False, (v, h), True, 1, 1), ("g E head", (t, v), False, (v, h), False, 1, 1)]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--tokens", type=int, default=512, help="rows of a micro-batch (bench/lora_step.py: 4 x 128)")
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--calls", type=int, help="matmuls of a shape per evaluation (default: the model's blocks)")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pad", type=int, help="also time LoRA's matmuls at this width")
+    p.add_argument("--dtype", choices=DTYPES, help="default: the model's (config.json torch_dtype)")
+    args = p.parse_args()
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    calls = args.calls or cfg["num_hidden_layers"]
+    args.dtype = args.dtype or cfg.get("torch_dtype", "float32")
+    dtype = DTYPES[args.dtype]
+    table = cases(cfg, args.tokens, args.rank, args.pad)
+
+    def operands(shape, transposed):
+        xs = [mx.random.normal(shape).astype(dtype) for _ in range(calls)]
+        return [x.T for x in xs] if transposed else xs
+
+    work = {"add (T, hidden)": (lambda a, b: a + b, operands((args.tokens, cfg["hidden_size"]), False),
+                                operands((args.tokens, cfg["hidden_size"]), False))}
+    for name, a_shape, a_t, b_shape, b_t, _, _ in table:
+        work[name] = (lambda a, b: a @ b, operands(a_shape, a_t), operands(b_shape, b_t))
+    mx.eval([w[1:] for w in work.values()])
+
+    us = {name: [] for name in work}
+    for r in range(args.rounds):
+        names = list(work) if r % 2 == 0 else list(work)[::-1]
+        for name in names:
+            op, a, b = work[name]
+            times = []
+            for i in range(args.warmup + args.reps):
+                t0 = time.perf_counter()
+                mx.eval([op(x, y) for x, y in zip(a, b)])
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            us[name].append(statistics.median(times) / calls * 1e6)
+
+    print(f"device {mx.default_device()}, mlx {mx.__version__}, {args.dtype}, {args.tokens} rows, rank {args.rank}, "
+          f"{calls} matmuls a shape per evaluation, {args.rounds} rounds")
+    print(f"{'case':24s} {'a (stored)':>14s} {'b (stored)':>14s}  lora  full   us/call min / median / max")
+    shapes = {c[0]: c for c in table}
+    for name, v in us.items():
+        a = b = ""
+        counts = ("", "")
+        if name in shapes:
+            _, a_shape, a_t, b_shape, b_t, n_lora, n_full = shapes[name]
+            a, b = f"{a_shape}{'T' if a_t else ''}", f"{b_shape}{'T' if b_t else ''}"
+            counts = (n_lora, n_full)
+        print(f"{name:24s} {a:>14s} {b:>14s}  {counts[0]!s:>4s}  {counts[1]!s:>4s}   "
+              f"{min(v):8.1f} / {statistics.median(v):8.1f} / {max(v):8.1f}")
+    for variant, col in (("LoRA", 5), ("full", 6)):
+        total = sum(c[col] * statistics.median(us[c[0]]) for c in table)
+        print(f"{variant}: {sum(c[col] for c in table)} matmuls, {total / 1e3:.1f} ms by the medians")
+    if args.pad:
+        own = [c for c in table if c[5] and c[0].startswith(("x A", "t B", "g B^T", "dB", "dt A^T", "dA"))]
+        padded = sum(c[5] * statistics.median(us[f"{c[0]} pad {args.pad}"]) for c in own)
+        print(f"LoRA's own {sum(c[5] for c in own)} matmuls: {sum(c[5] * statistics.median(us[c[0]]) for c in own) / 1e3:.1f} ms "
+              f"at their widths, {padded / 1e3:.1f} ms at width {args.pad}")
+
+
+if __name__ == "__main__":
+    main()
