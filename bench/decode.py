@@ -22,7 +22,9 @@ dropped once half have finished):
   single    mlx_lm's generate_step of one row (its own single-sequence decode)
 
   ms/pos    wall time to generate --tokens tokens for all rows, divided by --tokens (prompt
-            prefill included, as in a GRPO step); median of --reps after one warm-up run
+            prefill included, as in a GRPO step): the median of --reps rounds (in brackets the
+            fastest and slowest), after one warm-up run of each decoder; a round runs every
+            decoder once, in turn, the order reversed every other round
   host      ours only: the part of ms/pos the host spends in the decode steps' calls and in
             mx.async_eval (building the graph, encoding its kernels); near ms/pos: host-bound
   prims     MLX primitives in one decode step's graph (mx.export_to_dot of the step's outputs
@@ -38,7 +40,7 @@ dropped once half have finished):
 --lora-layers N: every decoder runs the model with LoRA on all projections of its last N
 blocks, rank 8, scale 16 (a GRPO job's defaults: lora_layers 16), as GRPO samples with it.
 
-Ratios: ours / batch and ours / single (ms/pos). --ours-only skips mlx_lm's decoders (e.g. to
+Ratios: ours / batch and ours / single, a ratio a round: the median, min and max. --ours-only skips mlx_lm's decoders (e.g. to
 compare MLX settings such as MLX_USE_CUDA_GRAPHS between runs). --count-only skips the timings (e.g. the
 28-layer model on a CPU). On Linux CPU the process re-executes itself with the system
 OpenBLAS (worker/supervisor/openblas.py, standard library only). From this repository it imports
@@ -162,11 +164,11 @@ def ours_counts(model, prompts, group_size, variant) -> collections.Counter:
     raise RuntimeError("sample() made fewer than two decode steps")
 
 
-def ours_time(model, prompts, group_size, variant, tokens, reps, eos=()):
-    """Wall times of sample(), and the host's share of each: the seconds spent in the decode
-    steps' calls (mx.compile's replay, building the step's graph) and in handing them to the
-    device (mx.async_eval, which encodes every kernel). Close to the wall time: host-bound.
-    Also the last run's samples (its key is the same for every variant)."""
+def ours_run(model, prompts, group_size, variant, tokens, eos=()):
+    """run(i): one sample() with random key i, timed: its wall time, the host's share of it (the
+    seconds spent in the decode steps' calls, mx.compile's replay building the step's graph,
+    and in handing them to the device, mx.async_eval, which encodes every kernel; close to the
+    wall time: host-bound) and its samples (every variant draws with the same keys)."""
     p = SamplingParams(max_tokens=tokens, temperature=1.0)
     step = make_step(model, p, variant, eos)
     host = [0.0]
@@ -178,15 +180,14 @@ def ours_time(model, prompts, group_size, variant, tokens, reps, eos=()):
         host[0] += time.perf_counter() - t0
         return out
 
-    times, hosts = [], []
-    for i in range(reps + 1):  # the first run compiles
+    def run(i):
         host[0] = 0.0
         t0 = time.perf_counter()
         samples = sample(model, timed, prompts, group_size, p, list(eos), mx.random.key(i))
-        times.append(time.perf_counter() - t0)
-        hosts.append(host[0])
+        wall = time.perf_counter() - t0
         assert eos or samples.steps == tokens
-    return times[1:], hosts[1:], samples
+        return wall, host[0], samples
+    return run
 
 
 def agreement(samples, first) -> dict:
@@ -218,16 +219,18 @@ def batch_counts(model, rows) -> collections.Counter:
     return primitives(make_sampler(temp=1.0)(logprobs), logprobs)
 
 
-def batch_time(model, tokenizer, rows, tokens, reps) -> list[float]:
+def batch_run(model, tokenizer, rows, tokens):
+    """run(i): the wall time of one mlx_lm batch_generate of the rows."""
     sampler = make_sampler(temp=1.0)
-    times = []
-    for _ in range(reps + 1):
+
+    def run(i):
         t0 = time.perf_counter()
         out = mlx_lm.batch_generate(model, tokenizer, rows, max_tokens=tokens, sampler=sampler,
                                     completion_batch_size=len(rows), prefill_batch_size=len(rows))
-        times.append(time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
         assert out.stats.generation_tokens == tokens * len(rows)
-    return times[1:]
+        return wall, None, None
+    return run
 
 
 def single_counts(model, row) -> collections.Counter:
@@ -240,15 +243,39 @@ def single_counts(model, row) -> collections.Counter:
     return primitives(make_sampler(temp=1.0)(logprobs), logprobs)
 
 
-def single_time(model, row, tokens, reps) -> list[float]:
+def single_run(model, row, tokens):
+    """run(i): the wall time of one mlx_lm generate_step decode of one row."""
     sampler = make_sampler(temp=1.0)
-    times = []
-    for _ in range(reps + 1):
+
+    def run(i):
         t0 = time.perf_counter()
         n = sum(1 for _ in generate_step(mx.array(row), model, max_tokens=tokens, sampler=sampler))
-        times.append(time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
         assert n == tokens
-    return times[1:]
+        return wall, None, None
+    return run
+
+
+def rounds(runs: dict, reps: int) -> dict:
+    """Every run once to compile (a run that fails there is left out, with its error printed:
+    e.g. a kernel path on one backend), then reps interleaved rounds, each run once a round, the
+    order reversed every other round. name -> (wall times, host times, the last round's samples)."""
+    live = {}
+    for name, run in runs.items():
+        try:
+            run(reps)
+            live[name] = run
+        except Exception as e:
+            print(f"  {name:40s} failed: {type(e).__name__}: {e}", flush=True)
+    got = {name: ([], [], None) for name in live}
+    for r in range(reps):
+        for name in list(live) if r % 2 == 0 else list(live)[::-1]:
+            wall, host, samples = live[name](r)
+            got[name][0].append(wall)
+            if host is not None:
+                got[name][1].append(host)
+            got[name] = (got[name][0], got[name][1], samples)
+    return got
 
 
 # ------------------------------------------------------------------ main
@@ -317,6 +344,7 @@ def main():
         save()
         gpu = f" gpu {rec['primitives_gpu']:5d}" if gpu_counter is not None else ""
         ms = f" {rec['ms_per_position']:8.2f} ms/pos" if times else ""
+        ms += f" ({1000 * min(times) / args.tokens:.2f}-{1000 * max(times) / args.tokens:.2f})" if times else ""
         ms += f" (host {rec['host_ms_per_position']:.2f})" if hosts else ""
         print(f"  {name:40s} rows {rows:3d}  prims {rec['primitives']:5d}{gpu}{ms}", flush=True)
         return rec
@@ -333,7 +361,7 @@ def main():
             with fused_as_on_cuda():
                 return counter, fn()
 
-        ours, first = [], None
+        counts, runs, labels = {}, {}, []
         options = [("queries", args.queries, lambda q: f" queries={q}" if q else ""),
                    ("dense", [False, True] if args.dense else [False], lambda d: " dense" if d else ""),
                    ("kernel", args.kernel, lambda k: {"on": " kernel", "off": " no kernel"}.get(k, ""))]
@@ -343,35 +371,41 @@ def main():
             # "ours sampling.py", as older sittings named ours (the sampler was one file): their records compare
             label = "ours sampling.py" + "".join(tag(c) for (_, _, tag), c in zip(options, choice))
             try:  # one decoder failing (e.g. a kernel path on one backend) leaves the others' figures
-                counts = both(lambda: ours_counts(model, prompts, G, variant))
-                times, hosts, samples = ((None, None, None) if args.count_only
-                                         else ours_time(model, prompts, G, variant, args.tokens, args.reps, eos))
+                counts[label] = both(lambda: ours_counts(model, prompts, G, variant))
             except Exception as e:
                 print(f"  {label:40s} rows {R:3d}  failed: {type(e).__name__}: {e}", flush=True)
                 continue
-            rec = record(label, R, *counts, times, hosts)
-            ours.append(rec)
-            if samples is not None and first is None:
-                first = (label, samples)
-            elif samples is not None:
-                rec.update(agreement(samples, first[1]))
-                print(f"    vs {first[0]}: rows the same {rec['rows_as_first']:.3f}, tokens before a row's "
-                      f"first difference {rec['tokens_before_difference']:.4f}, their largest log-prob "
-                      f"difference {rec['max_logprob_diff_before']:.2e}", flush=True)
+            labels.append(label)
+            runs[label] = ours_run(model, prompts, G, variant, args.tokens, eos)
+        batch, single = "mlx_lm batch_generate", "mlx_lm generate_step (1 row)"
+        if not args.ours_only:
+            counts[batch] = both(lambda: batch_counts(model, rows))
+            counts[single] = both(lambda: single_counts(model, rows[0]))
+            runs[batch] = batch_run(model, tokenizer, rows, args.tokens)
+            runs[single] = single_run(model, rows[0], args.tokens)
+        timed = {} if args.count_only else rounds(runs, args.reps)
+        recs, first = {}, None
+        for name in counts:
+            if not args.count_only and name not in timed:
+                continue  # failed while compiling (printed)
+            times, hosts, samples = timed.get(name, (None, None, None))
+            recs[name] = record(name, 1 if name == single else R, *counts[name], times, hosts)
+            if samples is not None and name in labels and first is None:
+                first = (name, samples)
+            elif samples is not None and name in labels:
+                recs[name].update(agreement(samples, first[1]))
+                print(f"    vs {first[0]}: rows the same {recs[name]['rows_as_first']:.3f}, tokens before a row's "
+                      f"first difference {recs[name]['tokens_before_difference']:.4f}, their largest log-prob "
+                      f"difference {recs[name]['max_logprob_diff_before']:.2e}", flush=True)
                 save()
-        if args.ours_only:
-            continue
-        counts = both(lambda: batch_counts(model, rows))
-        batch = record("mlx_lm batch_generate", R, *counts,
-                       None if args.count_only else batch_time(model, tokenizer, rows, args.tokens, args.reps))
-        counts = both(lambda: single_counts(model, rows[0]))
-        single = record("mlx_lm generate_step (1 row)", 1, *counts,
-                        None if args.count_only else single_time(model, rows[0], args.tokens, args.reps))
-        if not args.count_only:
-            for rec in ours:
-                print(f"  {rec['decoder']}: {rec['ms_per_position'] / batch['ms_per_position']:.2f}x mlx_lm batch, "
-                      f"{rec['ms_per_position'] / single['ms_per_position']:.2f}x mlx_lm single", flush=True)
-
+        for label in labels:
+            for anchor, short in ((batch, "batch"), (single, "single")):
+                if label in recs and anchor in recs and not args.count_only:
+                    ratios = [a / b for a, b in zip(recs[label]["seconds"], recs[anchor]["seconds"])]
+                    recs[label][f"vs_mlx_lm_{short}_by_round"] = [round(x, 3) for x in ratios]
+                    print(f"  {label} / mlx_lm {short}: median {statistics.median(ratios):.2f}, "
+                          f"min {min(ratios):.2f}, max {max(ratios):.2f} over {len(ratios)} rounds", flush=True)
+        save()
 
 if __name__ == "__main__":
     main()

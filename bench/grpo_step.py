@@ -4,7 +4,11 @@
 
     python bench/grpo_step.py MODEL_DIR --sweep 8,4,128 16,4,256 8,2,1024 [--set ...]
 
-Prints one JSON line:
+    --rounds N: everything N times in turn in this process (each round a fresh job: its warm-up
+    steps, then its timed steps), the figures and ratios then given per round and as min /
+    median / max (a figure from one round is as noisy as the machine: docs/performance.md)
+
+Prints one JSON line (a line a round, then the summary, with --rounds):
   step_s          median seconds of a whole trainer step (sampling, rewards, loss, update,
                   metrics), after --warmup steps
   tokens_per_s    sampled tokens per second during the sampling phase
@@ -16,8 +20,9 @@ Prints one JSON line:
 EOS is switched off on both sides so every completion runs to max_completion_len.
 
 --sweep G,B,L ...: the trainer alone (no lower bound) at each group size x batch size x
-completion length, one JSON line each, then a table of rows x length with step time,
-measured peak memory and the estimate the micro-batch was chosen from.
+completion length, one JSON line each (each round), then a table of rows x length with step
+time (min / median / max of the rounds), measured peak memory and the estimate the
+micro-batch was chosen from.
 """
 
 import argparse
@@ -111,20 +116,30 @@ def summary(metrics, trainer, group_size, batch_size, length) -> dict:
     }
 
 
+def spread(values) -> str:
+    """min / median / max, or the one value of a single round."""
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
+
+
 def sweep(model, tokenizer, args, overrides):
-    rows = []
-    for shape in args.sweep:
-        G, B, L = (int(x) for x in shape.split(","))
-        _, trainer, metrics = run_trainer(model, tokenizer, args.model_dir, G, B, L, args.steps, args.warmup, overrides)
-        rows.append(summary(metrics, trainer, G, B, L))
-        print(json.dumps({"model": Path(args.model_dir).name, "device": str(mx.default_device()), **rows[-1]}), flush=True)
-        del trainer
-        gc.collect()
-        mx.clear_cache()
+    shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.sweep]
+    runs = {shape: [] for shape in shapes}
+    for r in range(args.rounds):
+        for G, B, L in shapes:
+            _, trainer, metrics = run_trainer(model, tokenizer, args.model_dir, G, B, L, args.steps, args.warmup, overrides)
+            runs[G, B, L].append(summary(metrics, trainer, G, B, L))
+            print(json.dumps({"model": Path(args.model_dir).name, "device": str(mx.default_device()), "round": r,
+                              **runs[G, B, L][-1]}), flush=True)
+            del trainer
+            gc.collect()
+            mx.clear_cache()
     print("\n| G | B | L | rows | micro-batch | checkpointing | step s | peak GB | estimate GB |\n|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['group_size']} | {r['batch_size']} | {r['max_completion_len']} | {r['group_size'] * r['batch_size']} "
-              f"| {r['micro_batch_size']} | {r['gradient_checkpointing']} | {r['step_s']:.2f} | {r['peak_memory_gb']:.3f} "
+    for (G, B, L), rounds in runs.items():
+        r = rounds[-1]
+        print(f"| {G} | {B} | {L} | {G * B} | {r['micro_batch_size']} | {r['gradient_checkpointing']} "
+              f"| {spread([x['step_s'] for x in rounds])} | {max(x['peak_memory_gb'] for x in rounds):.3f} "
               f"| {r['estimated_peak_gb']:.3f} |")
 
 
@@ -138,6 +153,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="steps not timed (compilation)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="job config overrides")
     ap.add_argument("--sweep", nargs="+", metavar="G,B,L", help="trainer only, at each group,batch,length")
+    ap.add_argument("--rounds", type=int, default=1, help="measure everything this many times in turn")
     args = ap.parse_args()
     overrides = {k: parse_value(v) for k, v in (kv.split("=", 1) for kv in args.set)}
 
@@ -147,24 +163,33 @@ def main():
     default_memory_limit = mx.get_memory_limit()
     if args.sweep:
         return sweep(model, tokenizer, args, overrides)
-    spec, trainer, metrics = run_trainer(
-        model, tokenizer, args.model_dir, args.group_size, args.batch_size, args.max_completion_len,
-        args.steps, args.warmup, overrides,
-    )
-
-    mx.set_memory_limit(default_memory_limit)  # the trainer set its job's limit: not the lower bound's
-    prompt_ids = [prompt_token_ids(tokenizer, as_item(p), spec.config.use_chat_template) for p in spec.prompts]
-    temperature = spec.config.temperature
-    gen_s, fb_s = lower_bound(model, tokenizer, prompt_ids, args.group_size, args.max_completion_len, temperature, max(args.steps // 2, 3))
-
-    result = summary(metrics, trainer, args.group_size, args.batch_size, args.max_completion_len)
-    bound = gen_s + fb_s
-    print(json.dumps({
-        "model": Path(args.model_dir).name, "device": str(mx.default_device()),
-        "ld_preload": os.environ.get("LD_PRELOAD", ""), **result,
-        "lower_bound_s": round(bound, 4), "lower_bound_generate_s": round(gen_s, 4), "lower_bound_fwd_bwd_s": round(fb_s, 4),
-        "ratio": round(result["step_s"] / bound, 3),
-    }))
+    lines = []
+    for r in range(args.rounds):
+        spec, trainer, metrics = run_trainer(
+            model, tokenizer, args.model_dir, args.group_size, args.batch_size, args.max_completion_len,
+            args.steps, args.warmup, overrides,
+        )
+        result = summary(metrics, trainer, args.group_size, args.batch_size, args.max_completion_len)
+        del trainer
+        gc.collect()
+        mx.set_memory_limit(default_memory_limit)  # the trainer set its job's limit: not the lower bound's
+        prompt_ids = [prompt_token_ids(tokenizer, as_item(p), spec.config.use_chat_template) for p in spec.prompts]
+        gen_s, fb_s = lower_bound(model, tokenizer, prompt_ids, args.group_size, args.max_completion_len,
+                                  spec.config.temperature, max(args.steps // 2, 3))
+        bound = gen_s + fb_s
+        lines.append({
+            "model": Path(args.model_dir).name, "device": str(mx.default_device()),
+            "ld_preload": os.environ.get("LD_PRELOAD", ""), **result,
+            "lower_bound_s": round(bound, 4), "lower_bound_generate_s": round(gen_s, 4),
+            "lower_bound_fwd_bwd_s": round(fb_s, 4), "ratio": round(result["step_s"] / bound, 3),
+        })
+        print(json.dumps({"round": r, **lines[-1]} if args.rounds > 1 else lines[-1]), flush=True)
+    if args.rounds > 1:
+        steps, ratios = [x["step_s"] for x in lines], [x["ratio"] for x in lines]
+        print(json.dumps({"rounds": args.rounds, "step_s": statistics.median(steps), "step_s_by_round": steps,
+                          "lower_bound_s": statistics.median(x["lower_bound_s"] for x in lines),
+                          "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                          "ratio_by_round": ratios}))
 
 
 if __name__ == "__main__":

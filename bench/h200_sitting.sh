@@ -16,9 +16,10 @@
 #                                        nodes (3 rounds of one process each, interleaved): whether graphs
 #                                        instantiated anew each step make LoRA's step slow; each matmul
 #                                        shape of the two steps alone, graphs on and off (bench/matmul_shapes.py)
-#   bash bench/h200_sitting.sh grpo      GRPO G8 B4 L128 by default and with max_memory_gb 16, G16 B4 L256,
-#                                        each phase's time; TRL's step where torch and trl import
-#   bash bench/h200_sitting.sh decode    decode per position, LoRA on 16 blocks, 8 and 32 rows, beside mlx_lm's
+#   bash bench/h200_sitting.sh grpo      GRPO G8 B4 L128 by default and with max_memory_gb 16, G16 B4 L256
+#                                        (3 rounds each), each phase's time; TRL's step where torch and trl import
+#   bash bench/h200_sitting.sh decode    decode per position, LoRA on 16 blocks and none, 8 and 32 rows, beside
+#                                        mlx_lm's decoders (3 interleaved rounds)
 #   bash bench/h200_sitting.sh kernels   first step: cold, warm, another rank / layer count / batch;
 #                                        24 jobs in one process, as a worker and as a plain process
 #
@@ -88,8 +89,8 @@ case "$stage" in
       run env "$knobs" "$py" bench/matmul_shapes.py "$bf16" --rounds 3 --pad 64
     done ;;
   grpo)
-    run "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 16,4,256 --steps 3 --warmup 1
-    run "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 --steps 3 --warmup 1 --set max_memory_gb=16
+    run "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 16,4,256 --steps 3 --warmup 1 --rounds 3
+    run "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 --steps 3 --warmup 1 --rounds 3 --set max_memory_gb=16
     run "$py" bench/step_phases.py "$q4" 8,4,128 --reps 3 --sampling
     if "$py" -c "import torch, trl" 2>/dev/null; then
       run "$py" bench/trl_grpo.py "$bf16" --group-size 8 --batch-size 4 --max-completion-len 128 --steps 5 --warmup 2
