@@ -5,7 +5,7 @@
 # spends about 5 minutes compiling, a device call lasts at most 10 and the machine goes back 30 s
 # after one ends, so a sitting runs its stages detached and its calls only wait (make them one batch):
 #
-#   bash bench/h200_sitting.sh start graphs lora grpo ...   the stages one after another, in a session of
+#   bash bench/h200_sitting.sh start graphs lora tests grpo decode kernels   the stages in turn, in a session of
 #                                        their own that outlives the call; logs in /tmp/sitting
 #   bash bench/h200_sitting.sh wait 540  until they end or 540 s pass, copying their logs to $OUT as they grow
 #
@@ -20,15 +20,17 @@
 #                                        (3 rounds each), each phase's time; TRL's step where torch and trl import
 #   bash bench/h200_sitting.sh decode    decode per position, LoRA on 16 blocks and none, 8 and 32 rows, beside
 #                                        mlx_lm's decoders (3 interleaved rounds)
-#   bash bench/h200_sitting.sh kernels   first step: cold, warm, another rank / layer count / batch;
+#   bash bench/h200_sitting.sh kernels   first step: cold, warm, another rank / layer count / batch, and a new
+#                                        machine fetching the cold run's kernels from a Redis (first_step.py --fleet);
 #                                        24 jobs in one process, as a worker and as a plain process
+#   bash bench/h200_sitting.sh tests     the CUDA runs of the shared-input and decode-kernel tests
 #
 # The models (qwen3-0.6b's shape: /tmp/q06f-SIZE bfloat16, /tmp/q06-SIZE 4-bit) are made where missing, about
 # 30 s each. SIZE=small LORA_LAYERS=4 runs a stage on the tests' small model instead (a dry run of
 # the commands; it has 4 blocks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?stage: lora, graphs, grpo, decode or kernels; or start STAGE... / wait SECONDS}"
+stage="${1:?stage: lora, graphs, grpo, decode, kernels or tests; or start STAGE... / wait SECONDS}"
 case "$stage" in
   start)
     shift
@@ -100,11 +102,21 @@ case "$stage" in
   decode)
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --queries 2 ;;
-  kernels)
-    run "$py" bench/first_step.py "$q4" --kinds sft grpo --vary lora_rank=16 lora_layers=2 batch_size=4
+  kernels)  # with a redis-server (here, or carried to /tmp/redis with its libraries), also a new machine joining a fleet
+    fleet=() redis=$(command -v redis-server || echo /tmp/redis/redis-server)
+    if [ -x "$redis" ] && LD_LIBRARY_PATH="$(dirname "$redis")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+         "$redis" --port 16399 --save '' --appendonly no --daemonize yes >/dev/null; then
+      fleet=(--fleet redis://127.0.0.1:16399/0)
+    else
+      echo "# the fleet's new machine not run: no redis-server starts here" | tee -a "$log"
+    fi
+    run "$py" bench/first_step.py "$q4" --kinds sft grpo --vary lora_rank=16 lora_layers=2 batch_size=4 "${fleet[@]}"
     run "$py" bench/worker_life.py "$q4" --jobs 24 --steps 3
     run "$py" bench/worker_life.py "$q4" --jobs 24 --steps 3 --as-worker ;;
-  *) echo "unknown stage $stage: lora, graphs, grpo, decode or kernels" >&2; exit 2 ;;
+  tests)  # samples and losses unchanged by the speed changes, on CUDA (float32 products: TF32 off)
+    run env MLX_ENABLE_TF32=0 "$py" -m pytest -q tests/test_shared_input.py
+    run env MLX_ENABLE_TF32=0 "$py" -m pytest -q tests/test_decode.py -k "kernel or attends" ;;
+  *) echo "unknown stage $stage: lora, graphs, grpo, decode, kernels or tests" >&2; exit 2 ;;
 esac
 echo "# stage $stage: $failed command(s) failed" | tee -a "$log"
 [ "$failed" = 0 ]

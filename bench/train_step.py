@@ -29,7 +29,8 @@ it (worker/runtime/models.py prepare_private). Prints one JSON line per kind (an
                   and `speed_vs_mlx_lm` = its seconds per iteration / step_s (above 1: faster than mlx_lm)
   --rounds N      every measurement N times, in turn (ours, mlx_lm's, the bound, ...): each figure
                   is the median over the rounds, each ratio the median of the rounds' ratios (a
-                  loaded machine's drift hits both sides of a ratio alike)
+                  loaded machine's drift hits both sides of a ratio alike), with each round's
+                  beside it (ratio_by_round, speed_vs_mlx_lm_by_round, speed_vs_uncompiled_by_round)
 
 It imports MLX, mlx_lm (with transformers/tokenizers), numpy, pydantic and the project's
 trainer modules only: no Redis, rq or HTTP libraries (tests/test_supervised_trainer.py checks),
@@ -199,13 +200,16 @@ def bench(name: str, shared, args) -> dict:
     def median(key: str, digits: int = 4):
         return round(statistics.median(r[key] for r in rounds), digits)
 
+    def ratio(key: str, values: list[float]) -> dict:
+        """The median of the rounds' ratios, and each round's (their spread)."""
+        return {key: round(statistics.median(values), 2), f"{key}_by_round": [round(x, 2) for x in values]}
+
     out = {"kind": name, **shape, **{k: (round(median(k)) if "tokens" in k else median(k)) for k in rounds[0]},
-           "ratio": round(statistics.median(r["step_s"] / r["lower_bound_s"] for r in rounds), 2)}
+           **ratio("ratio", [r["step_s"] / r["lower_bound_s"] for r in rounds])}
     if args.mlx_lm and name == "sft":
-        speed = [r["mlx_lm_step_s"] / r["step_s"] for r in rounds]
-        out.update(speed_vs_mlx_lm=round(statistics.median(speed), 2), speed_vs_mlx_lm_by_round=[round(x, 2) for x in speed])
+        out.update(ratio("speed_vs_mlx_lm", [r["mlx_lm_step_s"] / r["step_s"] for r in rounds]))
     if args.uncompiled:
-        out["speed_vs_uncompiled"] = round(statistics.median(r["uncompiled_step_s"] / r["step_s"] for r in rounds), 2)
+        out.update(ratio("speed_vs_uncompiled", [r["uncompiled_step_s"] / r["step_s"] for r in rounds]))
     return out
 
 
