@@ -40,12 +40,12 @@ dropped once half have finished):
 --lora-layers N: every decoder runs the model with LoRA on all projections of its last N
 blocks, rank 8, scale 16 (a GRPO job's defaults: lora_layers 16), as GRPO samples with it.
 
-Ratios: ours / batch and ours / single, a ratio a round: the median, min and max. --ours-only skips mlx_lm's decoders (e.g. to
-compare MLX settings such as MLX_USE_CUDA_GRAPHS between runs). --count-only skips the timings (e.g. the
-28-layer model on a CPU). On Linux CPU the process re-executes itself with the system
-OpenBLAS (worker/supervisor/openblas.py, standard library only). From this repository it imports
-the decoder (worker/decode/) and what it takes from worker/runtime/ (projection_groups, logprobs,
-backend).
+Ratios: ours / batch and ours / single, a ratio a round: their median, min and max.
+--ours-only skips mlx_lm's decoders (e.g. to compare MLX settings such as MLX_USE_CUDA_GRAPHS
+between runs). --count-only skips the timings (e.g. the 28-layer model on a CPU). On Linux CPU
+the process re-executes itself with the system OpenBLAS (worker/supervisor/openblas.py, standard
+library only). From this repository it imports the decoder (worker/decode/) and what it takes
+from worker/runtime/ (projection_groups, logprobs, backend).
 """
 
 import argparse
@@ -267,15 +267,13 @@ def rounds(runs: dict, reps: int) -> dict:
             live[name] = run
         except Exception as e:
             print(f"  {name:40s} failed: {type(e).__name__}: {e}", flush=True)
-    got = {name: ([], [], None) for name in live}
+    walls, hosts, samples = {name: [] for name in live}, {name: [] for name in live}, {}
     for r in range(reps):
         for name in list(live) if r % 2 == 0 else list(live)[::-1]:
-            wall, host, samples = live[name](r)
-            got[name][0].append(wall)
-            if host is not None:
-                got[name][1].append(host)
-            got[name] = (got[name][0], got[name][1], samples)
-    return got
+            wall, host, samples[name] = live[name](r)
+            walls[name].append(wall)
+            hosts[name] += [] if host is None else [host]
+    return {name: (walls[name], hosts[name], samples[name]) for name in live}
 
 
 # ------------------------------------------------------------------ main
