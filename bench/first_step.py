@@ -13,7 +13,8 @@ Prints one JSON line per kind:
   warm_first_step_s  the first step of the next process on the same cache
   later_step_s       the warm process's second step
   kernels            compiled kernels in the cache after the cold run (the CPU's .so files;
-                     CUDA: each kernel's .ptx and .txt)
+                     CUDA: each kernel's files)
+  kernel_cache_mb    their size on disk (what a fleet's share holds of this job: MTQ_KERNEL_SHARE_MB)
 --vary KEY=VALUE ...: then, for each, one more process on the same warm cache whose job differs
 from the first two by that one field (a job's config; batch_size is GRPO's prompts per step):
   varied            per field: its first step and the kernels it compiled that the cache lacked
@@ -23,6 +24,7 @@ With --fleet, the cold process also publishes its kernels to that Redis as a wor
 an empty kernel cache and an empty CUDA driver cache (a new machine joining the fleet), fetches
 them before its first step:
   fleet_fetch_s         its fetch
+  fleet_fetched         the kernels (CUDA: their files) it took from the fleet
   fleet_first_step_s    its first step
   fleet_compiled        kernels its two steps compiled that the fleet did not have (0: none)
 Each process's CUDA driver cache is its kernel cache's (kernel_cache.use; CUDA_CACHE_PATH unset).
@@ -62,8 +64,7 @@ def child(kind: str, model_dir: str, fleet: str | None, role: str, overrides: di
     if share and role == "fetch":
         share.fetch()
     fetch_s = time.perf_counter() - t0
-    compiled = lambda: len(kernel_cache.compiled_kernels(mx.__version__, kernel_backend()))  # noqa: E731
-    fetched = compiled()
+    fetched = len(kernel_cache.compiled_kernels(mx.__version__, kernel_backend()))
 
     from shared.kinds import KINDS
     from worker.kinds.dpo_job import DPOTrainer
@@ -98,8 +99,10 @@ def child(kind: str, model_dir: str, fleet: str | None, role: str, overrides: di
     if share and role == "publish":
         time.sleep(kernel_share.FRESH_S)  # publish skips files younger than this (another worker may be writing them)
         share.publish()
-    print(json.dumps({"first_step_s": times[0], "later_step_s": times[1], "kernels": compiled(), "fetched": fetched,
-                      "fetch_s": fetch_s, "device": str(mx.default_device())}))
+    files = kernel_cache.compiled_kernels(mx.__version__, kernel_backend())
+    print(json.dumps({"first_step_s": times[0], "later_step_s": times[1], "kernels": len(files), "fetched": fetched,
+                      "cache_bytes": sum(f.stat().st_size for f in files), "fetch_s": fetch_s,
+                      "device": str(mx.default_device())}))
 
 
 def run_child(kind: str, model_dir: str, cache: Path, fleet: str | None = None, role: str = "",
@@ -145,11 +148,12 @@ def main() -> None:
                 kernels = other["kernels"]
         line = {"kind": kind, "device": cold["device"], "cold_first_step_s": round(cold["first_step_s"], 3),
                 "warm_first_step_s": round(warm["first_step_s"], 3), "later_step_s": round(warm["later_step_s"], 3),
-                "kernels": cold["kernels"]}
+                "kernels": cold["kernels"], "kernel_cache_mb": round(cold["cache_bytes"] / 1e6, 2)}
         if varied:
             line["varied"] = varied
         if joined:
-            line.update(fleet_fetch_s=round(joined["fetch_s"], 3), fleet_first_step_s=round(joined["first_step_s"], 3),
+            line.update(fleet_fetch_s=round(joined["fetch_s"], 3), fleet_fetched=joined["fetched"],
+                        fleet_first_step_s=round(joined["first_step_s"], 3),
                         fleet_compiled=joined["kernels"] - joined["fetched"])
         print(json.dumps(line), flush=True)
 
