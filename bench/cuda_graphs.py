@@ -1,8 +1,11 @@
 """What MLX's CUDA graphs held: a tally of the DOT files MLX writes for each graph it commits
 when MLX_SAVE_CUDA_GRAPHS_DOT_FILE is set (MLX's `mlx/backend/cuda/device.cpp`), so two runs (a
-LoRA step's, a full step's) can be compared by their graphs' count, size and kernels.
+LoRA step's, a full step's) can be compared by their graphs' count, size and kernels; and of
+cuBLASLt's trace log where the folder has one (CUBLASLT_LOG_LEVEL=2, CUBLASLT_LOG_FILE): its
+cublasLtMatmul calls grouped by what they multiply and the algorithm cuBLASLt ran for it.
 
-    MLX_SAVE_CUDA_GRAPHS_DOT_FILE=/tmp/graphs/lora/g python3 bench/lora_step.py MODEL \
+    MLX_SAVE_CUDA_GRAPHS_DOT_FILE=/tmp/graphs/lora/g CUBLASLT_LOG_LEVEL=2 \
+    CUBLASLT_LOG_FILE=/tmp/graphs/lora/cublaslt.log python3 bench/lora_step.py MODEL \
         --variants step_lora --rounds 1 --steps 1 --warmup 2
     python3 bench/cuda_graphs.py /tmp/graphs/lora [/tmp/graphs/full ...]
 
@@ -20,8 +23,11 @@ import re
 from pathlib import Path
 
 LABEL = re.compile(r'label="((?:[^"\\]|\\.)*)"')
-# a cluster shape inside a kernel's name: cluster1x2x1 (sm90 xmma) or _1x2_ after the tile sizes (nvjet)
-CLUSTER = re.compile(r"cluster(\d+)x(\d+)x(\d+)|_(\d+)x(\d+)_(?=[a-z])")
+# a cluster shape inside a kernel's name: cluster1x2x1 (sm90 xmma) or _1x2_ after the tile sizes (nvjet);
+# in cuBLASLt's log, CLUSTER_SHAPE_1x2x1
+CLUSTER = re.compile(r"(?:cluster|CLUSTER_SHAPE_)(\d+)x(\d+)x(\d+)|_(\d+)x(\d+)_(?=[a-z])")
+# what varies between two calls of one matmul in cuBLASLt's log: the time, the process, the pointers
+VOLATILE = re.compile(r"^\[[^]]*\]\[[^]]*\]\[[^]]*\]|\b0x[0-9a-f]+|\[\d+\]")
 
 
 def kernels(dot: str) -> list[str]:
@@ -64,6 +70,26 @@ def tally(folder: Path, top: int) -> None:
         print("\n".join(files[0].read_text(errors="replace").splitlines()[:20]))
 
 
+def matmuls(folder: Path, top: int) -> None:
+    """cuBLASLt's trace logs in folder: the cublasLtMatmul calls, grouped by the call's text less
+    what varies between calls (pointers, time, process), most frequent first; T marks a call whose
+    algorithm carries a cluster taller than one."""
+    logs = sorted(folder.glob("cublaslt*.log"))
+    if not logs:
+        return
+    text = "\n".join(f.read_text(errors="replace") for f in logs)
+    calls = collections.Counter(VOLATILE.sub("", line).strip() for line in text.splitlines()
+                                if "[cublasLtMatmul]" in line)
+    tall = sum(n for call, n in calls.items() if tall_cluster(call))
+    print(f"{folder}: {sum(calls.values())} cublasLtMatmul calls in cuBLASLt's log, {len(calls)} distinct, "
+          f"{tall} with a tall cluster")
+    for call, n in calls.most_common(top):
+        print(f"  {n:6d} {'T' if tall_cluster(call) else ' '} {call[:400]}")
+    if not calls:
+        print("  no cublasLtMatmul lines; the log's first lines:")
+        print("\n".join(text.splitlines()[:10]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folders", nargs="+", type=Path)
@@ -71,6 +97,7 @@ def main() -> None:
     args = p.parse_args()
     for folder in args.folders:
         tally(folder, args.top)
+        matmuls(folder, args.top)
 
 
 if __name__ == "__main__":

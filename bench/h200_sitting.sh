@@ -11,11 +11,12 @@
 #
 #   bash bench/h200_sitting.sh lora      LoRA step, layers together and alone, against full fine-tuning;
 #                                        SFT against `mlx_lm lora`, bfloat16 then 4-bit (3 rounds each)
-#   bash bench/h200_sitting.sh graphs    the kernels and graphs of the LoRA and full steps (bench/cuda_graphs.py);
-#                                        the steps with MLX's CUDA graphs as they are, off, and cut at 20
-#                                        nodes (3 rounds of one process each, interleaved): whether graphs
-#                                        instantiated anew each step make LoRA's step slow; each matmul
-#                                        shape of the two steps alone, graphs on and off (bench/matmul_shapes.py)
+#   bash bench/h200_sitting.sh graphs    the kernels, graphs and cuBLASLt algorithms of the LoRA and full
+#                                        steps (bench/cuda_graphs.py); the two steps with MLX's CUDA graphs
+#                                        as they are, off, and cut at 20 nodes (3 rounds of one process each,
+#                                        interleaved): whether graphs instantiated anew each step make LoRA's
+#                                        step slow; each matmul shape of the two steps alone, graphs on and
+#                                        off (bench/matmul_shapes.py)
 #   bash bench/h200_sitting.sh grpo      GRPO G8 B4 L128 by default and with max_memory_gb 16, G16 B4 L256
 #                                        (3 rounds each), each phase's time; TRL's step where torch and trl import
 #   bash bench/h200_sitting.sh decode    decode per position, LoRA on 16 blocks and none, 8 and 32 rows, beside
@@ -75,9 +76,10 @@ case "$stage" in
     run "$py" bench/train_step.py "$bf16" --kinds sft sft-full --mlx-lm --rounds 3 --steps 8 --warmup 3
     run "$py" bench/train_step.py "$q4" --kinds sft --mlx-lm --rounds 3 --steps 8 --warmup 3 ;;
   graphs)  # env read once per process (MLX's device.cpp), so a round is a process
-    for v in step_lora step_full; do  # first what the graphs of 3 steps hold
+    for v in step_lora step_full; do  # first what the graphs of 3 steps hold, and cuBLASLt's algorithms
       rm -rf "/tmp/graphs/$v" && mkdir -p "/tmp/graphs/$v"
-      run env MLX_SAVE_CUDA_GRAPHS_DOT_FILE="/tmp/graphs/$v/g" "$py" bench/lora_step.py "$bf16" \
+      run env MLX_SAVE_CUDA_GRAPHS_DOT_FILE="/tmp/graphs/$v/g" CUBLASLT_LOG_LEVEL=2 \
+        CUBLASLT_LOG_FILE="/tmp/graphs/$v/cublaslt_%i.log" "$py" bench/lora_step.py "$bf16" \
         --rounds 1 --steps 1 --warmup 2 --variants "$v"
     done
     run "$py" bench/cuda_graphs.py /tmp/graphs/step_lora /tmp/graphs/step_full

@@ -136,9 +136,10 @@ def main() -> None:
         print(f"{variant}: {sum(c[col] for c in table)} matmuls, {total / 1e3:.1f} ms by the medians")
     if args.pad:
         own = [c for c in table if c[5] and c[0].startswith(("x A", "t B", "g B^T", "dB", "dt A^T", "dA"))]
+        widths = sum(c[5] * statistics.median(us[c[0]]) for c in own)
         padded = sum(c[5] * statistics.median(us[f"{c[0]} pad {args.pad}"]) for c in own)
-        print(f"LoRA's own {sum(c[5] for c in own)} matmuls: {sum(c[5] * statistics.median(us[c[0]]) for c in own) / 1e3:.1f} ms "
-              f"at their widths, {padded / 1e3:.1f} ms at width {args.pad}")
+        print(f"LoRA's own {sum(c[5] for c in own)} matmuls: {widths / 1e3:.1f} ms at their widths, "
+              f"{padded / 1e3:.1f} ms at width {args.pad}")
 
 
 if __name__ == "__main__":
