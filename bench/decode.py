@@ -405,5 +405,6 @@ def main():
                           f"min {min(ratios):.2f}, max {max(ratios):.2f} over {len(ratios)} rounds", flush=True)
         save()
 
+
 if __name__ == "__main__":
     main()

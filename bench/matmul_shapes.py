@@ -40,6 +40,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from worker.supervisor.openblas import reexec_with_openblas  # noqa: E402
@@ -51,9 +52,20 @@ import mlx.core as mx  # noqa: E402
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 
-def cases(cfg: dict, tokens: int, rank: int, pad: int | None) -> list[tuple]:
-    """(name, a's shape as stored, a transposed, b's shape as stored, b transposed, LoRA's count,
-    full's count) for each matmul of one SFT forward and backward's projections and head."""
+class Case(NamedTuple):
+    """One matmul shape: a @ b with each operand's shape as stored (transposed: its view's .T),
+    and how many of it one forward and backward has with LoRA and with full fine-tuning."""
+    name: str
+    a: tuple
+    a_t: bool
+    b: tuple
+    b_t: bool
+    lora: int
+    full: int
+
+
+def cases(cfg: dict, tokens: int, rank: int, pad: int | None) -> list[Case]:
+    """Each matmul of one SFT forward and backward's projections and head (module docstring)."""
     h, blocks = cfg["hidden_size"], cfg["num_hidden_layers"]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv, inter = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d, cfg["intermediate_size"]
@@ -61,19 +73,19 @@ def cases(cfg: dict, tokens: int, rank: int, pad: int | None) -> list[tuple]:
     t = tokens
     out = []
     for g, (k, n, layers) in groups.items():
-        out += [(f"x W {g}", (t, k), False, (n, k), True, blocks, blocks),
-                (f"g W {g}", (t, n), False, (n, k), False, blocks, blocks),
-                (f"dW {g}", (t, k), True, (t, n), False, 0, blocks)]
+        out += [Case(f"x W {g}", (t, k), False, (n, k), True, blocks, blocks),
+                Case(f"g W {g}", (t, n), False, (n, k), False, blocks, blocks),
+                Case(f"dW {g}", (t, k), True, (t, n), False, 0, blocks)]
         for r, label in [(rank * layers, "")] + ([(pad, f" pad {pad}")] if pad else []):
             count = 0 if label else blocks  # a padded case is an alternative, not part of the step
-            out += [(f"x A {g}{label}", (t, k), False, (k, r), False, count, 0),
-                    (f"t B {g}{label}", (t, r), False, (r, n), False, count, 0),
-                    (f"g B^T {g}{label}", (t, n), False, (r, n), True, count, 0),
-                    (f"dB {g}{label}", (t, r), True, (t, n), False, count, 0),
-                    (f"dt A^T {g}{label}", (t, r), False, (k, r), True, count, 0),
-                    (f"dA {g}{label}", (t, k), True, (t, r), False, count, 0)]
+            out += [Case(f"x A {g}{label}", (t, k), False, (k, r), False, count, 0),
+                    Case(f"t B {g}{label}", (t, r), False, (r, n), False, count, 0),
+                    Case(f"g B^T {g}{label}", (t, n), False, (r, n), True, count, 0),
+                    Case(f"dB {g}{label}", (t, r), True, (t, n), False, count, 0),
+                    Case(f"dt A^T {g}{label}", (t, r), False, (k, r), True, count, 0),
+                    Case(f"dA {g}{label}", (t, k), True, (t, r), False, count, 0)]
     v = cfg["vocab_size"]
-    out += [("x E^T head", (t, h), False, (v, h), True, 1, 1), ("g E head", (t, v), False, (v, h), False, 1, 1)]
+    out += [Case("x E^T head", (t, h), False, (v, h), True, 1, 1), Case("g E head", (t, v), False, (v, h), False, 1, 1)]
     return out
 
 
@@ -101,8 +113,8 @@ def main() -> None:
 
     work = {"add (T, hidden)": (lambda a, b: a + b, operands((args.tokens, cfg["hidden_size"]), False),
                                 operands((args.tokens, cfg["hidden_size"]), False))}
-    for name, a_shape, a_t, b_shape, b_t, _, _ in table:
-        work[name] = (lambda a, b: a @ b, operands(a_shape, a_t), operands(b_shape, b_t))
+    for c in table:
+        work[c.name] = (lambda a, b: a @ b, operands(c.a, c.a_t), operands(c.b, c.b_t))
     mx.eval([w[1:] for w in work.values()])
 
     us = {name: [] for name in work}
@@ -121,24 +133,23 @@ def main() -> None:
     print(f"device {mx.default_device()}, mlx {mx.__version__}, {args.dtype}, {args.tokens} rows, rank {args.rank}, "
           f"{calls} matmuls a shape per evaluation, {args.rounds} rounds")
     print(f"{'case':24s} {'a (stored)':>14s} {'b (stored)':>14s}  lora  full   us/call min / median / max")
-    shapes = {c[0]: c for c in table}
+    shapes = {c.name: c for c in table}
     for name, v in us.items():
-        a = b = ""
-        counts = ("", "")
-        if name in shapes:
-            _, a_shape, a_t, b_shape, b_t, n_lora, n_full = shapes[name]
-            a, b = f"{a_shape}{'T' if a_t else ''}", f"{b_shape}{'T' if b_t else ''}"
-            counts = (n_lora, n_full)
+        c = shapes.get(name)
+        a, b = (f"{c.a}{'T' if c.a_t else ''}", f"{c.b}{'T' if c.b_t else ''}") if c else ("", "")
+        counts = (c.lora, c.full) if c else ("", "")
         print(f"{name:24s} {a:>14s} {b:>14s}  {counts[0]!s:>4s}  {counts[1]!s:>4s}   "
               f"{min(v):8.1f} / {statistics.median(v):8.1f} / {max(v):8.1f}")
-    for variant, col in (("LoRA", 5), ("full", 6)):
-        total = sum(c[col] * statistics.median(us[c[0]]) for c in table)
-        print(f"{variant}: {sum(c[col] for c in table)} matmuls, {total / 1e3:.1f} ms by the medians")
+    median = {name: statistics.median(v) for name, v in us.items()}
+    for variant, label in (("lora", "LoRA"), ("full", "full")):
+        count = {c.name: getattr(c, variant) for c in table}
+        print(f"{label}: {sum(count.values())} matmuls, "
+              f"{sum(n * median[name] for name, n in count.items()) / 1e3:.1f} ms by the medians")
     if args.pad:
-        own = [c for c in table if c[5] and c[0].startswith(("x A", "t B", "g B^T", "dB", "dt A^T", "dA"))]
-        widths = sum(c[5] * statistics.median(us[c[0]]) for c in own)
-        padded = sum(c[5] * statistics.median(us[f"{c[0]} pad {args.pad}"]) for c in own)
-        print(f"LoRA's own {sum(c[5] for c in own)} matmuls: {widths / 1e3:.1f} ms at their widths, "
+        own = [c for c in table if c.lora and not c.full]  # LoRA's own products at their widths
+        widths = sum(c.lora * median[c.name] for c in own)
+        padded = sum(c.lora * median[f"{c.name} pad {args.pad}"] for c in own)
+        print(f"LoRA's own {sum(c.lora for c in own)} matmuls: {widths / 1e3:.1f} ms at their widths, "
               f"{padded / 1e3:.1f} ms at width {args.pad}")
 
 
