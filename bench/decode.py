@@ -31,11 +31,15 @@ dropped once half have finished):
             with its inputs evaluated; views such as Reshape and Transpose included): what
             the device evaluates per decode position. Ours: the compiled step's graph
             (after mx.compile's simplification and fusion); mlx_lm: its uncompiled step
-  gpu       on CPU only: the same count with the fused ops (RMSNorm, LayerNorm, RoPE, and
-            attention where MLX's CUDA backend has a fused kernel for it: no array mask and
-            at most 3 queries, or cuDNN with at least 2 queries) counted as the single
-            primitive they are on a CUDA GPU. MLX's CPU backend expands them into a dozen
-            primitives each, so the CPU's own count says little about a GPU's.
+  gpu       on CPU only: the same step's graph as a CUDA GPU builds it: the fused ops (RMSNorm,
+            LayerNorm, RoPE, a dequantize, and attention where MLX's CUDA backend has a fused
+            kernel for it: no array mask and at most 3 queries, or cuDNN with at least 2
+            queries) counted as the single primitive they are there, and ours with the
+            decode's own CUDA kernels where they would run, each one stand-in primitive
+            (kernels: how many). MLX's CPU backend expands the fused ops into a dozen primitives
+            each, so the CPU's own count says little about a GPU's; this one is the H200's
+            (317 for the qwen3-0.6b shape at 4 bits, 8 rows, LoRA on 16 blocks, on both, before
+            the sampler's ops were trimmed; its 28 blocks at hidden size 64 count the same)
 
 --lora-layers N: every decoder runs the model with LoRA on all projections of its last N
 blocks, rank 8, scale 16 (a GRPO job's defaults: lora_layers 16), as GRPO samples with it.
@@ -75,6 +79,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 
+from worker.decode import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel  # noqa: E402
 from worker.decode.draw import SamplingParams  # noqa: E402
 from worker.decode.sampling import make_decode_step, sample  # noqa: E402
 from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
@@ -100,12 +105,13 @@ def _single(x, *inputs):
 @contextlib.contextmanager
 def fused_as_on_cuda():
     """mx.fast's ops as MLX's CUDA backend builds them (mlx/backend/cuda/scaled_dot_product_attention.cpp,
-    0.32): RMSNorm, LayerNorm and RoPE are one primitive each; attention is fused by the vector
+    0.32): RMSNorm, LayerNorm and RoPE are one primitive each, and so is mx.dequantize (the CPU
+    unpacks the bits with a dozen ops: a quantized embedding's lookup); attention is fused by the vector
     kernel (head dim 64/96/128, fewer than 4 queries, no array mask) or by cuDNN (at least 2
     queries, head dim a multiple of 8 up to 128, half precision; an array mask is allowed, a
     boolean one first turned additive), and otherwise falls back to plain ops."""
     fast = mx.fast
-    saved = fast.rms_norm, fast.layer_norm, fast.rope, fast.scaled_dot_product_attention
+    saved = fast.rms_norm, fast.layer_norm, fast.rope, fast.scaled_dot_product_attention, mx.dequantize
     sdpa = saved[3]
 
     def attention(q, k, v, *, scale, mask=None, sinks=None):
@@ -119,18 +125,53 @@ def fused_as_on_cuda():
             mask = mx.where(mask, mx.array(0, q.dtype), mx.array(-mx.inf, q.dtype))
         return _single(q, k, v, mask if array_mask else None, sinks)
 
+    def dequantize(w, scales, biases=None, group_size=64, bits=4, mode="affine", **_):
+        made = mx.array(np.zeros((*w.shape[:-1], w.shape[-1] * 32 // bits), np.float32), scales.dtype)
+        return _single(made, w, scales, biases)
+
     fast.rms_norm = lambda x, weight, eps: _single(x, weight)
     fast.layer_norm = lambda x, weight, bias, eps: _single(x, weight, bias)
     fast.rope = lambda x, dims, *, traditional, base, scale, offset, freqs=None: _single(x, offset, freqs)
     fast.scaled_dot_product_attention = attention
+    mx.dequantize = dequantize
     try:
         yield
     finally:
-        fast.rms_norm, fast.layer_norm, fast.rope, fast.scaled_dot_product_attention = saved
+        fast.rms_norm, fast.layer_norm, fast.rope, fast.scaled_dot_product_attention, mx.dequantize = saved
+
+
+@contextlib.contextmanager
+def kernels_as_on_cuda():
+    """The decode's own CUDA kernels (worker/decode/*_kernel.py) taken where a CUDA GPU takes
+    them, each call one stand-in primitive: its first output a CumMax of a constant, depending
+    on all its inputs, any further output a CumMin depending on the first (count() leaves those
+    out: a custom kernel is one primitive whatever its outputs). mx.fast.cuda_kernel itself
+    raises without CUDA."""
+    modules = (attention_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel)
+    saved = [(m, m.cuda, getattr(m, "kernel", None)) for m in modules]
+
+    def stand_in(*_, **__):
+        def call(*, inputs, output_shapes, output_dtypes, **___):
+            made = [mx.array(np.zeros(shape, np.float32), dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+            first = mx.depends([mx.cummax(made[0], axis=-1)], [a for a in inputs if isinstance(a, mx.array)])[0]
+            return [first] + [mx.depends([mx.cummin(m, axis=-1)], [first])[0] for m in made[1:]]
+        return call
+
+    for m in modules:
+        m.cuda = lambda: True
+        if hasattr(m, "kernel"):
+            m.kernel = stand_in
+    try:
+        yield
+    finally:
+        for m, cuda, kernel in saved:
+            m.cuda = cuda
+            if kernel is not None:
+                m.kernel = kernel
 
 
 def count(counter: collections.Counter) -> int:
-    return sum(counter.values()) - counter["Depends"]
+    return sum(counter.values()) - counter["Depends"] - counter["CumMin"]
 
 
 # ------------------------------------------------------------------ the three decoders
@@ -341,6 +382,7 @@ def main():
         records.append(rec)
         save()
         gpu = f" gpu {rec['primitives_gpu']:5d}" if gpu_counter is not None else ""
+        gpu += f" (kernels {gpu_counter['CumMax']})" if gpu_counter and gpu_counter["CumMax"] else ""
         ms = f" {rec['ms_per_position']:8.2f} ms/pos" if times else ""
         ms += f" ({1000 * min(times) / args.tokens:.2f}-{1000 * max(times) / args.tokens:.2f})" if times else ""
         ms += f" (host {rec['host_ms_per_position']:.2f})" if hosts else ""
@@ -356,7 +398,7 @@ def main():
             counter = fn()
             if not on_cpu:
                 return counter, None
-            with fused_as_on_cuda():
+            with fused_as_on_cuda(), kernels_as_on_cuda():
                 return counter, fn()
 
         counts, runs, labels = {}, {}, []

@@ -20,7 +20,9 @@
 #   bash bench/h200_sitting.sh grpo      GRPO G8 B4 L128 by default and with max_memory_gb 16, G16 B4 L256
 #                                        (3 rounds each), each phase's time; TRL's step where torch and trl import
 #   bash bench/h200_sitting.sh decode    decode per position, LoRA on 16 blocks and none, 8 and 32 rows, beside
-#                                        mlx_lm's decoders (3 interleaved rounds)
+#                                        mlx_lm's decoders (3 interleaved rounds); then ours with MLX's CUDA
+#                                        graphs as they are, off, and one graph a step (400 nodes, where the
+#                                        H200's default commits every 100), 3 rounds of one process each
 #   bash bench/h200_sitting.sh kernels   first step: cold, warm, another rank / layer count / batch, and a new
 #                                        machine fetching the cold run's kernels from a Redis (first_step.py --fleet);
 #                                        24 jobs in one process, as a worker and as a plain process
@@ -103,7 +105,14 @@ case "$stage" in
     fi ;;
   decode)
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2
-    run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --queries 2 ;;
+    run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --queries 2
+    for r in 1 2 3; do  # then ours under MLX's CUDA graph settings, a process a round (env read once)
+      for knobs in MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=400; do
+        echo "# round $r, $knobs" | tee -a "$log"
+        run env "$knobs" "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 1 --lora-layers "$lora_layers" \
+          --ours-only
+      done
+    done ;;
   kernels)  # with a redis-server (here, or carried to /tmp/redis with its libraries), also a new machine joining a fleet
     fleet=() redis=$(command -v redis-server || echo /tmp/redis/redis-server)
     if [ -x "$redis" ] && LD_LIBRARY_PATH="$(dirname "$redis")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \

@@ -11,6 +11,7 @@ float32 rounding (the tiny model is float32).
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -173,6 +174,36 @@ def test_rows_that_finished_are_dropped_and_the_samples_stay_the_same(model, lor
         part = sample(m, counted, prompts[1:], group_size, share, eos, mx.random.key(4), width=5)
         assert_same(part, tuple(a[4:] for a in want), share)
         assert min(calls) < 8
+
+
+def test_is_eos_is_membership_in_the_ids_however_many():
+    """is_eos: a chain of compares up to sampling.EOS_CHAIN ids, one (rows, ids) compare past it."""
+    tokens = mx.array([0, 3, 7, 9, 16, 40, 45, 1023], dtype=mx.int32)
+    longest_chain = list(range(0, 3 * sampling.EOS_CHAIN, 3))
+    for ids in ([], [7], [3, 9], longest_chain, longest_chain + [1023], list(range(0, 1024, 24))):
+        np.testing.assert_array_equal(np.array(sampling.is_eos(tokens, ids)), np.isin(np.array(tokens), ids))
+
+
+def test_the_draw_s_bookkeeping_fuses_into_the_step_s_kernels(tiny_model):
+    """The step's EOS compares, the cast of the drawn tokens and the entropy's sign run inside
+    compiled kernels next to them, not as primitives of their own: on CUDA each primitive is
+    about a kernel launch's host work (docs/performance.md, the H200's decode graph)."""
+    model = mlx_lm.load(str(tiny_model))[0]
+    eos = [3, 9]
+    p = SamplingParams(max_tokens=6)
+    step = make_decode_step(model, p, eos, PAD)
+    calls = []
+    sample(model, lambda *a: calls.append(a) or step(*a), [[5, 9, 11], [17]], 2, p, eos, mx.random.key(0))
+    mx.eval(calls[1])
+    path = ROOT / ".pytest-bookkeeping.dot"
+    try:
+        mx.export_to_dot(str(path), *[a for _, a in tree_flatten(list(step(*calls[1])))])
+        labels = re.findall(r'label ="([^"]+)", shape=rectangle', path.read_text())
+    finally:
+        path.unlink(missing_ok=True)
+    assert not {"BitwiseOr", "Negative", "Any", "Equal"} & set(labels), labels
+    assert any(label.startswith("Compiled") and "Select" in label and label.count("Equal") == 2 for label in labels)
+    assert any(label.startswith("Compiled") and "ExpNegativeMultiply" in label for label in labels)
 
 
 def test_fusing_changes_neither_outputs_nor_memory(tiny_model):

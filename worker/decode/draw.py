@@ -58,5 +58,5 @@ def draw(logits: mx.array, key: mx.array, p: SamplingParams,
             height, index = rows
             noise = mx.random.gumbel(shape=(height, filtered.shape[-1]), key=key)
             tokens = mx.argmax(filtered + noise[index], axis=-1)
-    tokens = tokens.astype(mx.int32)
-    return (tokens, *pick(logp_all, tokens))
+    picked = pick(logp_all, tokens)  # by argmax's own indices: the cast then fuses with what reads the tokens
+    return (tokens.astype(mx.int32), *picked)

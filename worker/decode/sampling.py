@@ -32,6 +32,7 @@ from worker.runtime.logprobs import left_pad, lm_head
 from worker.runtime.projection_groups import decode_groups, decode_projections
 
 CHUNK = 16  # decode steps between host checks (early stop when all rows ended, cancel)
+EOS_CHAIN = 16  # is_eos: more ids are one compare, not as many ops in one fused kernel (a session's stops: 16)
 
 
 def make_decode_step(
@@ -126,8 +127,24 @@ def kernel_fits(model: nn.Module) -> bool:
 
 
 def is_eos(tokens: mx.array, eos_ids: list[int]) -> mx.array:
-    eos = mx.array(eos_ids or [-1], dtype=mx.int32)
-    return (tokens[:, None] == eos[None, :]).any(axis=1)
+    """Whether each token is one of eos_ids. Up to EOS_CHAIN ids, element-wise compares only,
+    which a compiled step fuses with the ops around them (a (rows, ids) compare and its any()
+    are five primitives)."""
+    if len(eos_ids) > EOS_CHAIN:
+        return (tokens[:, None] == mx.array(eos_ids, dtype=mx.int32)[None, :]).any(axis=1)
+    hit = tokens == (eos_ids[0] if eos_ids else -1)
+    for e in eos_ids[1:]:
+        hit = hit | (tokens == e)
+    return hit
+
+
+def step_inputs(key: mx.array, draws: int, width: int) -> tuple[list[mx.array], list[mx.array]]:
+    """A decode's random keys, one per draw (mx.random.split(key, draws)), and the KV slot of
+    each decode step after the first draw (width, width + 1, ...), made on the host at once.
+    Taken from a split key array and incremented at each step, they were three primitives more
+    per step (two views and an add)."""
+    keys = np.array(mx.random.split(key, draws))
+    return [mx.array(k) for k in keys], [mx.array(width + i, dtype=mx.int32) for i in range(draws - 1)]
 
 
 def compacted(finished: np.ndarray) -> np.ndarray | None:
@@ -177,14 +194,13 @@ def sample(
     values = [mx.contiguous(mx.repeat(c.values, group_size, axis=0)) for c in caches]
     logits = mx.repeat(logits, group_size, axis=0)
     pad = mx.repeat(pad, group_size, axis=0)
-    write_pos = mx.array(width, dtype=mx.int32)
     # Each row's row of the whole batch (a gang's rank has some of its rows) and the batch's height.
     index = np.array(params.batch_rows if params.batch_rows is not None else range(rows), dtype=np.int32)
     height = params.batch_height or rows
     draw_rows = None if params.batch_rows is None else (height, mx.array(index))
 
     lora = lora_args(model)  # the LoRA weights of this step
-    step_keys = mx.random.split(key, params.max_tokens + 1)
+    step_keys, write_pos = step_inputs(key, params.max_tokens + 1, width)
     first, first_logp, first_ent = draw(logits, step_keys[0], params, draw_rows)
 
     live = np.arange(rows)  # the rows still decoded (all, until compacted)
@@ -197,12 +213,11 @@ def sample(
         n = min(CHUNK, params.max_tokens - steps)
         for i in range(n):
             tokens, logp, ent, valid, finished_next, keys, values = decode_step(
-                tokens, keys, values, write_pos, pad, finished, step_keys[steps + i], lora, draw_rows
+                tokens, keys, values, write_pos[steps + i - 1], pad, finished, step_keys[steps + i], lora, draw_rows
             )
             for out, a in zip(outputs, (tokens, logp, ent, valid)):
                 out.append(a)
             finished = finished_next
-            write_pos = write_pos + 1
             # All of it now: a step's log-prob and entropy left lazy would keep its
             # full-vocabulary log-probs alive until the end of sampling.
             mx.async_eval(tokens, logp, ent, valid, finished)

@@ -70,7 +70,7 @@ def log_softmax(logits: mx.array, temperature: float) -> mx.array:
 def pick(logp_all: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
     """log p(token) and the entropy of the distribution, from log_softmax's output."""
     logp = mx.take_along_axis(logp_all, tokens[..., None], axis=-1)[..., 0]
-    return logp, -(mx.exp(logp_all) * logp_all).sum(-1)
+    return logp, (mx.exp(logp_all) * -logp_all).sum(-1)  # negated inside: fused, not a primitive after the sum
 
 
 def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> tuple[mx.array, mx.array]:
