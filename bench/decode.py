@@ -141,17 +141,22 @@ def fused_as_on_cuda():
 
 
 @contextlib.contextmanager
-def kernels_as_on_cuda():
+def kernels_as_on_cuda(calls: list | None = None):
     """The decode's own CUDA kernels (worker/decode/*_kernel.py) taken where a CUDA GPU takes
     them, each call one stand-in primitive: its first output a CumMax of a constant, depending
     on all its inputs, any further output a CumMin depending on the first (count() leaves those
     out: a custom kernel is one primitive whatever its outputs). mx.fast.cuda_kernel itself
-    raises without CUDA."""
+    raises without CUDA. calls: each call's kernel, as custom_kernel.kernel was asked for it
+    (a dict of its arguments), and the call's own arguments are appended to it
+    (bench/cuda_compile.py compiles them)."""
     modules = (attention_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel)
     saved = [(m, m.cuda, getattr(m, "kernel", None)) for m in modules]
 
-    def stand_in(*_, **__):
-        def call(*, inputs, output_shapes, output_dtypes, **___):
+    def stand_in(name, input_names, output_names, source, contiguous=True, header=""):
+        def call(*, inputs, output_shapes, output_dtypes, **kwargs):
+            if calls is not None:
+                calls.append((dict(name=name, input_names=input_names, output_names=output_names, source=source,
+                                   header=header), dict(inputs=inputs, output_dtypes=output_dtypes, **kwargs)))
             made = [mx.array(np.zeros(shape, np.float32), dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
             first = mx.depends([mx.cummax(made[0], axis=-1)], [a for a in inputs if isinstance(a, mx.array)])[0]
             return [first] + [mx.depends([mx.cummin(m, axis=-1)], [first])[0] for m in made[1:]]

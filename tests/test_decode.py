@@ -455,6 +455,51 @@ def test_a_kernel_that_folds_in_the_lora_kernels_gives_what_they_give(dtype):
     assert none is None and np.array_equal(np.array(out.astype(mx.float32)), np.array(plain.astype(mx.float32)))
 
 
+@cuda_only
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_the_attention_kernel_on_the_qkv_group_whole_gives_what_its_parts_give(dtype):
+    """attention_kernel.attend given the q/k/v group's one output (packed) and its LoRA product's
+    inputs (up) gives exactly what it gives on lora_kernel.up's output split into q, k and v, bit
+    for bit: the attention's output and the key and value it writes into the buffers."""
+    rows, heads, kv_heads, d, rank, capacity = 5, 4, 2, 64, 24, 16
+    key = iter(mx.random.split(mx.random.key(1), 9))
+    normal = lambda *shape: mx.random.normal(shape, key=next(key))  # noqa: E731
+    norms = (nn.RMSNorm(d), nn.RMSNorm(d))
+    for norm in norms:
+        norm.weight = (1 + 0.1 * normal(d)).astype(dtype)
+    rope = nn.RoPE(d, base=1e6)
+    n = (heads + 2 * kv_heads) * d
+    y, t, b = normal(rows, n).astype(dtype), normal(rows, rank), 0.3 * normal(rank, n)
+    buffers = np.random.default_rng(0).standard_normal((2, rows, kv_heads, capacity, d)).astype(np.float32)
+    fresh = lambda: [mx.array(buffers[i]).astype(dtype) for i in range(2)]  # noqa: E731 (each call writes its own)
+    pos, pad = mx.array(9, dtype=mx.int32), mx.array([0, 1, 2, 0, 3], dtype=mx.int32)
+    for up in ((t, b, 1.5), None):
+        whole = y if up is None else lora_kernel.up(y, *up)
+        q, k, v = mx.split(whole, [heads * d, (heads + kv_heads) * d], axis=-1)
+        want_kv, got_kv = fresh(), fresh()
+        want = attention_kernel.attend(q, k, v, *want_kv, pos, pad, d ** -0.5, rope=rope, norms=norms)
+        got = attention_kernel.attend(y, y, y, *got_kv, pos, pad, d ** -0.5, rope=rope, norms=norms, packed=True, up=up)
+        mx.eval(want, got)
+        assert got.shape == want.shape == (rows, heads * d)
+        for a, w in ((got, want), *zip(got_kv, want_kv)):
+            assert np.array_equal(np.array(a.astype(mx.float32)), np.array(w.astype(mx.float32)))
+
+
+def test_a_qwen3_block_hands_the_attention_kernel_its_qkv_group_whole(tiny_model, tmp_path):
+    """The decode step's graph as a CUDA GPU builds it (bench/decode.py's count on a CPU, each
+    kernel a stand-in primitive): the attention kernel takes each block's q/k/v output whole, so
+    no split of it is left in the graph, and in a LoRA block it adds the group's LoRA product
+    itself. The tiny model's two blocks (LoRA on the last): attention, two residual adds with
+    their norms and the MLP activation each, and o's LoRA down in the LoRA block: 9 kernels,
+    where lora_kernel's up for q/k/v made it 10 (float32: its projections are MLX's matmuls)."""
+    out = tmp_path / "count.json"
+    subprocess.run([sys.executable, "bench/decode.py", str(tiny_model), "--rows", "4", "--tokens", "4",
+                    "--group-size", "2", "--count-only", "--ours-only", "--lora-layers", "1", "--json", str(out)],
+                   cwd=ROOT, env={**os.environ, "MTQ_OPENBLAS": "0"}, check=True, timeout=300)
+    by_type = json.loads(out.read_text())[0]["primitives_gpu_by_type"]
+    assert "Split" not in by_type and by_type["CumMax"] == 9, by_type
+
+
 def test_a_model_that_attends_otherwise_keeps_mlx_attention(tiny_model, monkeypatch):
     """kernel_fits and the kernel's form, on a CPU made to look like CUDA (the trace is never
     evaluated): mlx_lm's Qwen3 attention runs whole in the kernel, its q/k norms and RoPE too;

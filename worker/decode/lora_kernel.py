@@ -16,7 +16,7 @@ and B stay float32 (a job's LoRA weights): bf16 LoRA moved sampled log-probs by 
 
 import mlx.core as mx
 
-from worker.decode.attention_kernel import kernel
+from worker.decode.custom_kernel import kernel
 from worker.runtime.backend import cuda
 
 THREADS = 1024  # per row in `down`: R of them per slice of K

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from worker.decode import lora_kernel
-from worker.decode.attention_kernel import kernel
+from worker.decode.custom_kernel import kernel
 from worker.runtime.backend import cuda
 
 THREADS = lora_kernel.THREADS  # per row: DOWN then sums as lora_kernel.down does

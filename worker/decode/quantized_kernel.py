@@ -14,7 +14,7 @@ up to float32 summation order. It re-reads the rows' inputs for every column, so
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker.decode.attention_kernel import kernel
+from worker.decode.custom_kernel import kernel
 from worker.runtime.backend import cuda
 
 MAX_ROWS = 8  # more: MLX's GEMM (at 32 rows its tensor cores beat this kernel, which reads x once per column)

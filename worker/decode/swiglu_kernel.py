@@ -14,7 +14,7 @@ summation order: in a LoRA block those two and the activation are one kernel, no
 import mlx.core as mx
 
 from worker.decode import lora_kernel
-from worker.decode.attention_kernel import kernel
+from worker.decode.custom_kernel import kernel
 from worker.runtime.backend import cuda
 
 THREADS = lora_kernel.THREADS  # per row: DOWN sums as lora_kernel.down does

@@ -1,0 +1,218 @@
+"""Compile the decode's CUDA kernels (worker/decode/*_kernel.py) with NVRTC, on any machine.
+
+    python3 -m pip install --target DIR --no-deps "nvidia-cuda-nvrtc==13.*" "nvidia-cuda-runtime==13.*" \
+        "nvidia-cuda-cccl==13.*"
+    python3 bench/cuda_compile.py --cuda DIR --mlx-src MLX_SOURCE_TREE [--arch sm_90a] [--only NAME]
+
+MLX's CUDA backend compiles a custom kernel (mx.fast.cuda_kernel) at its first call on a GPU, so
+a kernel source that does not compile fails a job there, and no test on a CPU sees it. This
+traces decode steps as a CUDA GPU would run them (bench/decode.py's kernels_as_on_cuda: each
+kernel call where it would run, recorded instead of made) for the models and rows a job
+reaches, and compiles every distinct instantiation as MLX 0.32 does: the source that
+custom_kernel.cpp's build_kernel makes (a parameter list from the inputs' dtypes and from which
+of NAME_shape, NAME_strides and NAME_ndim the source uses, the template arguments as constants)
+and the options of jit_module.cpp, for --arch (the H200's by default). It prints each kernel
+and its template arguments, and NVRTC's log of any that fails; it exits 1 if one did.
+
+What it traces: Qwen3 models (their attention whole in the kernel: q/k norms and RoPE) and a
+Llama model (the kernel on mlx_lm's attention), head dims 64 and 128, in float32, bfloat16 and
+float16, and 4- and 8-bit in groups of 32 and 64; without LoRA and with LoRA on every block;
+1 to 8 rows and 32; KV buffers of 3 lengths (attention_kernel.WARPS). A compile checks what the
+source says, not what it computes: tests/test_decode.py's CUDA tests do that on a GPU.
+
+--cuda DIR: where pip put NVRTC, the CUDA runtime's headers and CCCL (the command above; 13.x,
+as the mlx-cuda-13 wheel takes). --mlx-src: an MLX source tree (its mlx/backend/cuda/device/
+headers, which the wheel embeds in its library rather than ship as files).
+"""
+
+import argparse
+import ctypes
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from decode import kernels_as_on_cuda  # noqa: E402
+from mlx.utils import tree_map  # noqa: E402
+from mlx_lm.models import llama, qwen3  # noqa: E402
+from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
+
+from worker.decode.draw import SamplingParams  # noqa: E402
+from worker.decode.sampling import make_decode_step, sample  # noqa: E402
+from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
+
+CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
+              mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
+              mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double"}
+TYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}  # MLX's get_type_string
+
+DEFAULT_HEADER = '''
+#include "mlx/backend/cuda/device/utils.cuh"
+
+#include <cooperative_groups.h>
+
+'''
+
+
+def mlx_source(kernel: dict, call: dict) -> tuple[str, str]:
+    """(the kernel's name, its whole source) as MLX's custom_kernel.cpp makes them."""
+    template = call.get("template") or []
+
+    def hashed(value) -> str:
+        if isinstance(value, bool):
+            return "_t" if value else "_f"
+        return f"_{value}" if isinstance(value, int) else "_" + TYPE_NAMES.get(value, str(value).removeprefix("mlx.core."))
+
+    name = "custom_kernel_" + kernel["name"] + "".join(hashed(v) for _, v in template)
+    params = []
+    for arg, x in zip(kernel["input_names"], call["inputs"]):
+        params.append(f"    const {CUDA_TYPES[x.dtype]}* {arg}")
+        if x.ndim > 0:
+            for suffix, kind in (("_shape", "const __grid_constant__ Shape"), ("_strides", "const __grid_constant__ Strides"),
+                                 ("_ndim", "const __grid_constant__ int")):
+                if arg + suffix in kernel["source"]:
+                    params.append(f"    {kind} {arg}{suffix}")
+    params += [f"    {CUDA_TYPES[d]}* {arg}" for arg, d in zip(kernel["output_names"], call["output_dtypes"])]
+    constants = []
+    for arg, value in template:
+        if isinstance(value, bool):
+            constants.append(f"  constexpr bool {arg} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            constants.append(f"  constexpr int {arg} = {value};")
+        else:
+            constants.append(f"  using {arg} = {CUDA_TYPES[value]};")
+    source = (DEFAULT_HEADER + kernel["header"] + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+              + f"__global__ void {name}(\n" + ",\n".join(params) + ") {\n"
+              + ("\n".join(constants) + "\n\n" if constants else "") + kernel["source"]
+              + "\n}\n\n} // namespace mlx::core::cu\n")
+    return name, source
+
+
+class NVRTC:
+    """NVRTC through ctypes, with MLX's device headers given as NVRTC's named headers (as MLX gives them)."""
+
+    def __init__(self, cuda: Path, mlx_src: Path, arch: str):
+        lib = next((cuda / "nvidia").glob("cu*/lib"))
+        for builtins in lib.glob("libnvrtc-builtins.so*"):  # libnvrtc loads it by name
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+        self.lib = ctypes.CDLL(str(next(lib.glob("libnvrtc.so*"))))
+        device = mlx_src / "mlx/backend/cuda/device"
+        headers = sorted(device.glob("*.cuh")) + sorted(device.glob("*.h"))
+        if not headers:
+            raise SystemExit(f"no MLX device headers under {device}")
+        self.names = [str(h.relative_to(mlx_src)).encode() for h in headers]
+        self.texts = [h.read_bytes() for h in headers]
+        include = next((cuda / "nvidia").glob("cu*/include"))
+        self.options = [b"--device-as-default-execution-space", f"--gpu-architecture={arch}".encode(),
+                        f"--include-path={include / 'cccl'}".encode(), f"--include-path={include}".encode()]
+
+    def compile(self, name: str, source: str) -> tuple[bool, str]:
+        prog = ctypes.c_void_p()
+        n = len(self.names)
+        rc = self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), n,
+                                         (ctypes.c_char_p * n)(*self.texts), (ctypes.c_char_p * n)(*self.names))
+        if rc != 0:
+            return False, f"nvrtcCreateProgram: {rc}"
+        try:
+            opts = (ctypes.c_char_p * len(self.options))(*self.options)
+            ok = self.lib.nvrtcCompileProgram(prog, len(self.options), opts) == 0
+            size = ctypes.c_size_t()
+            self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            self.lib.nvrtcGetProgramLog(prog, log)
+            return ok, log.value.decode(errors="replace")
+        finally:
+            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def models():
+    """(label, model) for every model traced: random weights, two blocks."""
+    base = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512, vocab_size=512, rms_norm_eps=1e-6,
+                rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=4096)
+    archs = [("qwen3 d128", qwen3, dict(base, model_type="qwen3", num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=128)),
+             ("qwen3 d64", qwen3, dict(base, model_type="qwen3", num_attention_heads=4, num_key_value_heads=4,
+                                       head_dim=64)),
+             ("llama d64", llama, dict(base, model_type="llama", num_attention_heads=4, num_key_value_heads=2))]
+    for label, module, args in archs:
+        for dtype in (mx.float32, mx.bfloat16, mx.float16):
+            bits = [(None, None)] + ([(4, 64), (4, 32), (8, 64)] if dtype != mx.float32 else [])
+            for b, group in bits:
+                model = module.Model(module.ModelArgs.from_dict(args))
+                model.update(tree_map(lambda w: w.astype(dtype), model.parameters()))
+                if b is not None:
+                    nn.quantize(model, group_size=group, bits=b)
+                mx.eval(model.parameters())
+                name = f"{label} {TYPE_NAMES[dtype]}" + (f" {b}-bit g{group}" if b else "")
+                yield name, model
+
+
+class _Traced(Exception):
+    pass
+
+
+def trace(model, rows: int, capacity: int) -> None:
+    """sample()'s first decode step, traced and not run: the kernels it calls, recorded."""
+    p = SamplingParams(max_tokens=capacity - 4, temperature=1.0)
+    step = make_decode_step(model, p, [], 0)
+
+    def first(*args):
+        step(*args)
+        raise _Traced
+
+    try:
+        sample(model, first, [[1, 2, 3, 4]] * rows, 1, p, [], mx.random.key(0))
+    except _Traced:
+        return
+    raise RuntimeError("sample() made no decode step")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cuda", type=Path, required=True, help="pip's --target of nvidia-cuda-nvrtc, -runtime and -cccl")
+    ap.add_argument("--mlx-src", type=Path, required=True, help="an MLX source tree")
+    ap.add_argument("--arch", default="sm_90a", help="NVRTC's --gpu-architecture (MLX: sm_XYa from 9.0 on)")
+    ap.add_argument("--only", help="compile only the kernels whose name holds this")
+    args = ap.parse_args()
+    nvrtc = NVRTC(args.cuda, args.mlx_src, args.arch)
+
+    calls: list = []
+    with kernels_as_on_cuda(calls):
+        for label, model in models():
+            fuse_shared_inputs(model)
+            model.freeze()
+            for lora in (False, True):
+                if lora:
+                    linear_to_lora_layers(model, len(model.layers), {"rank": 8, "scale": 16.0, "dropout": 0.0})
+                    model.eval()
+                for rows in (1, 2, 3, 4, 5, 6, 7, 8, 32):
+                    for capacity in (64, 300, 600) if rows == 1 else (64,):
+                        trace(model, rows, capacity)
+            print(f"traced {label}: {len(calls)} kernel calls so far", flush=True)
+
+    sources = {}
+    for kernel, call in calls:
+        if args.only and args.only not in kernel["name"]:
+            continue
+        name, source = mlx_source(kernel, call)
+        sources.setdefault(source, name)
+    print(f"{len(calls)} kernel calls, {len(sources)} distinct sources", flush=True)
+    failed = 0
+    for source, name in sorted(sources.items(), key=lambda item: item[1]):
+        t0 = time.perf_counter()
+        ok, log = nvrtc.compile(name, source)
+        print(f"  {'ok  ' if ok else 'FAIL'} {name:70s} {time.perf_counter() - t0:5.1f} s", flush=True)
+        if not ok or "warning" in log:
+            print("\n".join("      " + line for line in log.strip().splitlines()), flush=True)
+        failed += not ok
+    print(f"{len(sources) - failed} compiled, {failed} failed", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
