@@ -13,7 +13,9 @@ On CUDA, a second line: the decode's own kernels beside the MLX ops they replace
 group's LoRA product (rank 8 each, float32 A and B) by MLX's ops and by lora_kernel's down and
 up, the gate projection by quantized_kernel (at most its MAX_ROWS rows), the residual add
 with the RMSNorm after it by MLX's ops and by norm_kernel, and the MLP's activation on the
-gate/up output by MLX's split and swiglu and by swiglu_kernel.
+gate/up output by MLX's split and swiglu and by swiglu_kernel; for a Qwen3 model, the
+attention kernel on the q/k/v group's output whole with its LoRA product added (q/k norms,
+RoPE, 152 slots: the decode's attention of a LoRA block).
 Microseconds per op, the input add of each copy included.
 """
 
@@ -28,7 +30,7 @@ import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx_lm.models.activations import swiglu  # noqa: E402
 
-from worker.decode import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel  # noqa: E402
+from worker.decode import attention_kernel, graph_patches, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel  # noqa: E402
 from worker.runtime.logprobs import attention_mask  # noqa: E402
 
 
@@ -86,6 +88,16 @@ def ours(attn, mlp, norm, x) -> list[str]:
     line.append(f"swiglu mlx {timed(lambda i: swiglu(*mx.split(g + i, 2, axis=-1))):7.1f} us")
     if swiglu_kernel.available(g):
         line.append(f"swiglu_kernel {timed(lambda i: swiglu_kernel.swiglu(g + i)[0]):7.1f} us")
+    if graph_patches.kernel_norms_and_rope(attn):  # the whole attention on the q/k/v output, its LoRA added
+        d, kv_heads = attn.q_norm.weight.shape[0], attn.k_proj.weight.shape[0] // attn.q_norm.weight.shape[0]
+        keys, values = (mx.random.normal((x.shape[0], kv_heads, 152, d)).astype(x.dtype) for _ in range(2))
+        pos, pad, t = mx.array(100, mx.int32), mx.zeros((x.shape[0],), mx.int32), lora_kernel.down(x, a)
+
+        def whole(i):
+            z = y + i
+            return attention_kernel.attend(z, z, z, keys, values, pos, pad, d ** -0.5, rope=attn.rope,
+                                           norms=(attn.q_norm, attn.k_norm), packed=True, up=(t, b, 2.0))
+        line.append(f"attention_kernel packed, LoRA {timed(whole):7.1f} us")
     return line
 
 

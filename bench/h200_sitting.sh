@@ -20,7 +20,8 @@
 #   bash bench/h200_sitting.sh grpo      GRPO G8 B4 L128 by default and with max_memory_gb 16, G16 B4 L256
 #                                        (3 rounds each), each phase's time; TRL's step where torch and trl import
 #   bash bench/h200_sitting.sh decode    decode per position, LoRA on 16 blocks and none, 8 and 32 rows, beside
-#                                        mlx_lm's decoders (3 interleaved rounds); then ours with MLX's CUDA
+#                                        mlx_lm's decoders (3 interleaved rounds), each kernel's GPU time
+#                                        alone at 8 and 32 rows; then ours with MLX's CUDA
 #                                        graphs as they are, off, and one graph a step (400 nodes, where the
 #                                        H200's default commits every 100), 3 rounds of one process each
 #   bash bench/h200_sitting.sh kernels   first step: cold, warm, another rank / layer count / batch, and a new
@@ -106,6 +107,7 @@ case "$stage" in
   decode)
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --queries 2
+    run "$py" bench/decode_kernels.py "$q4" --rows 8 32  # each kernel's GPU time alone: what 32 rows cost
     for r in 1 2 3; do  # then ours under MLX's CUDA graph settings, a process a round (env read once)
       for knobs in MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=400; do
         echo "# round $r, $knobs" | tee -a "$log"
