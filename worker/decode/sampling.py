@@ -138,13 +138,11 @@ def is_eos(tokens: mx.array, eos_ids: list[int]) -> mx.array:
     return hit
 
 
-def step_inputs(key: mx.array, draws: int, width: int) -> tuple[list[mx.array], list[mx.array]]:
-    """A decode's random keys, one per draw (mx.random.split(key, draws)), and the KV slot of
-    each decode step after the first draw (width, width + 1, ...), made on the host at once.
-    Taken from a split key array and incremented at each step, they were three primitives more
-    per step (two views and an add)."""
-    keys = np.array(mx.random.split(key, draws))
-    return [mx.array(k) for k in keys], [mx.array(width + i, dtype=mx.int32) for i in range(draws - 1)]
+def draw_keys(key: mx.array, draws: int) -> np.ndarray:
+    """Each draw's random key, mx.random.split(key, draws), on the host: a decode step takes
+    mx.array(keys[i]) and its KV slot as mx.array(slot), made on the host, where indexing the
+    split keys and adding one to the slot were three primitives a step (two views and an add)."""
+    return np.array(mx.random.split(key, draws))
 
 
 def compacted(finished: np.ndarray) -> np.ndarray | None:
@@ -200,8 +198,8 @@ def sample(
     draw_rows = None if params.batch_rows is None else (height, mx.array(index))
 
     lora = lora_args(model)  # the LoRA weights of this step
-    step_keys, write_pos = step_inputs(key, params.max_tokens + 1, width)
-    first, first_logp, first_ent = draw(logits, step_keys[0], params, draw_rows)
+    step_keys = draw_keys(key, params.max_tokens + 1)
+    first, first_logp, first_ent = draw(logits, mx.array(step_keys[0]), params, draw_rows)
 
     live = np.arange(rows)  # the rows still decoded (all, until compacted)
     outputs = [first], [first_logp], [first_ent], [mx.ones((rows,), dtype=mx.bool_)]
@@ -213,7 +211,8 @@ def sample(
         n = min(CHUNK, params.max_tokens - steps)
         for i in range(n):
             tokens, logp, ent, valid, finished_next, keys, values = decode_step(
-                tokens, keys, values, write_pos[steps + i - 1], pad, finished, step_keys[steps + i], lora, draw_rows
+                tokens, keys, values, mx.array(width + steps + i - 1, dtype=mx.int32), pad, finished,
+                mx.array(step_keys[steps + i]), lora, draw_rows
             )
             for out, a in zip(outputs, (tokens, logp, ent, valid)):
                 out.append(a)

@@ -14,7 +14,7 @@ import numpy as np
 from worker.decode.draw import SamplingParams, draw
 from worker.decode.graph_patches import lora_args
 from worker.decode.kv_cache import Slots, StaticKVCache
-from worker.decode.sampling import CHUNK, is_eos, step_inputs
+from worker.decode.sampling import CHUNK, draw_keys, is_eos
 from worker.runtime.logprobs import left_pad, lm_head
 
 # on_chunk(tokens, logprobs): each row's new tokens (its EOS included, none once it has
@@ -37,8 +37,8 @@ def decode(model, step: Callable, prompts: list[list[int]], limits: list[int], p
     keys, values = [c.keys for c in caches], [c.values for c in caches]
 
     lora = lora_args(model)
-    step_keys, write_pos = step_inputs(key, longest + 1, width)
-    tokens, logp, _ = draw(logits, step_keys[0], params)
+    step_keys = draw_keys(key, longest + 1)
+    tokens, logp, _ = draw(logits, mx.array(step_keys[0]), params)
     finished = is_eos(tokens, eos_ids)
     chunk = [(tokens, logp, mx.ones(tokens.shape, dtype=mx.bool_))]
     steps = 1
@@ -54,7 +54,8 @@ def decode(model, step: Callable, prompts: list[list[int]], limits: list[int], p
         finished, chunk = mx.array(done), []
         for i in range(min(CHUNK, longest - steps)):
             tokens, logp, _, valid, finished, keys, values = step(
-                tokens, keys, values, write_pos[steps + i - 1], pad, finished, step_keys[steps + i], lora, None)
+                tokens, keys, values, mx.array(width + steps + i - 1, dtype=mx.int32), pad, finished,
+                mx.array(step_keys[steps + i]), lora, None)
             chunk.append((tokens, logp, valid))
             mx.async_eval(tokens, logp, valid, finished)
         steps += len(chunk)
