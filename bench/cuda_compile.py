@@ -16,7 +16,7 @@ and its template arguments, and NVRTC's log of any that fails; it exits 1 if one
 
 What it traces: Qwen3 models (their attention whole in the kernel: q/k norms and RoPE) and a
 Llama model (the kernel on mlx_lm's attention), head dims 64 and 128, in float32, bfloat16 and
-float16, and 4- and 8-bit in groups of 32 and 64; without LoRA and with LoRA on every block;
+float16, and 4- and 8-bit in groups of 32 and 64; without LoRA, with LoRA on the last block and on both;
 1 to 8 rows and 32; KV buffers of 3 lengths (attention_kernel.WARPS). A compile checks what the
 source says, not what it computes: tests/test_decode.py's CUDA tests do that on a GPU.
 
@@ -131,7 +131,7 @@ class NVRTC:
 
 
 def models():
-    """(label, model) for every model traced: random weights, two blocks."""
+    """(label, make) for every model traced: make() gives it with random weights, two blocks."""
     base = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512, vocab_size=512, rms_norm_eps=1e-6,
                 rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=4096)
     archs = [("qwen3 d128", qwen3, dict(base, model_type="qwen3", num_attention_heads=4, num_key_value_heads=2,
@@ -143,13 +143,14 @@ def models():
         for dtype in (mx.float32, mx.bfloat16, mx.float16):
             bits = [(None, None)] + ([(4, 64), (4, 32), (8, 64)] if dtype != mx.float32 else [])
             for b, group in bits:
-                model = module.Model(module.ModelArgs.from_dict(args))
-                model.update(tree_map(lambda w: w.astype(dtype), model.parameters()))
-                if b is not None:
-                    nn.quantize(model, group_size=group, bits=b)
-                mx.eval(model.parameters())
-                name = f"{label} {TYPE_NAMES[dtype]}" + (f" {b}-bit g{group}" if b else "")
-                yield name, model
+                def make(module=module, args=args, dtype=dtype, b=b, group=group):
+                    model = module.Model(module.ModelArgs.from_dict(args))
+                    model.update(tree_map(lambda w: w.astype(dtype), model.parameters()))
+                    if b is not None:
+                        nn.quantize(model, group_size=group, bits=b)
+                    mx.eval(model.parameters())
+                    return model
+                yield f"{label} {TYPE_NAMES[dtype]}" + (f" {b}-bit g{group}" if b else ""), make
 
 
 class _Traced(Exception):
@@ -183,12 +184,13 @@ def main():
 
     calls: list = []
     with kernels_as_on_cuda(calls):
-        for label, model in models():
-            fuse_shared_inputs(model)
-            model.freeze()
-            for lora in (False, True):
-                if lora:
-                    linear_to_lora_layers(model, len(model.layers), {"rank": 8, "scale": 16.0, "dropout": 0.0})
+        for label, make in models():
+            for lora_layers in (0, 1, 2):  # none, the last block's (a block without LoRA before it), all
+                model = make()
+                fuse_shared_inputs(model)
+                model.freeze()
+                if lora_layers:
+                    linear_to_lora_layers(model, lora_layers, {"rank": 8, "scale": 16.0, "dropout": 0.0})
                     model.eval()
                 for rows in (1, 2, 3, 4, 5, 6, 7, 8, 32):
                     for capacity in (64, 300, 600) if rows == 1 else (64,):

@@ -321,12 +321,15 @@ def assert_kernels_took_over(calls: dict, traces: int, layers: int, lora: bool):
     kernels. The LoRA model's top block has LoRA on four groups (q/k/v, o, gate/up, down): the
     norms before q/k/v and gate/up and the activation before down made those groups' x @ A, the
     adds after o and down and the activation after gate/up their LoRA products (lora_kernel's
-    own for them are left out of the graph), so lora_kernel ran o's down and each group's up."""
+    own for them are left out of the graph), the add after o also o's x @ A from o's input
+    (lora_kernel's down for it left out too); lora_kernel is still called for o's down and each
+    group's up while the step is traced."""
     assert len(calls["add_norm"]) == 2 * traces * layers and len(calls["swiglu"]) == traces * layers
     n = traces if lora else 0
     assert len(calls["down"]) == n and len(calls["up"]) == 4 * n
     assert sum(len(a) > 3 and a[3] is not None for a in calls["add_norm"]) == 2 * n  # the ups
     assert sum(len(a) > 4 and a[4] is not None for a in calls["add_norm"]) == 2 * n  # the downs
+    assert sum(len(a) > 5 and a[5] is not None for a in calls["add_norm"]) == n  # o's down, from o's input
     assert sum(a[1] is not None for a in calls["swiglu"]) == sum(a[2] is not None for a in calls["swiglu"]) == n
 
 
@@ -392,7 +395,9 @@ def test_the_kernels_take_over_the_lora_products_next_to_them(model, lora_model,
     def down(x, a):
         return x.reshape(-1, x.shape[-1]).astype(mx.float32) @ a
 
-    def add_norm(x, r, norm, lora_up=None, a=None):
+    def add_norm(x, r, norm, lora_up=None, a=None, made=None):
+        if made is not None:  # up's t made here, from the projection's input
+            lora_up = (down(*made), *lora_up[1:])
         h = x + (r if lora_up is None else up(r, *lora_up))
         return h, norm(h), None if a is None else down(norm(h), a)
 
@@ -430,7 +435,8 @@ def test_a_kernel_that_folds_in_the_lora_kernels_gives_what_they_give(dtype):
     """norm_kernel's add_norm and swiglu_kernel's activation, given a LoRA group's base output and
     lora_kernel.up's other inputs, and the A of the group that reads their output, give exactly
     what lora_kernel.up, MLX's split and swiglu (or the plain add_norm) and lora_kernel.down give
-    in turn, bit for bit: the same formulas, roundings and summation order."""
+    in turn, bit for bit: the same formulas, roundings and summation order; add_norm making up's
+    t from the projection's input too (made) gives what it gives on lora_kernel.down's t."""
     rows, hidden, width, rank = 5, 96, 2 * 160, 12
     key = iter(mx.random.split(mx.random.key(0), 9))
     normal = lambda *shape: mx.random.normal(shape, key=next(key))  # noqa: E731
@@ -445,6 +451,11 @@ def test_a_kernel_that_folds_in_the_lora_kernels_gives_what_they_give(dtype):
     assert np.array_equal(np.array(h.astype(mx.float32)), np.array(want_h.astype(mx.float32)))
     assert np.array_equal(np.array(normed.astype(mx.float32)), np.array(want_normed.astype(mx.float32)))
     assert np.array_equal(np.array(down), np.array(want_down))
+    x_o, a_o = normal(rows, 2 * hidden).astype(dtype), 0.3 * normal(2 * hidden, rank)  # up's t made from o's input
+    t_o = lora_kernel.down(x_o, a_o)
+    got = norm_kernel.add_norm(x, y, norm, (t_o, b, 1.5), a, (x_o, a_o))
+    for g, w in zip(got, norm_kernel.add_norm(x, y, norm, (t_o, b, 1.5), a)):
+        assert np.array_equal(np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32)))
     g, bg, ad = normal(rows, width).astype(dtype), 0.3 * normal(rank, width), 0.3 * normal(width // 2, rank)
     out, down = swiglu_kernel.swiglu(g, (t, bg, 0.5), ad)
     want = mx.compile(lambda z: swiglu(*mx.split(z, 2, axis=-1)))(lora_kernel.up(g, t, bg, 0.5))
@@ -486,19 +497,20 @@ def test_the_attention_kernel_on_the_qkv_group_whole_gives_what_its_parts_give(d
 
 
 @pytest.mark.skipif(attention_kernel.cuda(), reason="counts on a CPU (on CUDA the kernels run: the tests above)")
-def test_a_qwen3_block_hands_the_attention_kernel_its_qkv_group_whole(tiny_model, tmp_path):
+def test_a_lora_block_runs_the_kernels_of_a_plain_one(tiny_model, tmp_path):
     """The decode step's graph as a CUDA GPU builds it (bench/decode.py's count on a CPU, each
-    kernel a stand-in primitive): the attention kernel takes each block's q/k/v output whole, so
-    no split of it is left in the graph, and in a LoRA block it adds the group's LoRA product
-    itself. The tiny model's two blocks (LoRA on the last): attention, two residual adds with
-    their norms and the MLP activation each, and o's LoRA down in the LoRA block: 9 kernels,
-    where lora_kernel's up for q/k/v made it 10 (float32: its projections are MLX's matmuls)."""
+    kernel a stand-in primitive): the attention kernel takes each Qwen3 block's q/k/v output
+    whole, so no split of it is left in the graph, and in a LoRA block it adds the group's LoRA product
+    itself, as the add after o makes o's x @ A: a LoRA block runs the kernels a plain one does.
+    The tiny model's two blocks (LoRA on the last): attention, two residual adds with their
+    norms and the MLP activation each, 8 kernels, where lora_kernel's up for q/k/v and down for
+    o made it 10 (float32: its projections are MLX's matmuls)."""
     out = tmp_path / "count.json"
     subprocess.run([sys.executable, "bench/decode.py", str(tiny_model), "--rows", "4", "--tokens", "4",
                     "--group-size", "2", "--count-only", "--ours-only", "--lora-layers", "1", "--json", str(out)],
                    cwd=ROOT, env={**os.environ, "MTQ_OPENBLAS": "0"}, check=True, timeout=300)
     by_type = json.loads(out.read_text())[0]["primitives_gpu_by_type"]
-    assert "Split" not in by_type and by_type["CumMax"] == 9, by_type
+    assert "Split" not in by_type and by_type["CumMax"] == 8, by_type
 
 
 def test_a_model_that_attends_otherwise_keeps_mlx_attention(tiny_model, monkeypatch):

@@ -53,6 +53,7 @@ class Handoff:
         self.parts = {}  # id(a group's output) -> (it, the group's base output y, up's (t, B, scale) or None, its first column)
         self.downs = {}  # id(an output x a kernel made) -> (x, A, x @ A)
         self.lora_a = {}  # id(a projection) -> its group's A, where lora_kernel runs that group
+        self.made = {}  # id(t) -> (t, x, A): t = lora_kernel.down(x, A), no kernel before having made it
 
     def part(self, out: mx.array) -> tuple | None:
         """(y, up, first column) if out is a part of a group's output, made from its base output y."""
@@ -83,6 +84,11 @@ class Handoff:
         if [p[2] for p in parts] != [0, widths[0], widths[0] + widths[1]] or y.shape[-1] != sum(widths):
             return None
         return (y, up) if lora_kernel.foldable(up, None, y.size // y.shape[-1], y.shape[-1], 0, 0) else None
+
+    def made_from(self, up: tuple | None) -> tuple | None:
+        """(x, A) if up's t is lora_kernel.down(x, A): a kernel taking up may make t itself."""
+        entry = self.made.get(id(up[0])) if up is not None else None
+        return entry[1:] if entry is not None and entry[0] is up[0] else None
 
     def down(self, x: mx.array, a: mx.array) -> mx.array | None:
         """x @ a if the kernel that made x made it."""
@@ -184,10 +190,13 @@ def decode_blocks(slots: Slots, kernel: bool, handoff: Handoff):
         """h + r and its norm, the norm's output read by the projection `reader`."""
         y, up = handoff.whole(r)
         a = handoff.lora_a.get(id(reader))
+        made = handoff.made_from(up)
+        if kernel and not norm_kernel.available(h, y, norm, up, a, made):
+            made = None  # up's t as lora_kernel.down made it
         if kernel and not norm_kernel.available(h, y, norm, up, a):
-            y, up, a = r, None, None  # what is handed over does not fit: the add and norm alone
-        if kernel and norm_kernel.available(h, y, norm, up, a):
-            h, x, t = norm_kernel.add_norm(h, y, norm, up, a)
+            y, up, a, made = r, None, None, None  # what is handed over does not fit: the add and norm alone
+        if kernel and norm_kernel.available(h, y, norm, up, a, made):
+            h, x, t = norm_kernel.add_norm(h, y, norm, up, a, made)
             if t is not None:
                 handoff.downs[id(x)] = (x, a, t)
             return h, x
@@ -284,7 +293,9 @@ def grouped_projections(groups: list[Group], lora: list, dense: dict, kernel: bo
         if pair is not None and kernel and lora_kernel.available(x, *pair):
             a, b = pair
             t = handoff.down(x, a)
-            t = lora_kernel.down(x, a) if t is None else t
+            if t is None:
+                t = lora_kernel.down(x, a)
+                handoff.made[id(t)] = (t, x, a)
             ys = [project(base, x) for base in bases]
             bs = [b] if len(ys) == 1 else _split(b, sizes)
             outs = [lora_kernel.up(y, t, b_i, mods[0].scale) for y, b_i in zip(ys, bs)]

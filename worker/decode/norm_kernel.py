@@ -10,7 +10,8 @@ its normalizer cast to T, times the weight in T).
 With LoRA, the sublayer's output projection ends in lora_kernel.up (r = y + T(scale * t @ B))
 and the projection group reading norm(h) starts with lora_kernel.down (norm(h) @ A): both are
 done here instead (UP, DOWN), with those kernels' own formulas and summation order, so that
-a LoRA block's two norms take four kernels of its eight LoRA ones.
+a LoRA block's two norms take four kernels of its eight LoRA ones; after the attention, also
+the o projection's own down (t = x_o @ A_o, UP_X), which no kernel before it makes.
 """
 
 import mlx.core as mx
@@ -26,16 +27,25 @@ MAX_HIDDEN = 8192  # DOWN: the normed row in shared memory (float32)
 # One block per row. Each thread writes its elements of h (UP: making r first, r being the base
 # projection's output) and sums their squares; the block's sum goes through shared memory;
 # each thread then norms the elements it wrote (a thread reads back only its own writes).
-# DOWN: the normed row, kept in shared memory, times A. Unused inputs (no UP, no DOWN) are
-# placeholders.
+# DOWN: the normed row, kept in shared memory, times A. UP_X: UP's t made first, from the
+# projection's input. Unused inputs (no UP, no DOWN, no UP_X) are placeholders.
 SOURCE = """
   const int H = w_shape[0];
   const size_t m = blockIdx.y;
   const int i = threadIdx.x, lane = i % 32, warp = i / 32;
+  // UP_X: UP's t for this row made here, up_x's row times up_a, as lora_kernel.down makes it.
+  __shared__ float t_x[UP_X ? THREADS : 1];
+  if constexpr (UP_X) {
+    const int K = up_a_shape[0];
+    const T* xm = up_x + m * K;
+    lora_down<THREADS>([&](int k) { return static_cast<float>(xm[k]); }, K, up_a, up_a_shape[1], t_x);
+    __syncthreads();
+  }
+  const float* t_m = UP_X ? t_x : up_t + m * up_b_shape[0];
   float ss = 0.f;
   for (int d = i; d < H; d += THREADS) {
     T rd = r[m * H + d];
-    if constexpr (UP) rd = lora_up(rd, up_t + m * up_b_shape[0], up_b, up_b_shape[0], H, d, scale[0]);
+    if constexpr (UP) rd = lora_up(rd, t_m, up_b, up_b_shape[0], H, d, scale[0]);
     const T v = static_cast<T>(static_cast<float>(x[m * H + d]) + static_cast<float>(rd));
     h[m * H + d] = v;
     ss += static_cast<float>(v) * static_cast<float>(v);
@@ -61,30 +71,38 @@ SOURCE = """
 """
 
 
-def available(x: mx.array, r: mx.array, norm: nn.Module, up: tuple | None = None, a: mx.array | None = None) -> bool:
+def available(x: mx.array, r: mx.array, norm: nn.Module, up: tuple | None = None, a: mx.array | None = None,
+              made: tuple | None = None) -> bool:
     """Whether the kernel can add r to x and norm the sum: MLX's CUDA backend, an nn.RMSNorm over
     x's last axis, x, r and the norm's weight of one floating dtype and x and r of one shape;
     up (t, B, scale) and a as add_norm takes them (lora_kernel.foldable), a normed row of at
-    most MAX_HIDDEN."""
-    hidden = x.shape[-1]
+    most MAX_HIDDEN; made (x_o, A_o) with up, t's rows as lora_kernel.down makes them from it."""
+    hidden, rows = x.shape[-1], x.size // x.shape[-1]
     return (cuda() and type(norm) is nn.RMSNorm and x.shape == r.shape and norm.weight.shape == (hidden,)
             and x.dtype == r.dtype == norm.weight.dtype and x.dtype in (mx.float16, mx.bfloat16, mx.float32)
-            and lora_kernel.foldable(up, a, x.size // hidden, hidden, hidden, MAX_HIDDEN))
+            and lora_kernel.foldable(up, a, rows, hidden, hidden, MAX_HIDDEN)
+            and (made is None or (up is not None and made[0].dtype == x.dtype and made[0].size // made[0].shape[-1] == rows
+                                  and lora_kernel.foldable(None, made[1], rows, 0, made[0].shape[-1], made[0].shape[-1])
+                                  and made[1].shape[1] == up[0].shape[1])))
 
 
-def add_norm(x: mx.array, r: mx.array, norm: nn.RMSNorm, up: tuple | None = None, a: mx.array | None = None):
+def add_norm(x: mx.array, r: mx.array, norm: nn.RMSNorm, up: tuple | None = None, a: mx.array | None = None,
+             made: tuple | None = None):
     """h = x + r and norm(h), as MLX's ops give them. up (t, B, scale): r is a LoRA projection's
     base output and the sum takes r + T(scale * t @ B) for it, as lora_kernel.up gives it. a:
-    also t = norm(h) @ a in float32, as lora_kernel.down gives it. Returns (h, norm(h), t), t
-    None without a."""
+    also t = norm(h) @ a in float32, as lora_kernel.down gives it. made (x_o, A_o): up's t is
+    lora_kernel.down(x_o, A_o), which the kernel makes itself (up's own t is not read, so the
+    kernel that made it leaves the graph). Returns (h, norm(h), t), t None without a."""
     rows = x.size // x.shape[-1]
     eps = mx.array([norm.eps], mx.float32)
     t, b, scale = up if up is not None else (eps, eps, 0.0)  # placeholders when not UP (never read)
-    outs = kernel("mtq_add_rms_norm", ("x", "r", "w", "eps", "up_t", "up_b", "scale", "a"), ("h", "normed", "t"),
-                  SOURCE, header=lora_kernel.HEADER)(
-        inputs=[x, r, norm.weight, eps, t, b, mx.array([scale], mx.float32), eps if a is None else a],
+    up_x, up_a = made if made is not None else (x, eps)  # placeholders of the inputs' dtypes
+    outs = kernel("mtq_add_rms_norm", ("x", "r", "w", "eps", "up_t", "up_b", "scale", "a", "up_x", "up_a"),
+                  ("h", "normed", "t"), SOURCE, header=lora_kernel.HEADER)(
+        inputs=[x, r, norm.weight, eps, eps if made is not None else t, b, mx.array([scale], mx.float32),
+                eps if a is None else a, up_x, up_a],
         template=[("T", x.dtype), ("THREADS", THREADS), ("MAX_HIDDEN", MAX_HIDDEN), ("UP", up is not None),
-                  ("DOWN", a is not None)],
+                  ("DOWN", a is not None), ("UP_X", made is not None)],
         grid=(THREADS, rows, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[x.shape, x.shape, (rows, 1 if a is None else a.shape[1])],
         output_dtypes=[x.dtype, x.dtype, mx.float32])
