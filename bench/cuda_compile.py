@@ -141,8 +141,7 @@ def models():
              ("llama d64", llama, dict(base, model_type="llama", num_attention_heads=4, num_key_value_heads=2))]
     for label, module, args in archs:
         for dtype in (mx.float32, mx.bfloat16, mx.float16):
-            bits = [(None, None)] + ([(4, 64), (4, 32), (8, 64)] if dtype != mx.float32 else [])
-            for b, group in bits:
+            for b, group in ((None, None), (4, 64), (4, 32), (8, 64)):
                 def make(module=module, args=args, dtype=dtype, b=b, group=group):
                     model = module.Model(module.ModelArgs.from_dict(args))
                     model.update(tree_map(lambda w: w.astype(dtype), model.parameters()))

@@ -79,7 +79,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 
-from worker.decode import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel  # noqa: E402
+from worker.decode import attention_kernel, embed_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel  # noqa: E402
 from worker.decode.draw import SamplingParams  # noqa: E402
 from worker.decode.sampling import make_decode_step, sample  # noqa: E402
 from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
@@ -149,7 +149,7 @@ def kernels_as_on_cuda(calls: list | None = None):
     raises without CUDA. calls: each call's kernel, as custom_kernel.kernel was asked for it
     (a dict of its arguments), and the call's own arguments are appended to it
     (bench/cuda_compile.py compiles them)."""
-    modules = (attention_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel)
+    modules = (attention_kernel, embed_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel)
     saved = [(m, m.cuda, getattr(m, "kernel", None)) for m in modules]
 
     def stand_in(name, input_names, output_names, source, contiguous=True, header=""):

@@ -27,9 +27,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from worker.decode import attention_kernel, graph_patches, lora_kernel, norm_kernel, quantized_kernel, sampling, swiglu_kernel
+from worker.decode import (attention_kernel, embed_kernel, graph_patches, lora_kernel, norm_kernel, quantized_kernel,
+                           sampling, swiglu_kernel)
 from worker.decode.draw import SamplingParams
 from worker.decode.sampling import compacted, kernel_fits, make_decode_step, sample
+from worker.runtime.make_model import make_model
 from worker.runtime.projection_groups import decode_groups, fuse_shared_inputs
 
 PAD = 7
@@ -496,6 +498,23 @@ def test_the_attention_kernel_on_the_qkv_group_whole_gives_what_its_parts_give(d
             assert np.array_equal(np.array(a.astype(mx.float32)), np.array(w.astype(mx.float32)))
 
 
+@cuda_only
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (4, 32), (8, 128)])
+def test_the_embedding_kernel_looks_up_what_mlx_does(dtype, bits, group_size):
+    """embed_kernel.lookup gives nn.QuantizedEmbedding's own rows, bit for bit, 2-D or as the
+    tokens' shape."""
+    embed = nn.Embedding(300, 256)
+    embed.weight = mx.random.normal((300, 256), key=mx.random.key(2)).astype(dtype)
+    embed = nn.QuantizedEmbedding.from_embedding(embed, group_size=group_size, bits=bits)
+    tokens = mx.array([[0], [299], [17], [17], [150]], dtype=mx.int32)
+    assert embed_kernel.available(tokens, embed)
+    want = np.array(embed(tokens).astype(mx.float32))
+    got = embed_kernel.lookup(tokens, embed, (5, 256))
+    assert got.dtype == dtype and np.array_equal(np.array(got.astype(mx.float32)), want[:, 0])
+    assert np.array_equal(np.array(embed_kernel.lookup(tokens, embed, (5, 1, 256)).astype(mx.float32)), want)
+
+
 @pytest.mark.skipif(attention_kernel.cuda(), reason="counts on a CPU (on CUDA the kernels run: the tests above)")
 def test_a_lora_block_runs_the_kernels_of_a_plain_one(tiny_model, tmp_path):
     """The decode step's graph as a CUDA GPU builds it (bench/decode.py's count on a CPU, each
@@ -504,13 +523,18 @@ def test_a_lora_block_runs_the_kernels_of_a_plain_one(tiny_model, tmp_path):
     itself, as the add after o makes o's x @ A: a LoRA block runs the kernels a plain one does.
     The tiny model's two blocks (LoRA on the last): attention, two residual adds with their
     norms and the MLP activation each, 8 kernels, where lora_kernel's up for q/k/v and down for
-    o made it 10 (float32: its projections are MLX's matmuls)."""
-    out = tmp_path / "count.json"
-    subprocess.run([sys.executable, "bench/decode.py", str(tiny_model), "--rows", "4", "--tokens", "4",
-                    "--group-size", "2", "--count-only", "--ours-only", "--lora-layers", "1", "--json", str(out)],
-                   cwd=ROOT, env={**os.environ, "MTQ_OPENBLAS": "0"}, check=True, timeout=300)
-    by_type = json.loads(out.read_text())[0]["primitives_gpu_by_type"]
-    assert "Split" not in by_type and by_type["CumMax"] == 8, by_type
+    o made it 10 (float32: its projections are MLX's matmuls). At 4 bits also each quantized
+    matmul (4 a block, and the output head) and the embedding's lookup: one kernel where
+    nn.QuantizedEmbedding's gathers were three."""
+    quantized = make_model(tmp_path / "tiny-4bit", size="tiny", quantize=4)
+    for path, kernels in ((tiny_model, 8), (quantized, 8 + 9 + 1)):  # 4-bit: 9 matmuls and the embedding's lookup too
+        out = tmp_path / "count.json"
+        subprocess.run([sys.executable, "bench/decode.py", str(path), "--rows", "4", "--tokens", "4",
+                        "--group-size", "2", "--count-only", "--ours-only", "--lora-layers", "1", "--json", str(out)],
+                       cwd=ROOT, env={**os.environ, "MTQ_OPENBLAS": "0"}, check=True, timeout=300)
+        by_type = json.loads(out.read_text())[0]["primitives_gpu_by_type"]
+        assert "Split" not in by_type and by_type["CumMax"] == kernels, by_type
+        assert ("Gather" in by_type) == (path is tiny_model), by_type  # a plain embedding's one gather stays
 
 
 def test_a_model_that_attends_otherwise_keeps_mlx_attention(tiny_model, monkeypatch):

@@ -9,11 +9,12 @@ On a GPU a decode step costs about its number of MLX primitives (host work per p
 arithmetic), so the step keeps that number down: what all layers share (positions, mask, write
 slot) is computed once, and on CUDA each layer's attention and KV write is one kernel (a Qwen3
 layer's q/k norms and RoPE too; elsewhere the attention sees each row's query twice so that MLX
-fuses it), each projection group's LoRA product two, a quantized matmul of few rows one, and a
-Qwen3 block's residual adds and the norms after them one each, its MLP activation one, its rows
-2-D; the norm, activation and attention kernels also run the LoRA kernels next to them (the
-attention on the q/k/v group's output whole, unsplit). bench/decode.py counts them (on a CPU as a
-CUDA GPU would build them); docs/performance.md has the figures.
+fuses it), each projection group's LoRA product two, a quantized matmul of few rows one, a
+quantized embedding's lookup one, and a Qwen3 block's residual adds and the norms after them one
+each, its MLP activation one, its rows 2-D; the norm, activation and attention kernels also run
+the LoRA kernels next to them (the attention on the q/k/v group's output whole, unsplit).
+bench/decode.py counts them (on a CPU as a CUDA GPU would build them); docs/performance.md has
+the figures.
 
 Where each part lives:
 
@@ -24,7 +25,7 @@ Where each part lives:
   graph_patches.py     the context managers that swap mlx / mlx_lm functions while a step is
                        traced (decode_attention, decode_blocks, grouped_projections), Handoff,
                        lora_args, dequantized
-  *_kernel.py          the CUDA kernels: attention, lora, norm, quantized, swiglu
+  *_kernel.py          the CUDA kernels: attention, embed, lora, norm, quantized, swiglu
   custom_kernel.py     kernel: how each of them is made (mx.fast.cuda_kernel, kept per source)
 
 What model loading and memory planning share with the decoder lives in worker/runtime/, so that

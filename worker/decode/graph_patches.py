@@ -9,8 +9,9 @@ changes how a decode step computes without a copy of each model's code:
                         Qwen3 layer's q/k norms and RoPE too), else each row's query given
                         `queries` times so that MLX fuses the masked attention (fused_queries)
   decode_blocks         qwen3.Qwen3Model.__call__: a Qwen3 model's residual adds and the norms after
-                        them as norm_kernel.add_norm, its MLP activation as swiglu_kernel.swiglu, its
-                        rows 2-D where the attention kernel runs whole
+                        them as norm_kernel.add_norm, its MLP activation as swiglu_kernel.swiglu, a
+                        quantized embedding's lookup as embed_kernel.lookup, its rows 2-D where the
+                        attention kernel runs whole
   grouped_projections   __call__ of the classes of the grouped projections (nn.Linear,
                         nn.QuantizedLinear, mlx_lm's LoRALinear) and nn.QuantizedEmbedding.as_linear
                         (a tied output projection): each projection group (decode_groups of
@@ -37,7 +38,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3
 from mlx_lm.models.activations import swiglu
 
-from worker.decode import attention_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel
+from worker.decode import attention_kernel, embed_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel
 from worker.decode.kv_cache import KernelMisfit, Slots, StaticKVCache
 from worker.runtime.projection_groups import Group, base_projection, decode_groups, lora_pair
 
@@ -179,7 +180,8 @@ def decode_blocks(slots: Slots, kernel: bool, handoff: Handoff):
     after it (the block's second norm, the next block's first, the model's last) as one
     norm_kernel.add_norm where kernel and it fits, else as mlx_lm's blocks run them; the add
     also makes a LoRA output projection's last product and the norm the first one of the group
-    reading it, where grouped_projections hands them over (handoff). When the
+    reading it, where grouped_projections hands them over (handoff). A quantized embedding
+    looks its rows up by embed_kernel where kernel and it fits. When the
     attention kernel runs every block's attention whole (kernel_norms_and_rope), the rows go
     through the blocks 2-D, (rows, hidden): MLX 0.32's CUDA quantized matmul runs a (rows, 1, K)
     input as `rows` products of one row, each reading all the weights, and a (rows, K) one as
@@ -221,11 +223,15 @@ def decode_blocks(slots: Slots, kernel: bool, handoff: Handoff):
         if cache is None or input_embeddings is not None or any(type(b) is not qwen3.TransformerBlock
                                                                 for b in self.layers):
             return qwen3_model(self, inputs, cache, input_embeddings)
-        h = self.embed_tokens(inputs)
-        if slots.kernel and inputs.shape[1] == 1 and all(kernel_norms_and_rope(b.self_attn) for b in self.layers):
-            h, mask = h.reshape(h.shape[0], h.shape[2]), None  # whole_attention takes no mask
+        flat = slots.kernel and inputs.shape[1] == 1 and all(kernel_norms_and_rope(b.self_attn) for b in self.layers)
+        embed = self.embed_tokens
+        if kernel and embed_kernel.available(inputs, embed):
+            width = embed["weight"].shape[1] * 32 // embed.bits
+            h = embed_kernel.lookup(inputs, embed, (inputs.shape[0], width) if flat else (*inputs.shape, width))
         else:
-            mask = qwen3.create_attention_mask(h, cache[0])
+            h = embed(inputs)
+            h = h.reshape(h.shape[0], h.shape[2]) if flat else h
+        mask = None if flat else qwen3.create_attention_mask(h, cache[0])  # whole_attention takes no mask
         x = self.layers[0].input_layernorm(h)
         for i, (block, c) in enumerate(zip(self.layers, cache)):
             h, x = add_norm(h, block.self_attn(x, mask, c), block.post_attention_layernorm, block.mlp.gate_proj)
