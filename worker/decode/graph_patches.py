@@ -54,7 +54,7 @@ class Handoff:
         self.parts = {}  # id(a group's output) -> (it, the group's base output y, up's (t, B, scale) or None, its first column)
         self.downs = {}  # id(an output x a kernel made) -> (x, A, x @ A)
         self.lora_a = {}  # id(a projection) -> its group's A, where lora_kernel runs that group
-        self.made = {}  # id(t) -> (t, x, A): t = lora_kernel.down(x, A), no kernel before having made it
+        self.made = {}  # id(t) -> (t, x, A): t = lora_kernel.down(x, A), which a kernel taking t may make itself
 
     def part(self, out: mx.array) -> tuple | None:
         """(y, up, first column) if out is a part of a group's output, made from its base output y."""
