@@ -19,7 +19,10 @@
 #                                        off (bench/matmul_shapes.py)
 #   bash bench/h200_sitting.sh grpo      GRPO G8 B4 L128 by default and with max_memory_gb 16, G16 B4 L256
 #                                        (3 rounds each), each phase's time; TRL's step where torch and trl import
-#   bash bench/h200_sitting.sh decode    decode per position, LoRA on 16 blocks and none, 8 and 32 rows, beside
+#   bash bench/h200_sitting.sh decode    first, where /tmp/old holds an earlier tree's worker/ and shared/, that
+#                                        tree against this one in one process (bench/code_versions.py: decode
+#                                        and GRPO G8 B4 L128, 3 interleaved rounds); then
+#                                        decode per position, LoRA on 16 blocks and none, 8 and 32 rows, beside
 #                                        mlx_lm's decoders (3 interleaved rounds), each kernel's GPU time
 #                                        alone at 8 and 32 rows; then ours with MLX's CUDA
 #                                        graphs as they are, off, and one graph a step (400 nodes, where the
@@ -105,6 +108,12 @@ case "$stage" in
       echo "# TRL's anchor not run: torch or trl does not import here" | tee -a "$log"
     fi ;;
   decode)
+    if [ -d /tmp/old/worker ]; then  # an earlier tree (worker/, shared/) against this one in one process
+      run "$py" bench/code_versions.py "$q4" /tmp/old . --rows 8 32 --tokens 128 --lora-layers "$lora_layers" \
+        --grpo 8,4,128 --rounds 3 --warmup 1
+    else
+      echo "# no /tmp/old/worker: the A/B of an earlier tree not run" | tee -a "$log"
+    fi
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --queries 2
     run "$py" bench/decode_kernels.py "$q4" --rows 8 32  # each kernel's GPU time alone: what 32 rows cost
