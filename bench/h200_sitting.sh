@@ -5,7 +5,7 @@
 # spends about 5 minutes compiling, a device call lasts at most 10 and the machine goes back 30 s
 # after one ends, so a sitting runs its stages detached and its calls only wait (make them one batch):
 #
-#   bash bench/h200_sitting.sh start graphs lora tests grpo decode kernels   the stages in turn, in a session of
+#   bash bench/h200_sitting.sh start graphs tests decode grpo lora kernels   the stages in turn, in a session of
 #                                        their own that outlives the call; logs in /tmp/sitting
 #   bash bench/h200_sitting.sh wait 540  until they end or 540 s pass, copying their logs to $OUT as they grow
 #
