@@ -150,7 +150,7 @@ def kernels_as_on_cuda(calls: list | None = None):
     (a dict of its arguments), and the call's own arguments are appended to it
     (bench/cuda_compile.py compiles them)."""
     modules = (attention_kernel, embed_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel)
-    saved = [(m, m.cuda, getattr(m, "kernel", None)) for m in modules]
+    saved = [(m, m.cuda, m.kernel) for m in modules]
 
     def stand_in(name, input_names, output_names, source, contiguous=True, header=""):
         def call(*, inputs, output_shapes, output_dtypes, **kwargs):
@@ -163,16 +163,12 @@ def kernels_as_on_cuda(calls: list | None = None):
         return call
 
     for m in modules:
-        m.cuda = lambda: True
-        if hasattr(m, "kernel"):
-            m.kernel = stand_in
+        m.cuda, m.kernel = (lambda: True), stand_in
     try:
         yield
     finally:
         for m, cuda, kernel in saved:
-            m.cuda = cuda
-            if kernel is not None:
-                m.kernel = kernel
+            m.cuda, m.kernel = cuda, kernel
 
 
 def count(counter: collections.Counter) -> int:

@@ -510,9 +510,9 @@ def test_the_embedding_kernel_looks_up_what_mlx_does(dtype, bits, group_size):
     tokens = mx.array([[0], [299], [17], [17], [150]], dtype=mx.int32)
     assert embed_kernel.available(tokens, embed)
     want = np.array(embed(tokens).astype(mx.float32))
-    got = embed_kernel.lookup(tokens, embed, (5, 256))
-    assert got.dtype == dtype and np.array_equal(np.array(got.astype(mx.float32)), want[:, 0])
-    assert np.array_equal(np.array(embed_kernel.lookup(tokens, embed, (5, 1, 256)).astype(mx.float32)), want)
+    got = embed_kernel.lookup(tokens, embed, flat=True)
+    assert got.shape == (5, 256) and got.dtype == dtype and np.array_equal(np.array(got.astype(mx.float32)), want[:, 0])
+    assert np.array_equal(np.array(embed_kernel.lookup(tokens, embed).astype(mx.float32)), want)
 
 
 @pytest.mark.skipif(attention_kernel.cuda(), reason="counts on a CPU (on CUDA the kernels run: the tests above)")

@@ -45,14 +45,14 @@ def available(tokens: mx.array, embed: nn.Module) -> bool:
             and tokens.dtype in (mx.int32, mx.uint32))
 
 
-def lookup(tokens: mx.array, embed: nn.QuantizedEmbedding, shape: tuple[int, ...]) -> mx.array:
-    """embed(tokens): each token's dequantized row, in the scales' dtype, as an array of `shape`
-    (the tokens' count times the embedding's width, e.g. 2-D rows for (rows, 1) tokens)."""
+def lookup(tokens: mx.array, embed: nn.QuantizedEmbedding, flat: bool = False) -> mx.array:
+    """embed(tokens): each token's dequantized row, in the scales' dtype, shaped (*tokens.shape,
+    width), or (tokens, width) if flat (a decode step's 2-D rows, without a reshape)."""
     w = embed["weight"]
-    rows = tokens.size
+    rows, width = tokens.size, w.shape[1] * 32 // embed.bits
     return kernel("mtq_embed", ("tokens", "w", "scales", "biases"), ("out",), SOURCE)(
         inputs=[tokens, w, embed["scales"], embed["biases"]],
         template=[("T", embed["scales"].dtype), ("BITS", embed.bits), ("GS", embed.group_size),
                   ("THREADS", THREADS)],
         grid=(THREADS, rows, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[shape], output_dtypes=[embed["scales"].dtype])[0]
+        output_shapes=[(rows, width) if flat else (*tokens.shape, width)], output_dtypes=[embed["scales"].dtype])[0]

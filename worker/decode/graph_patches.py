@@ -224,12 +224,10 @@ def decode_blocks(slots: Slots, kernel: bool, handoff: Handoff):
                                                                 for b in self.layers):
             return qwen3_model(self, inputs, cache, input_embeddings)
         flat = slots.kernel and inputs.shape[1] == 1 and all(kernel_norms_and_rope(b.self_attn) for b in self.layers)
-        embed = self.embed_tokens
-        if kernel and embed_kernel.available(inputs, embed):
-            width = embed["weight"].shape[1] * 32 // embed.bits
-            h = embed_kernel.lookup(inputs, embed, (inputs.shape[0], width) if flat else (*inputs.shape, width))
+        if kernel and embed_kernel.available(inputs, self.embed_tokens):
+            h = embed_kernel.lookup(inputs, self.embed_tokens, flat)
         else:
-            h = embed(inputs)
+            h = self.embed_tokens(inputs)
             h = h.reshape(h.shape[0], h.shape[2]) if flat else h
         mask = None if flat else qwen3.create_attention_mask(h, cache[0])  # whole_attention takes no mask
         x = self.layers[0].input_layernorm(h)
