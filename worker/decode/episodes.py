@@ -29,7 +29,7 @@ from worker.decode import attention_kernel
 from worker.decode.draw import Samples, SamplingParams, draw
 from worker.decode.graph_patches import lora_args
 from worker.decode.kv_cache import EpisodeSlots, StaticKVCache
-from worker.decode.sampling import CHUNK, is_eos, make_decode_forward
+from worker.decode.sampling import CHUNK, draw_keys, is_eos, make_decode_forward
 from worker.runtime.logprobs import left_pad, lm_head
 
 CAPACITY_BUCKET = 256  # KV buffers grow by this many slots, so that the step compiles for few shapes
@@ -197,7 +197,8 @@ class _Rows:
 
 
 class _Keys:
-    """The random keys of a decode's draws, one per draw, split off in blocks as they are needed."""
+    """The random keys of a decode's draws, one per draw, split off in blocks as they are needed,
+    on the host (sampling.draw_keys: a key made there per draw, not a slice of the block)."""
 
     def __init__(self, key: mx.array):
         self.key, self.block, self.used = key, None, KEYS_BLOCK
@@ -205,9 +206,9 @@ class _Keys:
     def next(self) -> mx.array:
         if self.used == KEYS_BLOCK:
             self.key, sub = mx.random.split(self.key)
-            self.block, self.used = mx.random.split(sub, KEYS_BLOCK), 0
+            self.block, self.used = draw_keys(sub, KEYS_BLOCK), 0
         self.used += 1
-        return self.block[self.used - 1]
+        return mx.array(self.block[self.used - 1])
 
 
 def sample_episodes(
