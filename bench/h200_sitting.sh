@@ -5,7 +5,7 @@
 # spends about 5 minutes compiling, a device call lasts at most 10 and the machine goes back 30 s
 # after one ends, so a sitting runs its stages detached and its calls only wait (make them one batch):
 #
-#   bash bench/h200_sitting.sh start graphs tests decode grpo lora kernels   the stages in turn, in a session of
+#   bash bench/h200_sitting.sh start tests decode graphs grpo lora decode-graphs kernels   the stages in turn, in a session of
 #                                        their own that outlives the call; logs in /tmp/sitting
 #   bash bench/h200_sitting.sh wait 540  until they end or 540 s pass, copying their logs to $OUT as they grow
 #
@@ -24,9 +24,10 @@
 #                                        and GRPO G8 B4 L128, 3 interleaved rounds); then
 #                                        decode per position, LoRA on 16 blocks and none, 8 and 32 rows, beside
 #                                        mlx_lm's decoders (3 interleaved rounds), each kernel's GPU time
-#                                        alone at 8 and 32 rows; then ours with MLX's CUDA
-#                                        graphs as they are, off, and one graph a step (400 nodes, where the
-#                                        H200's default commits every 100), 3 rounds of one process each
+#                                        alone at 8 and 32 rows
+#   bash bench/h200_sitting.sh decode-graphs  the decode with MLX's CUDA graphs as they are, off, and one
+#                                        graph a step (400 nodes, where the H200's default commits every
+#                                        100), 3 rounds of one process each
 #   bash bench/h200_sitting.sh kernels   first step: cold, warm, another rank / layer count / batch, and a new
 #                                        machine fetching the cold run's kernels from a Redis (first_step.py --fleet);
 #                                        24 jobs in one process, as a worker and as a plain process
@@ -37,7 +38,7 @@
 # the commands; it has 4 blocks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?stage: lora, graphs, grpo, decode, kernels or tests; or start STAGE... / wait SECONDS}"
+stage="${1:?stage: lora, graphs, grpo, decode, decode-graphs, kernels or tests; or start STAGE... / wait SECONDS}"
 case "$stage" in
   start)
     shift
@@ -116,8 +117,9 @@ case "$stage" in
     fi
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --queries 2
-    run "$py" bench/decode_kernels.py "$q4" --rows 8 32  # each kernel's GPU time alone: what 32 rows cost
-    for r in 1 2 3; do  # then ours under MLX's CUDA graph settings, a process a round (env read once)
+    run "$py" bench/decode_kernels.py "$q4" --rows 8 32 ;;  # each kernel's GPU time alone: what 32 rows cost
+  decode-graphs)
+    for r in 1 2 3; do  # ours under MLX's CUDA graph settings, a process a round (env read once)
       for knobs in MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=400; do
         echo "# round $r, $knobs" | tee -a "$log"
         run env "$knobs" "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 1 --lora-layers "$lora_layers" \
@@ -140,7 +142,7 @@ case "$stage" in
   tests)  # samples and losses unchanged by the speed changes, on CUDA (float32 products: TF32 off)
     run env MLX_ENABLE_TF32=0 "$py" -m pytest -q tests/test_shared_input.py
     run env MLX_ENABLE_TF32=0 "$py" -m pytest -q tests/test_decode.py -k "kernel or attends" ;;
-  *) echo "unknown stage $stage: lora, graphs, grpo, decode, kernels or tests" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: lora, graphs, grpo, decode, decode-graphs, kernels or tests" >&2; exit 2 ;;
 esac
 echo "# stage $stage: $failed command(s) failed" | tee -a "$log"
 [ "$failed" = 0 ]
