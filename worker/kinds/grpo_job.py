@@ -46,16 +46,7 @@ def load(job, spec: JobCreate, settings, trainer_class: type[GRPOTrainer] = GRPO
         try:
             trainer = trainer_class(model, tokenizer, spec, MarkedScorer(scorer, job), job.gang, answers)
             job.write(memory_plan=json.dumps(trainer.memory.as_record()))  # GET on the job shows it
-
-            def step(state, should_stop, on_finite_loss):
-                metrics, samples = trainer.step(state, should_stop, on_finite_loss)
-                recorder.observe("mtq_step_seconds", metrics["step_time"])
-                recorder.observe("mtq_tokens_per_second", metrics["tokens_per_second"])
-                return metrics, [{"type": "samples", **samples}]
-
-            def evaluate(steps_done):
-                job.mark("sampling")
-                return trainer.evaluate(steps_done, job.should_stop)
+            step, evaluate = sampling_calls(trainer, job)
 
             # On a gang rank 0 evaluates alone, as the supervised kinds do; the others wait for it
             # in the next step's first sum across ranks.
@@ -66,6 +57,21 @@ def load(job, spec: JobCreate, settings, trainer_class: type[GRPOTrainer] = GRPO
                       steps_per_eval=cfg.eval_interval)
         finally:
             remove_adapter_layers(model)  # the process keeps the model for the next job
+
+
+def sampling_calls(trainer: GRPOTrainer, job):
+    """The Run's step and evaluate of a kind that samples (GRPO's and those built on it, PPO's):
+    each step's time and tokens/s to /metrics and its samples as an event; evaluation marked."""
+    def step(state, should_stop, on_finite_loss):
+        metrics, samples = trainer.step(state, should_stop, on_finite_loss)
+        recorder.observe("mtq_step_seconds", metrics["step_time"])
+        recorder.observe("mtq_tokens_per_second", metrics["tokens_per_second"])
+        return metrics, [{"type": "samples", **samples}]
+
+    def evaluate(steps_done):
+        job.mark("sampling")
+        return trainer.evaluate(steps_done, job.should_stop)
+    return step, evaluate
 
 
 @contextlib.contextmanager

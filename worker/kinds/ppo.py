@@ -62,10 +62,9 @@ import numpy as np
 from mlx.utils import tree_map
 
 from shared.adapters import HEAD_FILE, init_adapter_dir
-from shared.metrics import recorder
 from shared.ppo_specs import PPOJobCreate
 from worker.kinds.grpo import GRPOTrainer, samples_event, step_metrics
-from worker.kinds.grpo_job import MarkedScorer
+from worker.kinds.grpo_job import MarkedScorer, sampling_calls
 from worker.kinds.reward_head import RewardModel, load_head, new_head, save_head
 from worker.rewards.scorer import build_scorer
 from worker.runtime import score_requests
@@ -321,16 +320,7 @@ def load(job, spec: PPOJobCreate, settings) -> Iterator[Run]:
         try:
             trainer = PPOTrainer(model, tokenizer, spec, MarkedScorer(scorer, job), start_head(model, init))
             job.write(memory_plan=json.dumps(trainer.memory.as_record()))
-
-            def step(state, should_stop, on_finite_loss):
-                metrics, samples = trainer.step(state, should_stop, on_finite_loss)
-                recorder.observe("mtq_step_seconds", metrics["step_time"])
-                recorder.observe("mtq_tokens_per_second", metrics["tokens_per_second"])
-                return metrics, [{"type": "samples", **samples}]
-
-            def evaluate(steps_done):
-                job.mark("sampling")
-                return trainer.evaluate(steps_done, job.should_stop)
+            step, evaluate = sampling_calls(trainer, job)
 
             yield Run(module=trainer.module, optimizer=trainer.optimizer, step=step, save=trainer.save, phase="sampling",
                       history_metrics=HISTORY_METRICS, steps_per_save=cfg.checkpoint_every,
