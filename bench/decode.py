@@ -3,7 +3,7 @@
     python3 bench/decode.py MODEL_DIR --rows 8 32 64 --tokens 128 [--group-size 8] [--prompt-len 24]
                             [--reps 3] [--queries 1 2] [--lora-layers N]
                             [--count-only] [--ours-only] [--dense] [--kernel on off] [--eos-every N]
-                            [--json OUT]
+                            [--undo packed made embed] [--json OUT]
 
 For each row count R, one after the other in this process (B = R / group size prompts of
 slightly different lengths, so rows are left-padded; temperature 1; EOS off everywhere, so
@@ -14,7 +14,12 @@ dropped once half have finished):
   ours      sample() of this tree's decoder (worker/decode/sampling.py); with --queries 1 2, once
             with each number of queries per row make_decode_step can be given (see fused_queries);
             with --kernel on off, with and without the decode's CUDA kernels (attention, LoRA,
-            quantized matmul, residual add and norm: worker/decode/*_kernel.py).
+            quantized matmul, residual add and norm: worker/decode/*_kernel.py); with --undo,
+            once more with each of these kernel paths left out (the default variant's
+            figures beside it, each round's ratio printed): `packed` the attention kernel on the
+            q/k/v group's one output with its LoRA product (Handoff.packed), `made` the kernel
+            after o making o's LoRA x @ A (Handoff.made_from), `embed` the quantized embedding
+            lookup (embed_kernel.available).
             Every variant after the first draws what the first does and prints how far they
             agree: the rows whose tokens are all the same, the tokens before each row's first
             different one, and the largest log-prob difference there (agreement)
@@ -80,6 +85,7 @@ from mlx_lm.sample_utils import make_sampler  # noqa: E402
 from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 
 from worker.decode import attention_kernel, embed_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel  # noqa: E402
+from worker.decode.graph_patches import Handoff  # noqa: E402
 from worker.decode.draw import SamplingParams  # noqa: E402
 from worker.decode.sampling import make_decode_step, sample  # noqa: E402
 from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
@@ -181,9 +187,29 @@ class _Counted(Exception):
     pass
 
 
+UNDO = {"packed": (Handoff, "packed"), "made": (Handoff, "made_from"), "embed": (embed_kernel, "available")}
+
+
+@contextlib.contextmanager
+def undone(name: str | None):
+    """The decode without one of its kernel paths (UNDO): its test answers None or False, so the
+    step takes the path it took before that kernel was written."""
+    if name is None:
+        yield
+        return
+    owner, attr = UNDO[name]
+    saved = owner.__dict__[attr]
+    setattr(owner, attr, (lambda *a: None) if owner is Handoff else (lambda *a: False))
+    try:
+        yield
+    finally:
+        setattr(owner, attr, saved)
+
+
 def make_step(model, p, variant, eos=()):
-    """variant: make_decode_step's keyword arguments (queries, dense, kernel) chosen on the command line."""
-    return make_decode_step(model, p, list(eos), 0, **variant)
+    """variant: make_decode_step's keyword arguments (queries, dense, kernel) chosen on the command
+    line, and undo (a kernel path left out, applied where the step is traced and run)."""
+    return make_decode_step(model, p, list(eos), 0, **{k: v for k, v in variant.items() if k != "undo"})
 
 
 def ours_counts(model, prompts, group_size, variant) -> collections.Counter:
@@ -200,7 +226,8 @@ def ours_counts(model, prompts, group_size, variant) -> collections.Counter:
         raise _Counted(primitives(*[a for _, a in tree_flatten(list(step(*args)))]))
 
     try:
-        sample(model, counted, prompts, group_size, p, [], mx.random.key(0))
+        with undone(variant.get("undo")):
+            sample(model, counted, prompts, group_size, p, [], mx.random.key(0))
     except _Counted as counted_step:
         return counted_step.args[0]
     raise RuntimeError("sample() made fewer than two decode steps")
@@ -224,9 +251,10 @@ def ours_run(model, prompts, group_size, variant, tokens, eos=()):
 
     def run(i):
         host[0] = 0.0
-        t0 = time.perf_counter()
-        samples = sample(model, timed, prompts, group_size, p, list(eos), mx.random.key(i))
-        wall = time.perf_counter() - t0
+        with undone(variant.get("undo")):
+            t0 = time.perf_counter()
+            samples = sample(model, timed, prompts, group_size, p, list(eos), mx.random.key(i))
+            wall = time.perf_counter() - t0
         assert eos or samples.steps == tokens
         return wall, host[0], samples
     return run
@@ -342,6 +370,8 @@ def main():
     ap.add_argument("--kernel", nargs="+", choices=["on", "off"], default=[None],
                     help="ours with make_decode_step(kernel=True / False): the decode's CUDA kernels or not "
                          "(default: as a job decides, each kernel where it fits)")
+    ap.add_argument("--undo", nargs="+", choices=list(UNDO), default=[],
+                    help="ours also without each of these kernel paths (the decode's kernel changes of issue 41)")
     ap.add_argument("--eos-every", type=int, default=0, metavar="N",
                     help="ours only: every N-th token id ends a row (EOS off by default), so rows end at "
                          "different steps, as a GRPO step's do")
@@ -405,7 +435,8 @@ def main():
         counts, runs, labels = {}, {}, []
         options = [("queries", args.queries, lambda q: f" queries={q}" if q else ""),
                    ("dense", [False, True] if args.dense else [False], lambda d: " dense" if d else ""),
-                   ("kernel", args.kernel, lambda k: {"on": " kernel", "off": " no kernel"}.get(k, ""))]
+                   ("kernel", args.kernel, lambda k: {"on": " kernel", "off": " no kernel"}.get(k, "")),
+                   ("undo", [None] + args.undo, lambda u: f" undo {u}" if u else "")]
         for choice in itertools.product(*[values for _, values, _ in options]):
             variant = {key: {"on": True, "off": False}.get(c, c) for (key, _, _), c in zip(options, choice)
                        if c is not None}
@@ -439,12 +470,14 @@ def main():
                       f"first difference {recs[name]['tokens_before_difference']:.4f}, their largest log-prob "
                       f"difference {recs[name]['max_logprob_diff_before']:.2e}", flush=True)
                 save()
+        anchors = [(labels[0], "ours_first", labels[0])] if labels else []
+        anchors += [(batch, "mlx_lm_batch", "mlx_lm batch"), (single, "mlx_lm_single", "mlx_lm single")]
         for label in labels:
-            for anchor, short in ((batch, "batch"), (single, "single")):
-                if label in recs and anchor in recs and not args.count_only:
+            for anchor, key, shown in anchors:
+                if label != anchor and label in recs and anchor in recs and not args.count_only:
                     ratios = [a / b for a, b in zip(recs[label]["seconds"], recs[anchor]["seconds"])]
-                    recs[label][f"vs_mlx_lm_{short}_by_round"] = [round(x, 3) for x in ratios]
-                    print(f"  {label} / mlx_lm {short}: median {statistics.median(ratios):.2f}, "
+                    recs[label][f"vs_{key}_by_round"] = [round(x, 3) for x in ratios]
+                    print(f"  {label} / {shown}: median {statistics.median(ratios):.2f}, "
                           f"min {min(ratios):.2f}, max {max(ratios):.2f} over {len(ratios)} rounds", flush=True)
         save()
 

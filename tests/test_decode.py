@@ -251,20 +251,25 @@ def test_a_decode_step_sees_the_adapter_weights_of_each_step(tiny_model, dora):
 
 def test_bench_decode_runs_and_counts(tiny_model, tmp_path):
     """bench/decode.py (the decode figures' command): every decoder timed and counted; the count
-    as a CUDA GPU runs it is below the CPU's own, where MLX expands RMSNorm and RoPE."""
+    as a CUDA GPU runs it is below the CPU's own, where MLX expands RMSNorm and RoPE. --undo packed:
+    ours also without the attention kernel on the q/k/v group's one output, more primitives on
+    the GPU, the same samples, its time beside the first variant's."""
     out = tmp_path / "decode.json"
     subprocess.run(
         [sys.executable, "bench/decode.py", str(tiny_model), "--rows", "4", "--tokens", "4", "--group-size", "2",
-         "--reps", "1", "--queries", "1", "2", "--json", str(out)],
+         "--reps", "1", "--queries", "1", "2", "--undo", "packed", "--json", str(out)],
         cwd=ROOT, env={**os.environ, "MTQ_OPENBLAS": "0"}, check=True, timeout=300,
     )
     records = json.loads(out.read_text())
-    assert [r["decoder"] for r in records] == [
-        "ours sampling.py queries=1", "ours sampling.py queries=2", "mlx_lm batch_generate", "mlx_lm generate_step (1 row)"]
+    ours = [f"ours sampling.py queries={q}{u}" for q in (1, 2) for u in ("", " undo packed")]
+    assert [r["decoder"] for r in records] == ours + ["mlx_lm batch_generate", "mlx_lm generate_step (1 row)"]
     for r in records:
         assert r["ms_per_position"] > 0 and 0 < r["primitives_gpu"] < r["primitives"]
         if r["decoder"].startswith("ours"):
             assert 0 < r["host_ms_per_position"] <= r["ms_per_position"]
+    for default, undone in (records[0:2], records[2:4]):
+        assert undone["primitives_gpu"] > default["primitives_gpu"]
+        assert undone["rows_as_first"] == 1.0 and len(undone["vs_ours_first_by_round"]) == 1
 
 
 def step_graph(model, step, case) -> str:
