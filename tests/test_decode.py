@@ -445,7 +445,7 @@ def test_a_kernel_that_folds_in_the_lora_kernels_gives_what_they_give(dtype):
     in turn, bit for bit: the same formulas, roundings and summation order; add_norm making up's
     t from the projection's input too (made) gives what it gives on lora_kernel.down's t."""
     rows, hidden, width, rank = 5, 96, 2 * 160, 12
-    key = iter(mx.random.split(mx.random.key(0), 9))
+    key = iter(mx.random.split(mx.random.key(0), 11))
     normal = lambda *shape: mx.random.normal(shape, key=next(key))  # noqa: E731
     norm = nn.RMSNorm(hidden)
     norm.weight = (1 + 0.1 * normal(hidden)).astype(dtype)
