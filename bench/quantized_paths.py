@@ -1,0 +1,72 @@
+"""MLX's quantized matmul on the GPU against the same product on the CPU, for the shapes a job's
+fused groups give it: each projection alone and q/k/v (or gate/up) as one matmul, forward
+(transpose=True) and the input's gradient (transpose=False), float32 and bfloat16.
+
+    python bench/quantized_paths.py [--rows 1 4 48] [--bits 4] [--group-size 64]
+
+On the H100 a qlora job of the tiny test model (hidden 64: one quantization group across the
+input, which MLX's CUDA backend runs through its sm90 kernel) had its first loss 6.93147 with its
+groups fused and 6.93560 with each layer alone, where the CPU gives 6.93297 for both
+(tests/test_shared_input.py test_a_qlora_copy_runs_each_group_on_its_fused_quantized_weights,
+issue 41). This prints, per case, the largest difference from the CPU's product relative to the
+product's largest value: which shapes and which direction the GPU gets wrong, if any.
+"""
+
+import argparse
+import itertools
+
+import mlx.core as mx
+
+# (input width, [output widths]): the tiny test model's q/k/v and gate/up (worker/runtime/make_model.py
+# size tiny), and qwen3-0.6b's.
+SHAPES = {
+    "tiny q/k/v": (64, [64, 32, 32]),
+    "tiny gate/up": (64, [128, 128]),
+    "tiny down": (128, [64]),
+    "qwen3-0.6b q/k/v": (1024, [2048, 1024, 1024]),
+    "qwen3-0.6b gate/up": (1024, [3072, 3072]),
+    "qwen3-0.6b down": (3072, [1024]),
+}
+
+
+def product(x, q, transpose, bits, group_size, stream):
+    return mx.quantized_matmul(x, *q, transpose=transpose, group_size=group_size, bits=bits, stream=stream)
+
+
+def worst(got: mx.array, want: mx.array) -> float:
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    return (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-30)).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 48])
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=64)
+    args = ap.parse_args()
+    gpu = mx.default_device() == mx.gpu
+    print(f"device {mx.default_device()}, mlx {mx.__version__}, {args.bits} bits, group {args.group_size}; "
+          f"largest |GPU - CPU| / largest |CPU|" if gpu else "no GPU: CPU against itself")
+    key = (mx.random.key(i) for i in itertools.count())  # a key a draw, as many as the shapes take
+    for name, (k, widths) in SHAPES.items():
+        weights = [mx.random.normal((n, k), key=next(key)) / k ** 0.5 for n in widths]
+        for dtype in (mx.float32, mx.bfloat16):
+            alone = [mx.quantize(w.astype(dtype), args.group_size, args.bits) for w in weights]
+            fused = [mx.concatenate(parts) for parts in zip(*alone)]  # as worker/runtime/projection_groups.py
+            for rows in args.rows:
+                x = mx.random.normal((rows, k), key=next(key)).astype(dtype)
+                g = mx.random.normal((rows, sum(widths)), key=next(key)).astype(dtype)
+                line = []
+                for label, q, inp, transpose in (("fused x W^T", fused, x, True), ("fused g W", fused, g, False)):
+                    got = product(inp, q, transpose, args.bits, args.group_size, mx.gpu if gpu else mx.cpu)
+                    line.append(f"{label} {worst(got, product(inp, q, transpose, args.bits, args.group_size, mx.cpu)):.1e}")
+                each = [product(x, q, True, args.bits, args.group_size, mx.gpu if gpu else mx.cpu) for q in alone]
+                want = [product(x, q, True, args.bits, args.group_size, mx.cpu) for q in alone]
+                line.append(f"alone x W^T {max(worst(a, b) for a, b in zip(each, want)):.1e}")
+                got = product(x, fused, True, args.bits, args.group_size, mx.gpu if gpu else mx.cpu)
+                line.append(f"fused vs alone {worst(got, mx.concatenate(each, axis=-1)):.1e}")
+                print(f"  {name:20} {str(dtype).split('.')[-1]:8} rows {rows:3} | " + " | ".join(line))
+
+
+if __name__ == "__main__":
+    main()
