@@ -34,7 +34,7 @@
 #                                        machine fetching the cold run's kernels from a Redis (first_step.py --fleet);
 #                                        24 jobs in one process, as a worker and as a plain process
 #   bash bench/h200_sitting.sh tests     MLX's quantized matmul on the GPU against the CPU (bench/quantized_paths.py),
-#                                        the CUDA runs of the decode-kernel and shared-input tests
+#                                        the CUDA runs of the decode-kernel and shared-input tests not yet passed there
 #
 # The models (qwen3-0.6b's shape: /tmp/q06f-SIZE bfloat16, /tmp/q06-SIZE 4-bit) are made where missing, about
 # 30 s each. SIZE=small LORA_LAYERS=4 runs a stage on the tests' small model instead (a dry run of
@@ -147,8 +147,9 @@ case "$stage" in
     run "$py" bench/worker_life.py "$q4" --jobs 24 --steps 3 --as-worker ;;
   tests)  # samples and losses unchanged by the speed changes, on CUDA (float32 products: TF32 off)
     run "$py" bench/quantized_paths.py  # MLX's quantized matmul against the CPU's, by shape and direction
-    run env MLX_ENABLE_TF32=0 "$py" -m pytest -q -rf tests/test_decode.py -k "kernel or attends"
-    run env MLX_ENABLE_TF32=0 "$py" -m pytest -q -rf tests/test_shared_input.py ;;
+    # what has not passed on CUDA yet: the rest of both files passed on the H100 (docs/performance.md)
+    run env MLX_ENABLE_TF32=0 "$py" -m pytest -q -rf tests/test_decode.py -k "folds_in_the_lora_kernels"
+    run env MLX_ENABLE_TF32=0 "$py" -m pytest -q -rf tests/test_shared_input.py -k "qlora" ;;
   *) echo "unknown stage $stage: lora, graphs, grpo, decode, versions, decode-graphs, kernels or tests" >&2; exit 2 ;;
 esac
 echo "# stage $stage: $failed command(s) failed" | tee -a "$log"
