@@ -187,19 +187,21 @@ class _Counted(Exception):
     pass
 
 
-UNDO = {"packed": (Handoff, "packed"), "made": (Handoff, "made_from"), "embed": (embed_kernel, "available")}
+# A kernel path: the test that takes it, and the answer that declines it.
+UNDO = {"packed": (Handoff, "packed", None), "made": (Handoff, "made_from", None),
+        "embed": (embed_kernel, "available", False)}
 
 
 @contextlib.contextmanager
 def undone(name: str | None):
-    """The decode without one of its kernel paths (UNDO): its test answers None or False, so the
-    step takes the path it took before that kernel was written."""
+    """The decode without one of its kernel paths (UNDO): its test declines, so the step takes the
+    path it took before that kernel was written."""
     if name is None:
         yield
         return
-    owner, attr = UNDO[name]
+    owner, attr, declined = UNDO[name]
     saved = owner.__dict__[attr]
-    setattr(owner, attr, (lambda *a: None) if owner is Handoff else (lambda *a: False))
+    setattr(owner, attr, lambda *a: declined)
     try:
         yield
     finally:

@@ -29,8 +29,8 @@ SHAPES = {
 }
 
 
-def product(x, q, transpose, bits, group_size, stream):
-    return mx.quantized_matmul(x, *q, transpose=transpose, group_size=group_size, bits=bits, stream=stream)
+def product(x, q, transpose, args, stream):
+    return mx.quantized_matmul(x, *q, transpose=transpose, group_size=args.group_size, bits=args.bits, stream=stream)
 
 
 def worst(got: mx.array, want: mx.array) -> float:
@@ -44,9 +44,9 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=64)
     args = ap.parse_args()
-    gpu = mx.default_device() == mx.gpu
-    print(f"device {mx.default_device()}, mlx {mx.__version__}, {args.bits} bits, group {args.group_size}; "
-          f"largest |GPU - CPU| / largest |CPU|" if gpu else "no GPU: CPU against itself")
+    device = mx.default_device()  # the products under test; the CPU's are the reference
+    print(f"device {device}, mlx {mx.__version__}, {args.bits} bits, group {args.group_size}; largest |"
+          f"{'GPU' if device == mx.gpu else 'CPU'} - CPU| / largest |CPU|")
     key = (mx.random.key(i) for i in itertools.count())  # a key a draw, as many as the shapes take
     for name, (k, widths) in SHAPES.items():
         weights = [mx.random.normal((n, k), key=next(key)) / k ** 0.5 for n in widths]
@@ -57,14 +57,13 @@ def main() -> None:
                 x = mx.random.normal((rows, k), key=next(key)).astype(dtype)
                 g = mx.random.normal((rows, sum(widths)), key=next(key)).astype(dtype)
                 line = []
-                for label, q, inp, transpose in (("fused x W^T", fused, x, True), ("fused g W", fused, g, False)):
-                    got = product(inp, q, transpose, args.bits, args.group_size, mx.gpu if gpu else mx.cpu)
-                    line.append(f"{label} {worst(got, product(inp, q, transpose, args.bits, args.group_size, mx.cpu)):.1e}")
-                each = [product(x, q, True, args.bits, args.group_size, mx.gpu if gpu else mx.cpu) for q in alone]
-                want = [product(x, q, True, args.bits, args.group_size, mx.cpu) for q in alone]
+                fused_x = product(x, fused, True, args, device)
+                line.append(f"fused x W^T {worst(fused_x, product(x, fused, True, args, mx.cpu)):.1e}")
+                line.append(f"fused g W {worst(product(g, fused, False, args, device), product(g, fused, False, args, mx.cpu)):.1e}")
+                each = [product(x, q, True, args, device) for q in alone]
+                want = [product(x, q, True, args, mx.cpu) for q in alone]
                 line.append(f"alone x W^T {max(worst(a, b) for a, b in zip(each, want)):.1e}")
-                got = product(x, fused, True, args.bits, args.group_size, mx.gpu if gpu else mx.cpu)
-                line.append(f"fused vs alone {worst(got, mx.concatenate(each, axis=-1)):.1e}")
+                line.append(f"fused vs alone {worst(fused_x, mx.concatenate(each, axis=-1)):.1e}")
                 print(f"  {name:20} {str(dtype).split('.')[-1]:8} rows {rows:3} | " + " | ".join(line))
 
 
