@@ -3,7 +3,7 @@
     python3 bench/decode.py MODEL_DIR --rows 8 32 64 --tokens 128 [--group-size 8] [--prompt-len 24]
                             [--reps 3] [--queries 1 2] [--lora-layers N]
                             [--count-only] [--ours-only] [--dense] [--kernel on off] [--eos-every N]
-                            [--undo packed made embed] [--json OUT]
+                            [--undo made embed quantized] [--json OUT]
 
 For each row count R, one after the other in this process (B = R / group size prompts of
 slightly different lengths, so rows are left-padded; temperature 1; EOS off everywhere, so
@@ -16,10 +16,10 @@ dropped once half have finished):
             with --kernel on off, with and without the decode's CUDA kernels (attention, LoRA,
             quantized matmul, residual add and norm: worker/decode/*_kernel.py); with --undo,
             once more with each of these kernel paths left out (the default variant's
-            figures beside it, each round's ratio printed): `packed` the attention kernel on the
-            q/k/v group's one output with its LoRA product (Handoff.packed), `made` the kernel
-            after o making o's LoRA x @ A (Handoff.made_from), `embed` the quantized embedding
-            lookup (embed_kernel.available).
+            figures beside it, each round's ratio printed): `made` the kernel after o making
+            o's LoRA x @ A (Handoff.made_from), `embed` the quantized embedding lookup
+            (embed_kernel.available), `quantized` the quantized matmuls of at most 8 rows
+            (quantized_kernel.available: MLX's own instead).
             Every variant after the first draws what the first does and prints how far they
             agree: the rows whose tokens are all the same, the tokens before each row's first
             different one, and the largest log-prob difference there (agreement)
@@ -188,8 +188,8 @@ class _Counted(Exception):
 
 
 # A kernel path: the test that takes it, and the answer that declines it.
-UNDO = {"packed": (Handoff, "packed", None), "made": (Handoff, "made_from", None),
-        "embed": (embed_kernel, "available", False)}
+UNDO = {"made": (Handoff, "made_from", None), "embed": (embed_kernel, "available", False),
+        "quantized": (quantized_kernel, "available", False)}
 
 
 @contextlib.contextmanager

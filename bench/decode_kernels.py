@@ -14,8 +14,8 @@ group's LoRA product (rank 8 each, float32 A and B) by MLX's ops and by lora_ker
 up, the gate projection by quantized_kernel (at most its MAX_ROWS rows), the residual add
 with the RMSNorm after it by MLX's ops and by norm_kernel, and the MLP's activation on the
 gate/up output by MLX's split and swiglu and by swiglu_kernel; for a Qwen3 model, the
-attention kernel on the q/k/v group's output whole with its LoRA product added (q/k norms,
-RoPE, 152 slots: the decode's attention of a LoRA block).
+attention kernel on the q/k/v group's output split (q/k norms, RoPE, 152 slots: the decode's
+attention of a block).
 Microseconds per op, the input add of each copy included.
 """
 
@@ -88,16 +88,17 @@ def ours(attn, mlp, norm, x) -> list[str]:
     line.append(f"swiglu mlx {timed(lambda i: swiglu(*mx.split(g + i, 2, axis=-1))):7.1f} us")
     if swiglu_kernel.available(g):
         line.append(f"swiglu_kernel {timed(lambda i: swiglu_kernel.swiglu(g + i)[0]):7.1f} us")
-    if graph_patches.kernel_norms_and_rope(attn):  # the whole attention on the q/k/v output, its LoRA added
+    if graph_patches.kernel_norms_and_rope(attn):  # the whole attention between the projections
         d, kv_heads = attn.q_norm.weight.shape[0], attn.k_proj.weight.shape[0] // attn.q_norm.weight.shape[0]
         keys, values = (mx.random.normal((x.shape[0], kv_heads, 152, d)).astype(x.dtype) for _ in range(2))
-        pos, pad, t = mx.array(100, mx.int32), mx.zeros((x.shape[0],), mx.int32), lora_kernel.down(x, a)
+        pos, pad = mx.array(100, mx.int32), mx.zeros((x.shape[0],), mx.int32)
+        cut = [attn.q_proj.weight.shape[0], attn.q_proj.weight.shape[0] + kv_heads * d]
 
         def whole(i):
-            z = y + i
-            return attention_kernel.attend(z, z, z, keys, values, pos, pad, d ** -0.5, rope=attn.rope,
-                                           norms=(attn.q_norm, attn.k_norm), packed=True, up=(t, b, 2.0))
-        line.append(f"attention_kernel packed, LoRA {timed(whole):7.1f} us")
+            q, k, v = mx.split(y + i, cut, axis=-1)
+            return attention_kernel.attend(q, k, v, keys, values, pos, pad, d ** -0.5, rope=attn.rope,
+                                           norms=(attn.q_norm, attn.k_norm))
+        line.append(f"attention_kernel {timed(whole):7.1f} us")
     return line
 
 

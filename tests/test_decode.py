@@ -251,17 +251,17 @@ def test_a_decode_step_sees_the_adapter_weights_of_each_step(tiny_model, dora):
 
 def test_bench_decode_runs_and_counts(tiny_model, tmp_path):
     """bench/decode.py (the decode figures' command): every decoder timed and counted; the count
-    as a CUDA GPU runs it is below the CPU's own, where MLX expands RMSNorm and RoPE. --undo packed:
-    ours also without the attention kernel on the q/k/v group's one output, more primitives on
-    the GPU, the same samples, its time beside the first variant's."""
+    as a CUDA GPU runs it is below the CPU's own, where MLX expands RMSNorm and RoPE. --undo made
+    (LoRA on the last block): ours also without the add after o making o's x @ A, more
+    primitives on the GPU, the same samples, its time beside the first variant's."""
     out = tmp_path / "decode.json"
     subprocess.run(
         [sys.executable, "bench/decode.py", str(tiny_model), "--rows", "4", "--tokens", "4", "--group-size", "2",
-         "--reps", "1", "--queries", "1", "2", "--undo", "packed", "--json", str(out)],
+         "--reps", "1", "--queries", "1", "2", "--lora-layers", "1", "--undo", "made", "--json", str(out)],
         cwd=ROOT, env={**os.environ, "MTQ_OPENBLAS": "0"}, check=True, timeout=300,
     )
     records = json.loads(out.read_text())
-    ours = [f"ours sampling.py queries={q}{u}" for q in (1, 2) for u in ("", " undo packed")]
+    ours = [f"ours sampling.py queries={q}{u}" for q in (1, 2) for u in ("", " undo made")]
     assert [r["decoder"] for r in records] == ours + ["mlx_lm batch_generate", "mlx_lm generate_step (1 row)"]
     for r in records:
         assert r["ms_per_position"] > 0 and 0 < r["primitives_gpu"] < r["primitives"]
@@ -475,36 +475,6 @@ def test_a_kernel_that_folds_in_the_lora_kernels_gives_what_they_give(dtype):
 
 @cuda_only
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_the_attention_kernel_on_the_qkv_group_whole_gives_what_its_parts_give(dtype):
-    """attention_kernel.attend given the q/k/v group's one output (packed) and its LoRA product's
-    inputs (up) gives exactly what it gives on lora_kernel.up's output split into q, k and v, bit
-    for bit: the attention's output and the key and value it writes into the buffers."""
-    rows, heads, kv_heads, d, rank, capacity = 5, 4, 2, 64, 24, 16
-    key = iter(mx.random.split(mx.random.key(1), 9))
-    normal = lambda *shape: mx.random.normal(shape, key=next(key))  # noqa: E731
-    norms = (nn.RMSNorm(d), nn.RMSNorm(d))
-    for norm in norms:
-        norm.weight = (1 + 0.1 * normal(d)).astype(dtype)
-    rope = nn.RoPE(d, base=1e6)
-    n = (heads + 2 * kv_heads) * d
-    y, t, b = normal(rows, n).astype(dtype), normal(rows, rank), 0.3 * normal(rank, n)
-    buffers = np.random.default_rng(0).standard_normal((2, rows, kv_heads, capacity, d)).astype(np.float32)
-    fresh = lambda: [mx.array(buffers[i]).astype(dtype) for i in range(2)]  # noqa: E731 (each call writes its own)
-    pos, pad = mx.array(9, dtype=mx.int32), mx.array([0, 1, 2, 0, 3], dtype=mx.int32)
-    for up in ((t, b, 1.5), None):
-        whole = y if up is None else lora_kernel.up(y, *up)
-        q, k, v = mx.split(whole, [heads * d, (heads + kv_heads) * d], axis=-1)
-        want_kv, got_kv = fresh(), fresh()
-        want = attention_kernel.attend(q, k, v, *want_kv, pos, pad, d ** -0.5, rope=rope, norms=norms)
-        got = attention_kernel.attend(y, y, y, *got_kv, pos, pad, d ** -0.5, rope=rope, norms=norms, packed=True, up=up)
-        mx.eval(want, got)
-        assert got.shape == want.shape == (rows, heads * d)
-        for a, w in ((got, want), *zip(got_kv, want_kv)):
-            assert np.array_equal(np.array(a.astype(mx.float32)), np.array(w.astype(mx.float32)))
-
-
-@cuda_only
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("bits,group_size", [(4, 64), (4, 32), (8, 128)])
 def test_the_embedding_kernel_looks_up_what_mlx_does(dtype, bits, group_size):
     """embed_kernel.lookup gives nn.QuantizedEmbedding's own rows, bit for bit, 2-D or as the
@@ -521,24 +491,24 @@ def test_the_embedding_kernel_looks_up_what_mlx_does(dtype, bits, group_size):
 
 
 @pytest.mark.skipif(attention_kernel.cuda(), reason="counts on a CPU (on CUDA the kernels run: the tests above)")
-def test_a_lora_block_runs_the_kernels_of_a_plain_one(tiny_model, tmp_path):
+def test_a_lora_block_runs_one_kernel_more_than_a_plain_one(tiny_model, tmp_path):
     """The decode step's graph as a CUDA GPU builds it (bench/decode.py's count on a CPU, each
-    kernel a stand-in primitive): the attention kernel takes each Qwen3 block's q/k/v output
-    whole, so no split of it is left in the graph, and in a LoRA block it adds the group's LoRA product
-    itself, as the add after o makes o's x @ A: a LoRA block runs the kernels a plain one does.
-    The tiny model's two blocks (LoRA on the last): attention, two residual adds with their
-    norms and the MLP activation each, 8 kernels, where lora_kernel's up for q/k/v and down for
-    o made it 10 (float32: its projections are MLX's matmuls). At 4 bits also each quantized
+    kernel a stand-in primitive): in a LoRA block the kernels around each projection group make
+    its LoRA products (the norm before it x @ A, the add or activation after it the rest; the
+    add after o also makes o's x @ A), all but the q/k/v group's up (lora_kernel.up, whose
+    output the attention kernel reads split). The tiny model's two blocks (LoRA on the last):
+    attention, two residual adds with their norms and the MLP activation each, and q/k/v's up:
+    9 kernels (float32: its projections are MLX's matmuls). At 4 bits also each quantized
     matmul (4 a block, and the output head) and the embedding's lookup: one kernel where
     nn.QuantizedEmbedding's gathers were three."""
     quantized = make_model(tmp_path / "tiny-4bit", size="tiny", quantize=4)
-    for path, kernels in ((tiny_model, 8), (quantized, 8 + 9 + 1)):  # 4-bit: 9 matmuls and the embedding's lookup too
+    for path, kernels in ((tiny_model, 9), (quantized, 9 + 9 + 1)):  # 4-bit: 9 matmuls and the embedding's lookup too
         out = tmp_path / "count.json"
         subprocess.run([sys.executable, "bench/decode.py", str(path), "--rows", "4", "--tokens", "4",
                         "--group-size", "2", "--count-only", "--ours-only", "--lora-layers", "1", "--json", str(out)],
                        cwd=ROOT, env={**os.environ, "MTQ_OPENBLAS": "0"}, check=True, timeout=300)
         by_type = json.loads(out.read_text())[0]["primitives_gpu_by_type"]
-        assert "Split" not in by_type and by_type["CumMax"] == kernels, by_type
+        assert by_type["CumMax"] == kernels, by_type
         assert ("Gather" in by_type) == (path is tiny_model), by_type  # a plain embedding's one gather stays
 
 

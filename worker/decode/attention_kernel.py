@@ -7,9 +7,7 @@ the new key and value with a select over the whole KV buffer (two full copies pe
 token, which at 32 rows and more also cost the bandwidth). Five primitives per layer become one.
 For mlx_lm's Qwen3 attention it also applies the q and k RMSNorms and RoPE to the projections
 (graph_patches.kernel_norms_and_rope): four kernels more, and the reshapes and transposes around
-them, so that a layer's attention between its projections is this one kernel, and reads q, k
-and v from the q/k/v group's one output (no split), adding that group's LoRA product itself
-(graph_patches.Handoff.packed: a view and a kernel fewer per block).
+them, so that a layer's attention between its projections is this one kernel.
 
 The kernel attends one query per row and head over the slots a row may see (its left padding
 hidden, nothing after the new token), with the new key and value taken from its inputs, and
@@ -24,7 +22,6 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker.decode import lora_kernel
 from worker.decode.custom_kernel import kernel
 from worker.runtime.backend import cuda
 
@@ -56,19 +53,6 @@ SOURCE = """
     return b * s[0] + hk * s[1] + (size_t)t * s[2] + (size_t)d * s[3];
   };
   auto round_t = [](float x) { return static_cast<float>(static_cast<T>(x)); };
-  // PACKED: q, k_new and v_new are one group's (rows, 1, (heads + 2 kv_heads) * D) projection,
-  // given three times, q's heads first, then k's, then v's; UP: each element read plus the
-  // group's LoRA product, by lora_kernel's lora_up (the header), as lora_kernel.up makes it
-  // (t and B read by their rows' strides, each row's elements side by side).
-  const int k_off = PACKED ? heads : 0, v_off = PACKED ? heads + kv_heads : 0;
-  auto load = [&](const T* x, const auto& s, int hh, int d) -> float {
-    const T v = x[at(s, hh, d)];
-    if constexpr (UP) {
-      return static_cast<float>(lora_up(v, up_t + (size_t)b * up_t_strides[0], up_b, up_t_shape[1], up_b_strides[0],
-                                        (size_t)hh * D + d, up_scale[0]));
-    }
-    return static_cast<float>(v);
-  };
 
   // FUSED: the query and the new key, normed and rotated, in shared memory (warp 0: q, warp 1: k).
   __shared__ float qk[2][D];
@@ -77,7 +61,7 @@ SOURCE = """
       float x[E], ss = 0.f;
       for (int e = 0; e < E; ++e) {
         int d = lane + 32 * e;
-        x[e] = d < D ? (warp == 0 ? load(q, q_strides, h, d) : load(k_new, k_new_strides, k_off + hk, d)) : 0.f;
+        x[e] = d < D ? static_cast<float>(warp == 0 ? q[at(q_strides, h, d)] : k_new[at(k_new_strides, hk, d)]) : 0.f;
         ss += x[e] * x[e];
       }
       if constexpr (NORM) {
@@ -116,20 +100,20 @@ SOURCE = """
     __syncthreads();
   }
   auto new_key = [&](int d) -> float {
-    return FUSED ? qk[1][d] : load(k_new, k_new_strides, k_off + hk, d);
+    return FUSED ? qk[1][d] : static_cast<float>(k_new[at(k_new_strides, hk, d)]);
   };
 
   if (h % (heads / kv_heads) == 0 && warp == 0) {  // one block per KV head writes the new slot
     for (int d = lane; d < D; d += 32) {
       const_cast<T*>(keys)[slot(keys_strides, t_new, d)] = static_cast<T>(new_key(d));
-      const_cast<T*>(values)[slot(values_strides, t_new, d)] = static_cast<T>(load(v_new, v_new_strides, v_off + hk, d));
+      const_cast<T*>(values)[slot(values_strides, t_new, d)] = v_new[at(v_new_strides, hk, d)];
     }
   }
 
   float qv[E], acc[E];
   for (int e = 0; e < E; ++e) {
     int d = lane + 32 * e;
-    qv[e] = d < D ? (FUSED ? qk[0][d] : load(q, q_strides, h, d)) * scale : 0.f;
+    qv[e] = d < D ? (FUSED ? qk[0][d] : static_cast<float>(q[at(q_strides, h, d)])) * scale : 0.f;
     acc[e] = 0.f;
   }
   float m = -INFINITY, l = 0.f;
@@ -146,8 +130,8 @@ SOURCE = """
     l = l * c + p;
     for (int e = 0; e < E; ++e) {
       int d = lane + 32 * e;
-      float v = d < D ? (t == t_new ? load(v_new, v_new_strides, v_off + hk, d)
-                                    : static_cast<float>(values[slot(values_strides, t, d)])) : 0.f;
+      float v = d < D ? static_cast<float>(t == t_new ? v_new[at(v_new_strides, hk, d)]
+                                                      : values[slot(values_strides, t, d)]) : 0.f;
       acc[e] = acc[e] * c + p * v;
     }
     m = m_new;
@@ -186,8 +170,7 @@ def available(queries: mx.array, keys: mx.array) -> bool:
 
 
 def attend(queries, k_new, v_new, keys, values, pos: mx.array, left_pad: mx.array, scale: float, *,
-           rope: nn.RoPE | None = None, norms: tuple[nn.RMSNorm, nn.RMSNorm] | None = None,
-           packed: bool = False, up: tuple | None = None) -> mx.array:
+           rope: nn.RoPE | None = None, norms: tuple[nn.RMSNorm, nn.RMSNorm] | None = None) -> mx.array:
     """softmax(scale q k^T) v for queries (rows, heads, 1, D) over slots left_pad[row]..pos of
     keys/values (rows, kv_heads, capacity, D), whose slot pos is k_new/v_new (rows, kv_heads, 1,
     D); pos () and left_pad (rows,) int32. Also writes k_new and v_new into slot pos of keys and
@@ -196,26 +179,19 @@ def attend(queries, k_new, v_new, keys, values, pos: mx.array, left_pad: mx.arra
     rope: queries, k_new and v_new are the block's projections, (rows, 1, heads * D) and (rows,
     1, kv_heads * D), or the same without their second axis; the kernel applies this RoPE to the
     query and the new key (non-traditional, on all D dimensions, at position pos - left_pad),
-    after the q and k RMSNorms `norms` if given, and returns (rows, [1,] heads * D).
-    packed (with rope): queries, k_new and v_new are one array, the q/k/v group's output, q's
-    columns, then k's, then v's (no split of it in the graph); up: that output's LoRA product
-    still to add, lora_kernel.up's (t, B, scale) (lora_kernel.foldable), which the kernel adds
-    to each element it reads (one kernel fewer)."""
+    after the q and k RMSNorms `norms` if given, and returns the queries' shape."""
     rows, kv_heads, _, d = keys.shape
-    heads = queries.shape[1] if rope is None else queries.shape[-1] // d - (2 * kv_heads if packed else 0)
+    heads = queries.shape[1] if rope is None else queries.shape[-1] // d
     warps = next((w for w in WARPS if keys.shape[2] <= 64 * w), WARPS[-1])
     eps = norms[0].eps if norms else 0.0
     rope_args = (math.log2(rope.base), rope.scale) if rope is not None else (0.0, 1.0)
     params = mx.array([scale, eps, *rope_args], mx.float32)
     q_norm, k_norm = (n.weight for n in norms) if norms else (params, params)
-    up_t, up_b, up_scale = (up[0], up[1], mx.array([up[2]], mx.float32)) if up is not None else (params,) * 3
     attention = kernel("mtq_decode_attention", ("q", "k_new", "v_new", "keys", "values", "pos", "pad", "params",
-                                                 "q_norm", "k_norm", "up_t", "up_b", "up_scale"), ("out",), SOURCE,
-                       contiguous=False, header=lora_kernel.HEADER)
+                                                 "q_norm", "k_norm"), ("out",), SOURCE, contiguous=False)
     return attention(
-        inputs=[queries, k_new, v_new, keys, values, pos, left_pad, params, q_norm, k_norm, up_t, up_b, up_scale],
+        inputs=[queries, k_new, v_new, keys, values, pos, left_pad, params, q_norm, k_norm],
         template=[("T", queries.dtype), ("D", d), ("W", warps), ("FUSED", rope is not None), ("NORM", bool(norms)),
-                  ("FLAT", queries.ndim == 2), ("PACKED", packed), ("UP", up is not None)],
+                  ("FLAT", queries.ndim == 2)],
         grid=(32 * warps, heads, rows), threadgroup=(32 * warps, 1, 1),
-        output_shapes=[queries.shape if rope is None else (*queries.shape[:-1], heads * d)],
-        output_dtypes=[queries.dtype])[0]
+        output_shapes=[queries.shape], output_dtypes=[queries.dtype])[0]

@@ -74,18 +74,6 @@ class Handoff:
         f = gate.shape[-1]
         return g[:2] if (g[2], u[2], up.shape[-1], g[0].shape[-1]) == (0, f, f, 2 * f) else None
 
-    def packed(self, q: mx.array, k: mx.array, v: mx.array) -> tuple | None:
-        """(y, up's (t, B, scale) or None) if q, k and v are, in order, the whole output of one
-        group, made from its base output y, in a form attention_kernel.attend(packed=True) takes."""
-        parts = [self.part(p) for p in (q, k, v)]
-        if any(p is None or p[0] is not parts[0][0] or p[1] is not parts[0][1] for p in parts):
-            return None
-        y, up, _ = parts[0]
-        widths = [p.shape[-1] for p in (q, k, v)]
-        if [p[2] for p in parts] != [0, widths[0], widths[0] + widths[1]] or y.shape[-1] != sum(widths):
-            return None
-        return (y, up) if lora_kernel.foldable(up, None, y.size // y.shape[-1], y.shape[-1], 0, 0) else None
-
     def made_from(self, up: tuple | None) -> tuple | None:
         """(x, A) if up's t is lora_kernel.down(x, A): a kernel taking up may make t itself."""
         entry = self.made.get(id(up[0])) if up is not None else None
@@ -121,7 +109,7 @@ def kernel_norms_and_rope(attention: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def decode_attention(slots: Slots, queries: int, handoff: Handoff | None = None):
+def decode_attention(slots: Slots, queries: int):
     """While a decode step is traced: what mx.fast.scaled_dot_product_attention does with one
     query per row. With slots.kernel, attention_kernel.attend (which also writes the layer's
     new key and value), and for a Qwen3 attention the whole attention between its projections
@@ -129,8 +117,7 @@ def decode_attention(slots: Slots, queries: int, handoff: Handoff | None = None)
     `queries` times and keeps the first output: the copies see the same keys under the same
     mask, so the result is that of one query; they are there only for MLX to fuse the
     attention (fused_queries). Only the attention sees them: projections, norms and RoPE run
-    on one token per row. handoff: a Qwen3 attention whose q, k and v are the parts of one
-    group's output gives the kernel that output whole (Handoff.packed)."""
+    on one token per row."""
     sdpa = mx.fast.scaled_dot_product_attention
     qwen3_attention = qwen3.Attention.__call__
 
@@ -157,12 +144,8 @@ def decode_attention(slots: Slots, queries: int, handoff: Handoff | None = None)
         if not same or not attention_kernel.available(q, cache.keys):
             raise KernelMisfit
         slots.attended += 1
-        packed = handoff.packed(q, k, v) if handoff is not None else None
-        if packed:  # the group's one output, not its split; its LoRA product, if any, added by the kernel
-            q = k = v = packed[0]
         out = attention_kernel.attend(q, k, v, cache.keys, cache.values, slots.write_pos, slots.left_pad, self.scale,
-                                      rope=self.rope, norms=(self.q_norm, self.k_norm), packed=bool(packed),
-                                      up=packed[1] if packed else None)
+                                      rope=self.rope, norms=(self.q_norm, self.k_norm))
         return self.o_proj(out)
 
     mx.fast.scaled_dot_product_attention = attention

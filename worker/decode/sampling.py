@@ -99,7 +99,7 @@ def make_decode_forward(model: nn.Module, dense: bool, kernels: bool) -> tuple[C
     def forward(tokens, caches, slots, lora, queries):
         # The function runs only while traced: what the contexts change is in the graph.
         handoff = Handoff()
-        with (decode_attention(slots, queries or fused_queries(caches[0].keys), handoff), decode_blocks(slots, kernels, handoff),
+        with (decode_attention(slots, queries or fused_queries(caches[0].keys)), decode_blocks(slots, kernels, handoff),
               grouped_projections(groups, lora, copies, kernels, handoff)):
             hidden = model.model(tokens[:, None], cache=caches)
             head = dense_head or lm_head(model)  # looked up while traced: grouped_projections' as_linear
