@@ -22,22 +22,26 @@ import collections
 import re
 from pathlib import Path
 
-LABEL = re.compile(r'label="((?:[^"\\]|\\.)*)"')
+# a node's attributes up to its label: a kernel node is an octagon whose label is its index, then
+# the kernel's name (MLX 0.32.4), or in a verbose dump a KERNEL line, then the name
+NODE = re.compile(r'\[([^\]]*?)label="((?:[^"\\]|\\.)*)"')
 # a cluster shape inside a kernel's name: cluster1x2x1 (sm90 xmma) or _1x2_ after the tile sizes (nvjet);
 # in cuBLASLt's log, CLUSTER_SHAPE_1x2x1
 CLUSTER = re.compile(r"(?:cluster|CLUSTER_SHAPE_)(\d+)x(\d+)x(\d+)|_(\d+)x(\d+)_(?=[a-z])")
 # what varies between two calls of one matmul in cuBLASLt's log: the time, the process, the pointers
-VOLATILE = re.compile(r"^\[[^]]*\]\[[^]]*\]\[[^]]*\]|\b0x[0-9a-f]+|\[\d+\]")
+VOLATILE = re.compile(r"^\[[^]]*\]\[[^]]*\]\[[^]]*\]|\b0[xX][0-9a-fA-F]+|\[\d+\]")
 
 
 def kernels(dot: str) -> list[str]:
-    """The kernel names of one DOT file's kernel nodes (the line after KERNEL in each label)."""
+    """The kernel names of one DOT file's kernel nodes."""
     names = []
-    for label in LABEL.findall(dot):
-        lines = re.split(r"\\[nl]|\n", label)
-        for i, line in enumerate(lines[:-1]):
-            if line.strip().upper() == "KERNEL":
-                names.append(lines[i + 1].strip())
+    for attributes, label in NODE.findall(dot):
+        lines = [line.strip() for line in re.split(r"\\[nl]|\n", label)]
+        marked = [lines[i + 1] for i, line in enumerate(lines[:-1]) if line.upper() == "KERNEL"]
+        if marked:
+            names += marked
+        elif "octagon" in attributes and len(lines) > 1 and lines[0].isdigit() and lines[1]:
+            names.append(lines[1])
     return names
 
 
