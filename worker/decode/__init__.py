@@ -12,8 +12,8 @@ layer's q/k norms and RoPE too; elsewhere the attention sees each row's query tw
 fuses it), each projection group's LoRA product two, a quantized matmul of few rows one, a
 quantized embedding's lookup one, and a Qwen3 block's residual adds and the norms after them one
 each, its MLP activation one, its rows 2-D; the norm and activation kernels also run the LoRA
-kernels next to them. bench/decode.py counts them (on a CPU as a CUDA GPU would build them); docs/performance.md has
-the figures.
+kernels next to them. bench/decode.py counts them (on a CPU as a CUDA GPU would build them);
+docs/performance.md has the figures.
 
 Where each part lives:
 
