@@ -186,9 +186,10 @@ class GRPOConfig(OptimizerConfig, ReportConfig):
         "when recomputing).",
     )
     max_memory_gb: float | None = Field(
-        None, gt=0.0, le=1_000_000.0, description="Memory the job may use. Default (and upper bound): the worker's "
-        "--memory-gb if it declares one, else the device's recommended working set on Metal, else 90% of the GPU's "
-        "memory, else 75% of RAM.",
+        None, gt=0.0, le=1_000_000.0, description="A budget of memory the job spends on speed (larger micro-batches, "
+        "no checkpointing). At most the worker's --memory-gb if it declares one, else the device's recommended working "
+        "set on Metal, else 90% of the GPU's memory, else 75% of RAM. Default: on CUDA 75% of the GPU's free memory, "
+        "elsewhere none (memory first: the loss step within sampling's memory).",
     )
 
     # Routing (shared/routing.py).

@@ -350,10 +350,49 @@ def test_a_budget_that_fits_them_buys_dense_decode_weights_on_cuda(lm, monkeypat
     spent = memory.plan_memory(model, 32, 160, None, None, 16.0)
     assert spent.dense_decode_gb == pytest.approx(dense) and "dense copies" in spent.reason
     assert spent.peak_gb == pytest.approx(spent.weights_gb + dense + max(spent.sampling_gb, spent.loss_gb))
-    assert memory.plan_memory(model, 32, 160, None, None, None).dense_decode_gb == 0  # memory first
     assert memory.plan_memory(model, 8, 160, None, None, 16.0).dense_decode_gb == 0  # 8 rows
     tight = memory.plan_memory(model, 32, 160, None, None, spent.peak_gb - dense / 2)
     assert tight.dense_decode_gb == 0 and "do not fit" in tight.reason
+
+
+def test_on_cuda_a_job_without_a_budget_spends_the_gpus_free_memory_on_speed(lm, monkeypatch):
+    """On CUDA (set here, as above; the device's memory set too) a job without max_memory_gb plans as
+    one whose budget is CUDA_BUDGET_SHARE of the memory MLX holds for nothing but the job's model:
+    the micro-batch, checkpointing and dense decode weights of that budget, the reason saying so.
+    What another loaded model holds is not the job's; where that budget cannot fit even one row,
+    the plan is memory first within all the device's memory, as on a Mac."""
+    from mlx_lm.models import qwen3
+
+    from worker.runtime import memory_plan as memory
+
+    monkeypatch.setattr(memory, "cuda", lambda: True)
+    monkeypatch.setattr(memory, "device_kind", lambda: "gpu")
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda: 20 * memory.GB)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict({**vars(lm[0].args), "num_hidden_layers": 16}))
+    nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    budget = memory.cuda_budget_gb(model)
+    other = mx.zeros((256, 1024, 1024), dtype=mx.uint8)  # another model's 0.27 GB
+    mx.eval(other)
+    assert memory.cuda_budget_gb(model) == pytest.approx(budget - memory.CUDA_BUDGET_SHARE * other.nbytes / memory.GB, abs=1e-3)
+    del other
+
+    default, spent = (memory.plan_memory(model, 64, 276, None, None, b) for b in (None, memory.cuda_budget_gb(model)))
+    assert (default.micro_batch_size, default.gradient_checkpointing, default.dense_decode_gb, default.memory_limit_gb) == (
+        spent.micro_batch_size, spent.gradient_checkpointing, spent.dense_decode_gb, spent.memory_limit_gb)
+    assert default.budget and default.dense_decode_gb > 0 and not default.gradient_checkpointing
+    assert "75% of the GPU's free memory" in default.reason and "no max_memory_gb" in default.reason
+    with monkeypatch.context() as m:
+        m.setattr(memory, "cuda", lambda: False)
+        first = memory.plan_memory(model, 64, 276, None, None, None)
+    assert "memory first" in first.reason and first.gradient_checkpointing and first.dense_decode_gb == 0
+    assert default.micro_batch_size > first.micro_batch_size
+
+    need = memory.plan_memory(model, 64, 276, None, 1, 20.0).peak_gb * memory.GB  # one row at a time
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda: 1.05 * need)  # 0.75 of it does not fit one row
+    small = memory.plan_memory(model, 64, 276, None, None, None)
+    assert not small.budget and "memory first" in small.reason and small.limit_gb * memory.GB == pytest.approx(1.05 * need)
+    assert small.dense_decode_gb == 0
 
 
 def test_a_memory_budget_is_spent_on_speed_with_the_same_loss_and_gradients(lm):

@@ -25,8 +25,11 @@ The micro-batch (when the job does not set it) is the largest divisor m of B*G s
   - weights + loss(m) fits max_memory_gb.
 Gradient checkpointing (unless the job sets it) is used where it allows a larger micro-batch.
 
-That is the memory-first default, what a 16 GB Mac needs. A job's explicit max_memory_gb is a
-budget spent on speed instead: the first rule goes (the loss step may need more than
+That is the memory-first default, what a 16 GB Mac needs, whose memory the system and its apps
+share. A CUDA GPU's memory is the worker's alone: there a job without max_memory_gb gets a budget
+of CUDA_BUDGET_SHARE of the memory MLX does not already hold for other models (memory first only
+where that budget does not fit the job). A job's explicit max_memory_gb is a budget spent on speed
+instead: the first rule goes (the loss step may need more than
 sampling, up to the budget), on a GPU the token cap too, checkpointing stays off unless
 without it the micro-batch would fall under MIN_MICRO_BATCH_TOKENS where with it it would not,
 and MLX's memory limit is the budget rather than the estimate. The plan says which rules chose
@@ -55,6 +58,9 @@ from worker.runtime.projection_groups import decode_groups, decode_projections
 MAX_MICRO_BATCH_TOKENS = 8192
 DENSE_DECODE_ROWS = 16  # CUDA's quantized matmul of 8 rows is near its per-kernel floor (worker/decode/graph_patches.py dequantized)
 MIN_MICRO_BATCH_TOKENS = 1024  # below this a micro-batch is mostly per-call overhead: allowed whenever it fits
+# A job's default budget on CUDA, of the GPU's free memory: the estimates have come out up to 10%
+# under the measured peaks (bench/grpo_step.py --sweep), and MLX's allocator keeps a cache.
+CUDA_BUDGET_SHARE = 0.75
 
 
 class MemoryEstimateError(Exception):
@@ -143,8 +149,29 @@ def plan_memory(
     where it buys a larger micro-batch (recomputing costs a forward pass); with a budget
     (max_memory_gb) only where without it the micro-batch would be small (module docstring).
     A budget that also fits dense copies of a quantized model's weights on CUDA decodes with
-    them (worker/decode/graph_patches.py dequantized), from DENSE_DECODE_ROWS rows on."""
-    plan = _plan_loss(model, rows, width, checkpointing, micro_batch_size, max_memory_gb)
+    them (worker/decode/graph_patches.py dequantized), from DENSE_DECODE_ROWS rows on. On CUDA
+    a job without max_memory_gb has a budget all the same: cuda_budget_gb."""
+    if max_memory_gb is None and cuda():
+        budget = cuda_budget_gb(model)
+        try:
+            return _plan_step(model, rows, width, checkpointing, micro_batch_size, budget,
+                                f"{CUDA_BUDGET_SHARE:.0%} of the GPU's free memory ({budget:.1f} GB; the job sets no "
+                                "max_memory_gb)")
+        except MemoryEstimateError:
+            pass  # memory first, within all the device's memory
+    return _plan_step(model, rows, width, checkpointing, micro_batch_size, max_memory_gb)
+
+
+def cuda_budget_gb(model: nn.Module) -> float:
+    """A job's default budget on CUDA: CUDA_BUDGET_SHARE of what it may use (device_memory_bytes)
+    less what MLX holds beside the job's model (another model the process keeps loaded)."""
+    others = max(0, mx.get_active_memory() - weights_bytes(model))
+    return CUDA_BUDGET_SHARE * max(0.0, device_memory_bytes() - others) / GB
+
+
+def _plan_step(model: nn.Module, rows: int, width: int, checkpointing: bool | None, micro_batch_size: int | None,
+                 max_memory_gb: float | None, budget_name: str | None = None) -> MemoryPlan:
+    plan = _plan_loss(model, rows, width, checkpointing, micro_batch_size, max_memory_gb, budget_name)
     dense = dense_decode_bytes(model) / GB
     if not plan.budget or not dense or not cuda() or rows < DENSE_DECODE_ROWS:
         return plan
@@ -163,13 +190,13 @@ def dense_decode_bytes(model: nn.Module) -> int:
 
 
 def _plan_loss(model: nn.Module, rows: int, width: int, checkpointing: bool | None,
-               micro_batch_size: int | None, max_memory_gb: float | None) -> MemoryPlan:
+               micro_batch_size: int | None, max_memory_gb: float | None, budget_name: str | None) -> MemoryPlan:
     if checkpointing is not None:
-        plan = _plan(model, rows, width, checkpointing, micro_batch_size, max_memory_gb)
+        plan = _plan(model, rows, width, checkpointing, micro_batch_size, max_memory_gb, budget_name)
         return _because(plan, f"checkpointing {'on' if checkpointing else 'off'} as the job's config says")
-    with_it = _plan(model, rows, width, True, micro_batch_size, max_memory_gb)
+    with_it = _plan(model, rows, width, True, micro_batch_size, max_memory_gb, budget_name)
     try:
-        without = _plan(model, rows, width, False, micro_batch_size, max_memory_gb)
+        without = _plan(model, rows, width, False, micro_batch_size, max_memory_gb, budget_name)
     except MemoryEstimateError:
         return _because(with_it, "checkpointing on: without it not even one row fits")
     if max_memory_gb is None:
@@ -184,7 +211,7 @@ def _plan_loss(model: nn.Module, rows: int, width: int, checkpointing: bool | No
 
 
 def _plan(model: nn.Module, rows: int, width: int, checkpointing: bool, micro_batch_size: int | None,
-          max_memory_gb: float | None) -> MemoryPlan:
+          max_memory_gb: float | None, budget_name: str | None) -> MemoryPlan:
     s = model_shape(model)
     limit = device_memory_bytes() if max_memory_gb is None else min(max_memory_gb * GB, device_memory_bytes())
     weights = weights_bytes(model)
@@ -212,7 +239,7 @@ def _plan(model: nn.Module, rows: int, width: int, checkpointing: bool, micro_ba
         m = max(d for d in divisors if d == 1 or (fits(d) and (not capped or d * width <= MAX_MICRO_BATCH_TOKENS) and (
             budget or loss_bytes(s, d, width, checkpointing) <= sampling or d * width <= MIN_MICRO_BATCH_TOKENS)))
         if budget:
-            reason = (f"max_memory_gb {max_memory_gb:g} spent on speed: the largest micro-batch dividing {rows} rows that fits "
+            reason = (f"{budget_name or f'max_memory_gb {max_memory_gb:g}'} spent on speed: the largest micro-batch dividing {rows} rows that fits "
                       "it" + (f", at most {MAX_MICRO_BATCH_TOKENS} tokens (a CPU)" if capped else ""))
         else:
             reason = (f"memory first (no max_memory_gb): the largest micro-batch dividing {rows} rows whose loss step needs "
