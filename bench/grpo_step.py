@@ -112,7 +112,7 @@ def summary(metrics, trainer, group_size, batch_size, length) -> dict:
         "tokens_per_s": round(statistics.median(m["tokens_per_second"] for m in metrics), 1),
         "peak_memory_gb": round(max(m["peak_memory_gb"] for m in metrics), 4),
         "micro_batch_size": plan.micro_batch_size, "gradient_checkpointing": plan.gradient_checkpointing,
-        "estimated_peak_gb": round(plan.peak_gb, 4),
+        "estimated_peak_gb": round(plan.peak_gb, 4), "dense_decode_gb": round(plan.dense_decode_gb, 4),
     }
 
 
