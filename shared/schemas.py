@@ -356,7 +356,7 @@ class JobRecord(BaseModel):
     phase_s: float | None = Field(None, description="Seconds the job has been in its phase so far (running jobs).")
     memory_plan: dict[str, Any] | None = Field(None, description="GRPO: the memory plan its worker chose (worker/runtime/memory_plan.py): "
                                                "micro_batch_size, gradient_checkpointing, estimated_peak_gb, memory_limit_gb, "
-                                               "budget (max_memory_gb spent on speed) and the reason; null until it starts.")
+                                               "budget (max_memory_gb, or on CUDA its default, spent on speed) and the reason; null until it starts.")
     waiting_for_worker: str | None = Field(None, description=WAITING_DOC)
     worker: str | None = Field(None, description="The worker running (or that last ran) the job.")
     checkpoint_step: int | None = Field(None, description="Step of the last checkpoint (resume starts there).")
