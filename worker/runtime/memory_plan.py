@@ -155,8 +155,8 @@ def plan_memory(
         budget = cuda_budget_gb(model)
         try:
             return _plan_step(model, rows, width, checkpointing, micro_batch_size, budget,
-                                f"{CUDA_BUDGET_SHARE:.0%} of the GPU's free memory ({budget:.1f} GB; the job sets no "
-                                "max_memory_gb)")
+                              f"{CUDA_BUDGET_SHARE:.0%} of the GPU's free memory ({budget:.1f} GB; the job sets no "
+                              "max_memory_gb)")
         except MemoryEstimateError:
             pass  # memory first, within all the device's memory
     return _plan_step(model, rows, width, checkpointing, micro_batch_size, max_memory_gb)
@@ -170,7 +170,7 @@ def cuda_budget_gb(model: nn.Module) -> float:
 
 
 def _plan_step(model: nn.Module, rows: int, width: int, checkpointing: bool | None, micro_batch_size: int | None,
-                 max_memory_gb: float | None, budget_name: str | None = None) -> MemoryPlan:
+               max_memory_gb: float | None, budget_name: str | None = None) -> MemoryPlan:
     plan = _plan_loss(model, rows, width, checkpointing, micro_batch_size, max_memory_gb, budget_name)
     dense = dense_decode_bytes(model) / GB
     if not plan.budget or not dense or not cuda() or rows < DENSE_DECODE_ROWS:
