@@ -144,7 +144,8 @@ case "$stage" in
     fi
     # the share's cap (default 128 MB) far above one job's kernels, whose size on CUDA it prints
     run env MTQ_KERNEL_SHARE_MB=4096 "$py" bench/first_step.py "$q4" --kinds sft grpo \
-      --vary lora_rank=16 lora_layers=2 batch_size=4 "${fleet[@]}"
+      --vary lora_rank=16 lora_layers=2 batch_size=4 lora_alpha=32 weight_decay=0.01 "${fleet[@]}"
+    run "$py" tests/compiled_numbers.py "$q4" /tmp/kernel-cache-numbers  # a job of other numbers: no kernel of its own
     run "$py" bench/worker_life.py "$q4" --jobs 24 --steps 3
     run "$py" bench/worker_life.py "$q4" --jobs 24 --steps 3 --as-worker ;;
   tests)  # samples and losses unchanged by the speed changes, on CUDA (float32 products: TF32 off)

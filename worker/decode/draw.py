@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from worker.runtime.logprobs import log_softmax, pick
+from worker.runtime.logprobs import divisor, log_softmax, pick
+from worker.runtime.scalars import as_inputs
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,11 @@ class SamplingParams:
     batch_rows: tuple[int, ...] | None = None
     batch_height: int = 0
 
+    def inputs(self) -> dict[str, mx.array]:
+        """The numbers draw computes with, as arrays for a compiled decode step to take as inputs
+        (worker/runtime/scalars.py): the logits' divisor and top_p."""
+        return as_inputs(temperature=divisor(self.temperature), top_p=self.top_p)
+
 
 @dataclass
 class Samples:
@@ -35,13 +41,16 @@ class Samples:
     steps: int  # decode steps actually run
 
 
-def draw(logits: mx.array, key: mx.array, p: SamplingParams,
-         rows: tuple[int, mx.array] | None = None) -> tuple[mx.array, mx.array, mx.array]:
+def draw(logits: mx.array, key: mx.array, p: SamplingParams, rows: tuple[int, mx.array] | None = None,
+         values: dict[str, mx.array] | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """The next token of every row, its log-prob and the entropy (one log-softmax for all three).
     rows (height, index): the rows are these rows of a batch of `height` (a gang's share, or
     the rows left once finished ones are dropped), and each draws the Gumbel noise it would
-    draw in the whole batch (mx.random.categorical's own way), so the same token."""
-    logp_all = log_softmax(logits, p.temperature)
+    draw in the whole batch (mx.random.categorical's own way), so the same token. values:
+    p.inputs(), which a compiled step takes as its inputs (None: made here; mlx_lm's top_p filter
+    is a compiled function of its own)."""
+    values = p.inputs() if values is None else values
+    logp_all = log_softmax(logits, values["temperature"])
     if p.temperature == 0:
         tokens = mx.argmax(logits, axis=-1)
     else:
@@ -49,7 +58,7 @@ def draw(logits: mx.array, key: mx.array, p: SamplingParams,
         if p.top_k > 0:
             filtered = apply_top_k(filtered, p.top_k)
         if p.top_p < 1.0:
-            filtered = apply_top_p(filtered, p.top_p)
+            filtered = apply_top_p(filtered, values["top_p"])
         if p.min_p > 0.0:
             filtered = apply_min_p(filtered, p.min_p)
         if rows is None:

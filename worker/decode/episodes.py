@@ -63,13 +63,14 @@ def make_episode_step(model: nn.Module, params: SamplingParams, eos_ids: list[in
     after it, remaining, valid, positions, keys, values); remaining: tokens each row may still
     draw in its turn."""
     forward, constant = make_decode_forward(model, dense, attention_kernel.cuda())
+    numbers = params.inputs()  # inputs, not numbers compiled into the kernels (worker/runtime/scalars.py)
 
     def step(tokens, keys, values, write_pos, positions, valid, live, remaining, key, lora, rows):
         capacity = keys[0].shape[2]
         slots = EpisodeSlots(capacity, write_pos, positions, valid, 1)
         caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
         logits = forward(tokens, caches, slots, lora, None)
-        nxt, logp, ent = draw(logits, key, params, rows)
+        nxt, logp, ent = draw(logits, key, params, rows, numbers)
         nxt = mx.where(live, nxt, pad_id)
         valid = valid | ((mx.arange(capacity) == write_pos)[None, :] & live[:, None])
         positions = positions + live
@@ -78,7 +79,7 @@ def make_episode_step(model: nn.Module, params: SamplingParams, eos_ids: list[in
         live = live & ~is_eos(nxt, eos_ids) & (remaining > 0)
         return nxt, logp, ent, drew, live, remaining, valid, positions, [c.keys for c in caches], [c.values for c in caches]
 
-    return mx.compile(step) if constant else mx.compile(step, inputs=[model.state])
+    return mx.compile(step, inputs=[numbers]) if constant else mx.compile(step, inputs=[model.state, numbers])
 
 
 class _Buffers:

@@ -230,11 +230,13 @@ def decode_blocks(slots: Slots, kernel: bool, handoff: Handoff):
         qwen3.Qwen3Model.__call__ = qwen3_model
 
 
-def lora_args(model: nn.Module) -> list[tuple[mx.array, mx.array]]:
+def lora_args(model: nn.Module) -> list[tuple[mx.array, mx.array, mx.array]]:
     """The LoRA matrices of each decode_groups group with LoRA, as one pair (lora_pair: A side by
-    side, B block-diagonal). Made at each sample() (the job's LoRA weights change between steps):
-    small, rank x outputs."""
-    return [lora_pair(group.modules) for group in decode_groups(model) if group.lora]
+    side, B block-diagonal), and its scale as a (1,) float32 array (as the kernels read it: an
+    input of the step, not a number compiled into its kernels, worker/runtime/scalars.py). Made at
+    each sample() (the job's LoRA weights change between steps): small, rank x outputs."""
+    return [(*lora_pair(group.modules), mx.array([group.modules[0].scale], mx.float32))
+            for group in decode_groups(model) if group.lora]
 
 
 @contextlib.contextmanager
@@ -277,22 +279,23 @@ def grouped_projections(groups: list[Group], lora: list, dense: dict, kernel: bo
         mods = group.modules
         sizes = [base_projection(m)["weight"].shape[0] for m in mods]
         bases = [group.fused] if group.fused is not None else [base_projection(m) for m in mods]
-        if pair is not None and kernel and lora_kernel.available(x, *pair):
-            a, b = pair
+        if pair is not None and kernel and lora_kernel.available(x, *pair[:2]):
+            a, b, scale = pair
             t = handoff.down(x, a)
             if t is None:
                 t = lora_kernel.down(x, a)
                 handoff.made[id(t)] = (t, x, a)
             ys = [project(base, x) for base in bases]
             bs = [b] if len(ys) == 1 else _split(b, sizes)
-            outs = [lora_kernel.up(y, t, b_i, mods[0].scale) for y, b_i in zip(ys, bs)]
-            return handed(outs, ys, (t, b, mods[0].scale), sizes)
+            outs = [lora_kernel.up(y, t, b_i, scale) for y, b_i in zip(ys, bs)]
+            return handed(outs, ys, (t, b, scale), sizes)
         flat = x.ndim > 2 and (pair is not None or any(id(b) in dense for b in bases))
         h = x.reshape(-1, x.shape[-1]) if flat else x
         ys = [project(b, h) for b in bases]
         if pair is not None:
-            a, b = pair
-            z = (mods[0].scale * ((h @ a) @ b)).astype(x.dtype)  # fused with the add below
+            a, b, scale = pair
+            p = (h @ a) @ b
+            z = (scale.astype(p.dtype) * p).astype(x.dtype)  # fused with the add below
             zs = [z] if len(ys) == 1 else _split(z, sizes)
             ys = [y + z for y, z in zip(ys, zs)]
         if flat:

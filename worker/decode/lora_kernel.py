@@ -106,11 +106,17 @@ def down(x: mx.array, a: mx.array) -> mx.array:
         output_shapes=[(rows, a.shape[1])], output_dtypes=[mx.float32])[0]
 
 
-def up(y: mx.array, t: mx.array, b: mx.array, scale: float) -> mx.array:
+def up(y: mx.array, t: mx.array, b: mx.array, scale: mx.array | float) -> mx.array:
     """y + (scale * t @ b) cast to y's dtype, rounded as MLX's ops round: y (..., N), t (rows, R)
-    from down, b (R, N)."""
+    from down, b (R, N); scale as scale_input takes it."""
     n = y.shape[-1]
     return kernel("mtq_lora_up", ("y", "t", "b", "scale"), ("out",), UP, header=HEADER)(
-        inputs=[y, t, b, mx.array([scale], mx.float32)], template=[("T", y.dtype)],
+        inputs=[y, t, b, scale_input(scale)], template=[("T", y.dtype)],
         grid=(n, y.size // n, 1), threadgroup=(min(256, n), 1, 1),
         output_shapes=[y.shape], output_dtypes=[y.dtype])[0]
+
+
+def scale_input(scale: mx.array | float) -> mx.array:
+    """The kernels' scale input: a (1,) float32 array as it comes (a decode step's input, from
+    graph_patches.lora_args), or made of a number."""
+    return scale if isinstance(scale, mx.array) else mx.array([scale], mx.float32)

@@ -99,7 +99,7 @@ def add_norm(x: mx.array, r: mx.array, norm: nn.RMSNorm, up: tuple | None = None
     up_x, up_a = made if made is not None else (x, eps)  # placeholders of the inputs' dtypes
     outs = kernel("mtq_add_rms_norm", ("x", "r", "w", "eps", "up_t", "up_b", "scale", "a", "up_x", "up_a"),
                   ("h", "normed", "t"), SOURCE, header=lora_kernel.HEADER)(
-        inputs=[x, r, norm.weight, eps, eps if made is not None else t, b, mx.array([scale], mx.float32),
+        inputs=[x, r, norm.weight, eps, eps if made is not None else t, b, lora_kernel.scale_input(scale),
                 eps if a is None else a, up_x, up_a],
         template=[("T", x.dtype), ("THREADS", THREADS), ("MAX_HIDDEN", MAX_HIDDEN), ("UP", up is not None),
                   ("DOWN", a is not None), ("UP_X", made is not None)],

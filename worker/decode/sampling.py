@@ -65,19 +65,20 @@ def make_decode_step(
     kernels = attention_kernel.cuda() if kernel is None else kernel
     kernel = kernel_fits(model) if kernel is None else kernel
     forward, constant = make_decode_forward(model, dense, kernels)
+    numbers = params.inputs()  # inputs, not numbers compiled into the kernels (worker/runtime/scalars.py)
 
     def step(tokens, keys, values, write_pos, left_pad, finished, key, lora, rows):
         capacity = keys[0].shape[2]
         slots = Slots(capacity, write_pos, left_pad, 1, kernel)
         caches = [StaticKVCache(capacity, slots, k, v) for k, v in zip(keys, values)]
         logits = forward(tokens, caches, slots, lora, queries)
-        nxt, logp, ent = draw(logits, key, params, rows)
+        nxt, logp, ent = draw(logits, key, params, rows, numbers)
         nxt = mx.where(finished, pad_id, nxt)
         valid = ~finished
         finished = finished | is_eos(nxt, eos_ids)
         return nxt, logp, ent, valid, finished, [c.keys for c in caches], [c.values for c in caches]
 
-    return mx.compile(step) if constant else mx.compile(step, inputs=[model.state])
+    return mx.compile(step, inputs=[numbers]) if constant else mx.compile(step, inputs=[model.state, numbers])
 
 
 def make_decode_forward(model: nn.Module, dense: bool, kernels: bool) -> tuple[Callable, bool]:

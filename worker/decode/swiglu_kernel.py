@@ -67,7 +67,7 @@ def swiglu(y: mx.array, up: tuple | None = None, a: mx.array | None = None):
     as lora_kernel.down gives it. Returns (result, t), t None without a."""
     width = y.shape[-1]
     rows, f = y.size // width, width // 2
-    scale = mx.array([up[2] if up is not None else 0.0], mx.float32)
+    scale = lora_kernel.scale_input(up[2] if up is not None else 0.0)
     t, b = up[:2] if up is not None else (scale, scale)  # placeholders when not UP (never read)
     outs = kernel("mtq_swiglu", ("y", "up_t", "up_b", "scale", "a"), ("out", "t"), SOURCE, header=HEADER)(
         inputs=[y, t, b, scale, scale if a is None else a],

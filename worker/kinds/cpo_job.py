@@ -31,8 +31,9 @@ from worker.runtime.logprobs import sequence_logps, token_logps
 # --------------------------------------------------------------------------- the math
 
 
-def cpo_loss(logps: mx.array, mask: mx.array, *, beta: float, loss_type: str, label_smoothing: float,
-             cpo_alpha: float, simpo_gamma: float) -> tuple[mx.array, dict[str, mx.array]]:
+def cpo_loss(logps: mx.array, mask: mx.array, *, beta: float | mx.array, loss_type: str,
+             label_smoothing: float | mx.array, cpo_alpha: float | mx.array,
+             simpo_gamma: float | mx.array) -> tuple[mx.array, dict[str, mx.array]]:
     """Token log-probs and completion mask (2N, T), chosen rows first -> the loss and TRL's metrics."""
     n = logps.shape[0] // 2
     seq = sequence_logps(logps, mask, average=loss_type in ("ipo", "simpo"))
@@ -63,10 +64,14 @@ class CPOTrainer(PreferenceTrainer):
         batch = self.padded(ids, rows)
         return (batch.inputs, batch.targets, batch.mask), int(batch.mask.sum().item())
 
+    def loss_numbers(self, cfg) -> dict[str, float]:
+        return {"beta": cfg.beta, "label_smoothing": cfg.label_smoothing, "cpo_alpha": cfg.cpo_alpha,
+                "simpo_gamma": cfg.simpo_gamma}
+
     def loss(self, model, inputs, targets, mask):
-        cfg = self.cfg
-        return cpo_loss(token_logps(model(inputs), targets), mask, beta=cfg.beta, loss_type=cfg.loss_type,
-                        label_smoothing=cfg.label_smoothing, cpo_alpha=cfg.cpo_alpha, simpo_gamma=cfg.simpo_gamma)
+        n = self.numbers
+        return cpo_loss(token_logps(model(inputs), targets), mask, beta=n["beta"], loss_type=self.cfg.loss_type,
+                        label_smoothing=n["label_smoothing"], cpo_alpha=n["cpo_alpha"], simpo_gamma=n["simpo_gamma"])
 
 
 def load(job, spec, settings):

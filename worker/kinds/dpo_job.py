@@ -36,8 +36,6 @@ Chosen and rejected rows of a batch go through the model in one right-padded bat
 0..N-1 chosen, N..2N-1 rejected.
 """
 
-import math
-
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -63,7 +61,7 @@ def preference_metrics(chosen_reward: mx.array, rejected_reward: mx.array, chose
 
 
 def pair_losses(c: mx.array, r: mx.array, chosen_len: mx.array, rejected_len: mx.array, loss_type: str, *,
-                beta: float, eps: float) -> mx.array:
+                beta: float | mx.array, eps: float | mx.array) -> mx.array:
     """Each pair's loss of one loss type (above), from its log-ratios c and r (N,) and token counts."""
     z = beta * (c - r)
     if loss_type == "sigmoid":
@@ -73,7 +71,7 @@ def pair_losses(c: mx.array, r: mx.array, chosen_len: mx.array, rejected_len: mx
     if loss_type == "ipo":
         return (c / chosen_len - r / rejected_len - 1 / (2 * beta)) ** 2
     if loss_type == "exo_pair":
-        return mx.sigmoid(z) * (nn.log_sigmoid(z) - math.log1p(-eps)) + mx.sigmoid(-z) * (nn.log_sigmoid(-z) - math.log(eps))
+        return mx.sigmoid(z) * (nn.log_sigmoid(z) - mx.log1p(-eps)) + mx.sigmoid(-z) * (nn.log_sigmoid(-z) - mx.log(eps))
     if loss_type == "nca_pair":
         return -nn.log_sigmoid(beta * c) - 0.5 * nn.log_sigmoid(-beta * c) - 0.5 * nn.log_sigmoid(-beta * r)
     if loss_type == "robust":
@@ -92,8 +90,8 @@ def pair_losses(c: mx.array, r: mx.array, chosen_len: mx.array, rejected_len: mx
 
 
 def dpo_loss(chosen: mx.array, rejected: mx.array, ref_chosen: mx.array, ref_rejected: mx.array, chosen_len: mx.array,
-             rejected_len: mx.array, *, beta: float, loss_types: list[str], loss_weights: list[float],
-             label_smoothing: float = 0.0) -> tuple[mx.array, dict[str, mx.array]]:
+             rejected_len: mx.array, *, beta: float | mx.array, loss_types: list[str], loss_weights: list[float],
+             label_smoothing: float | mx.array = 0.0) -> tuple[mx.array, dict[str, mx.array]]:
     """Sequence log-prob sums (N,) of policy and reference, completion token counts -> the loss and TRL's metrics."""
     c, r = chosen - ref_chosen, rejected - ref_rejected
     loss = sum(w * pair_losses(c, r, chosen_len, rejected_len, t, beta=beta, eps=label_smoothing).mean()
@@ -107,8 +105,8 @@ def chosen_nll(logps: mx.array, mask: mx.array) -> mx.array:
     return -(logps[:n] * mask[:n]).sum() / mx.maximum(mask[:n].sum(), 1.0)
 
 
-def orpo_loss(chosen_mean: mx.array, rejected_mean: mx.array, nll: mx.array, *, lambda_odds: float,
-              beta: float) -> tuple[mx.array, dict[str, mx.array]]:
+def orpo_loss(chosen_mean: mx.array, rejected_mean: mx.array, nll: mx.array, *, lambda_odds: float | mx.array,
+              beta: float | mx.array) -> tuple[mx.array, dict[str, mx.array]]:
     """Per-token mean log-probs (N,) of chosen and rejected, the chosen NLL -> loss and metrics."""
     log_odds = (chosen_mean - rejected_mean) - (mx.log1p(-mx.exp(chosen_mean)) - mx.log1p(-mx.exp(rejected_mean)))
     ratio = nn.log_sigmoid(log_odds)
@@ -132,6 +130,11 @@ class DPOTrainer(PreferenceTrainer):
         if self.method == "dpo":
             self.reference = ReferenceLogps({"train": len(train), "valid": len(valid or [])}, 2, "sum")
 
+    def loss_numbers(self, cfg) -> dict[str, float]:
+        if self.method == "orpo":
+            return {"beta": cfg.beta, "lambda_odds": cfg.lambda_odds}
+        return {"beta": cfg.beta, "label_smoothing": cfg.label_smoothing}
+
     def reference_logps(self, ids: list[int], rows: list[dict]) -> mx.array:
         """Pairs `ids`' chosen then rejected sequence log-probs under the reference: the same weights, LoRA off."""
         batch = self.padded(ids, rows)
@@ -149,14 +152,15 @@ class DPOTrainer(PreferenceTrainer):
         return (batch.inputs, batch.targets, batch.mask, ref), int(batch.mask.sum().item())
 
     def loss(self, model, inputs, targets, mask, ref):
-        cfg, n = self.cfg, inputs.shape[0] // 2
+        cfg, numbers, n = self.cfg, self.numbers, inputs.shape[0] // 2
         logps = token_logps(model(inputs), targets)
         if self.method == "orpo":
             mean = sequence_logps(logps, mask, average=True)
-            return orpo_loss(mean[:n], mean[n:], chosen_nll(logps, mask), lambda_odds=cfg.lambda_odds, beta=cfg.beta)
+            return orpo_loss(mean[:n], mean[n:], chosen_nll(logps, mask), lambda_odds=numbers["lambda_odds"],
+                             beta=numbers["beta"])
         seq, lengths = sequence_logps(logps, mask), mx.maximum(mask.sum(axis=-1), 1.0)
-        return dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], lengths[:n], lengths[n:], beta=cfg.beta,
-                        loss_types=cfg.loss_types, loss_weights=cfg.weights, label_smoothing=cfg.label_smoothing)
+        return dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], lengths[:n], lengths[n:], beta=numbers["beta"],
+                        loss_types=cfg.loss_types, loss_weights=cfg.weights, label_smoothing=numbers["label_smoothing"])
 
 
 def load(job, spec, settings):

@@ -76,8 +76,17 @@ from worker.decode.sampling import make_decode_step, sample
 from worker.rewards.batch import RewardStopped
 from worker.runtime.adapter_layers import lora_disabled
 from worker.runtime.gang_group import SOLO, Gang
-from worker.runtime.logprobs import as_item, completion_logprobs, eos_token_ids, left_pad, prompt_messages, prompt_token_ids
+from worker.runtime.logprobs import (
+    as_item,
+    completion_logprobs,
+    divisor,
+    eos_token_ids,
+    left_pad,
+    prompt_messages,
+    prompt_token_ids,
+)
 from worker.runtime.memory_plan import GB, logits_chunk_tokens, model_shape, plan_memory
+from worker.runtime.scalars import as_inputs
 from worker.runtime.surrogate import clipped_sides, clipped_surrogate
 from worker.runtime.train_core import Cancelled, TrainState, batch_indices, check_finite, clipped, make_optimizer, step_seed
 
@@ -135,15 +144,17 @@ def grpo_loss(
     *,
     loss_type: str,
     importance_sampling_level: str,
-    epsilon_low: float,
-    epsilon_high: float,
-    beta: float,
-    max_completion_len: int,
+    epsilon_low: float | mx.array,
+    epsilon_high: float | mx.array,
+    beta: float | mx.array,
+    max_completion_len: int | mx.array,
     n_rows: mx.array | None = None,
     n_tokens: mx.array | None = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """The GRPO objective for rows of completion tokens. logp, old_logp, ref_logp, mask:
-    (rows, T); advantages: (rows,). Returns the scalar loss and per-step statistics.
+    (rows, T); advantages: (rows,). Returns the scalar loss and per-step statistics. The numbers
+    may be arrays, a compiled step's inputs (worker/runtime/scalars.py); an array beta counts as
+    above 0 (the KL term is there).
 
     n_rows, n_tokens: the whole step's rows and max(completion tokens, 1) when these rows
     are one micro-batch of it (default: these rows' own). Loss and statistics are sums over
@@ -160,7 +171,7 @@ def grpo_loss(
     per_token = clipped_surrogate(ratio, A, 1.0 - epsilon_low, 1.0 + epsilon_high)
 
     kl = None
-    if beta > 0.0:
+    if isinstance(beta, mx.array) or beta > 0.0:
         d = ref_logp - logp
         kl = mx.exp(d) - d - 1.0
         per_token = per_token + beta * kl
@@ -365,6 +376,11 @@ class GRPOTrainer:
         self.optimizer = make_optimizer(cfg, cfg.iters * cfg.num_iterations)
         self.optimizer.init(model.trainable_parameters())
         self.chunk_tokens = logits_chunk_tokens(model_shape(model).vocab)
+        # The loss's numbers as inputs of the compiled step, not compiled into its kernels
+        # (worker/runtime/scalars.py); beta only where the KL term is there.
+        self.numbers = as_inputs(temperature=divisor(cfg.temperature), epsilon_low=cfg.epsilon_low,
+                                 epsilon_high=cfg.epsilon_upper, max_completion_len=cfg.max_completion_len,
+                                 **({"beta": cfg.beta} if cfg.beta > 0 else {}))
         # MLX queues GPU work ahead of the host and frees a buffer only once its kernel has
         # run, so without a limit the whole backward pass (recomputed layers included) can
         # be alive at once. Above this limit its scheduler waits for queued work first.
@@ -374,7 +390,8 @@ class GRPOTrainer:
 
         def loss_fn(model, inputs, pad, completion, mask, old_logp, ref_logp, advantages, n_rows, n_tokens):
             logp = completion_logprobs(
-                model, inputs, pad, completion, cfg.temperature, self.chunk_tokens, self.memory.gradient_checkpointing
+                model, inputs, pad, completion, self.numbers["temperature"], self.chunk_tokens,
+                self.memory.gradient_checkpointing,
             )
             if on_policy:  # TRL: old = detached current log-probs, so the ratio is exactly 1
                 old_logp = mx.stop_gradient(logp)
@@ -387,16 +404,16 @@ class GRPOTrainer:
             (loss, stats), grads = value_and_grad(model, *arrays)
             return loss, stats, grads
 
-        self.micro_batch_step = mx.compile(micro_batch_step, inputs=state, outputs=state)
+        self.micro_batch_step = mx.compile(micro_batch_step, inputs=[*state, self.numbers], outputs=state)
 
     def loss(self, logp: mx.array, old_logp: mx.array, ref_logp: mx.array, advantages: mx.array, mask: mx.array,
              n_rows: mx.array, n_tokens: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
         """The objective of phase 4 (grpo_loss; the kinds built on this trainer give their own)."""
-        cfg = self.cfg
+        cfg, n = self.cfg, self.numbers
         return grpo_loss(logp, old_logp, ref_logp, advantages, mask, loss_type=cfg.loss_type,
-                         importance_sampling_level=cfg.importance_sampling_level, epsilon_low=cfg.epsilon_low,
-                         epsilon_high=cfg.epsilon_upper, beta=cfg.beta, max_completion_len=cfg.max_completion_len,
-                         n_rows=n_rows, n_tokens=n_tokens)
+                         importance_sampling_level=cfg.importance_sampling_level, epsilon_low=n["epsilon_low"],
+                         epsilon_high=n["epsilon_high"], beta=n.get("beta", 0.0),
+                         max_completion_len=n["max_completion_len"], n_rows=n_rows, n_tokens=n_tokens)
 
     def advantages(self, every: np.ndarray, batch: Batch) -> np.ndarray:
         """Phase 3: the whole step's (B, G) rewards (NaN = unscorable) as this rank's rows'

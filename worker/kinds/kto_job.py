@@ -40,8 +40,8 @@ def kl_estimate(mismatched_logps: mx.array, mismatched_ref_logps: mx.array) -> m
     return mx.stop_gradient(mx.maximum((mismatched_logps - mismatched_ref_logps).mean(), 0.0))
 
 
-def kto_loss(logps: mx.array, ref_logps: mx.array, kl: mx.array, labels: mx.array, *, beta: float,
-             desirable_weight: float, undesirable_weight: float) -> tuple[mx.array, dict[str, mx.array]]:
+def kto_loss(logps: mx.array, ref_logps: mx.array, kl: mx.array, labels: mx.array, *, beta: float | mx.array,
+             desirable_weight: float | mx.array, undesirable_weight: float | mx.array) -> tuple[mx.array, dict[str, mx.array]]:
     """Sequence log-probs (N,) of policy and reference, z_0, labels (N,) of 1 (desirable) or 0 ->
     the mean loss and TRL's metrics."""
     r = logps - ref_logps
@@ -96,11 +96,14 @@ class KTOTrainer(Trainer):
         labels = mx.array([float(rows[i]["label"]) for i in ids])
         return (batch.inputs, batch.targets, batch.mask, labels, ref, kl), int(batch.mask.sum().item())
 
+    def loss_numbers(self, cfg) -> dict[str, float]:
+        return {"beta": cfg.beta, "desirable_weight": cfg.desirable_weight, "undesirable_weight": cfg.undesirable_weight}
+
     def loss(self, model, inputs, targets, mask, labels, ref, kl):
-        cfg = self.cfg
         logps = sequence_logps(token_logps(model(inputs), targets), mask)
-        return kto_loss(logps, ref, kl, labels, beta=cfg.beta, desirable_weight=cfg.desirable_weight,
-                        undesirable_weight=cfg.undesirable_weight)
+        n = self.numbers
+        return kto_loss(logps, ref, kl, labels, beta=n["beta"], desirable_weight=n["desirable_weight"],
+                        undesirable_weight=n["undesirable_weight"])
 
 
 def load(job, spec, settings):

@@ -56,13 +56,14 @@ from worker.kinds.dpo_job import dpo_loss
 from worker.kinds.grpo import Batch, GRPOTrainer, Rollout, completions, make_batch, nan_mean, samples_event, step_metrics
 from worker.runtime.adapter_layers import lora_disabled
 from worker.runtime.logprobs import completion_logprobs, sequence_logps
+from worker.runtime.scalars import as_inputs
 from worker.runtime.train_core import Cancelled, TrainState, check_finite, clipped, step_seed
 
 # --------------------------------------------------------------------------- the math
 
 
 def pair_loss(policy_a: mx.array, policy_b: mx.array, ref_a: mx.array, ref_b: mx.array, a_chosen: mx.array, *,
-              beta: float, loss_type: str, alpha: float | None = None) -> tuple[mx.array, dict[str, mx.array]]:
+              beta: float | mx.array, loss_type: str, alpha: float | mx.array | None = None) -> tuple[mx.array, dict[str, mx.array]]:
     """Sequence log-prob sums (N,) of each pair's completions a and b under the policy and the
     reference, and whether the judge chose a -> the mean loss and TRL's metrics. alpha: XPO's
     (b is the reference's sample); None: Online DPO."""
@@ -139,12 +140,14 @@ class OnlineDPOTrainer(GRPOTrainer):
         super().__init__(model, *args, **kwargs)
         cfg = self.cfg
         self.xpo = self.spec.kind == "xpo"
-        loss_kwargs = dict(beta=cfg.beta, loss_type=cfg.loss_type, alpha=cfg.alpha if self.xpo else None)
+        # The compiled step's inputs (worker/runtime/scalars.py), not numbers compiled into its kernels.
+        self.numbers.update(as_inputs(beta=cfg.beta, **({"alpha": cfg.alpha} if self.xpo else {})))
         chunk, checkpointing = self.chunk_tokens, self.memory.gradient_checkpointing
 
         def loss_fn(model, a, b, ref_a, ref_b, a_chosen, share):
             policy_a, policy_b = (sequence_logprobs(model, rows, chunk, checkpointing) for rows in (a, b))
-            loss, stats = pair_loss(policy_a, policy_b, ref_a, ref_b, a_chosen, **loss_kwargs)
+            loss, stats = pair_loss(policy_a, policy_b, ref_a, ref_b, a_chosen, beta=self.numbers["beta"],
+                                    loss_type=cfg.loss_type, alpha=self.numbers.get("alpha"))
             return loss * share, {k: v * share for k, v in stats.items()}
 
         value_and_grad = nn.value_and_grad(model, loss_fn)
@@ -154,7 +157,7 @@ class OnlineDPOTrainer(GRPOTrainer):
             return loss, stats, grads
 
         state = [model.state, mx.random.state]
-        self.micro_batch_step = mx.compile(micro_batch_step, inputs=state, outputs=state)
+        self.micro_batch_step = mx.compile(micro_batch_step, inputs=[*state, self.numbers], outputs=state)
 
     def step(self, state: TrainState, should_stop: Callable[[], bool],
              on_finite_loss: Callable[[], None] = lambda: None) -> tuple[dict[str, float], dict]:

@@ -73,6 +73,7 @@ from worker.runtime.adapter_layers import (
 )
 from worker.runtime.logprobs import completion_hidden, head_logprobs
 from worker.runtime.models import get_model
+from worker.runtime.scalars import as_inputs
 from worker.runtime.surrogate import clipped_surrogate
 from worker.runtime.train_core import Cancelled, Run, TrainState, check_finite, clipped, make_optimizer, step_seed
 
@@ -118,7 +119,8 @@ def gae(rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float) -> tu
 
 
 def ppo_loss(logp: mx.array, values: mx.array, old_logp: mx.array, old_values: mx.array, advantages: mx.array,
-             returns: mx.array, mask: mx.array, *, cliprange: float, cliprange_value: float, vf_coef: float,
+             returns: mx.array, mask: mx.array, *, cliprange: float | mx.array, cliprange_value: float | mx.array,
+             vf_coef: float | mx.array,
              n_tokens: mx.array | None = None) -> tuple[mx.array, dict[str, mx.array]]:
     """PPO's clipped policy loss and clipped value loss over rows of completion tokens, all (rows, L).
     n_tokens: the whole minibatch's tokens when these rows are a micro-batch of it (default:
@@ -157,11 +159,13 @@ class PPOTrainer(GRPOTrainer):
         self.module = RewardModel(model, head)
         self.optimizer = make_optimizer(cfg, cfg.iters * cfg.num_ppo_epochs * cfg.num_mini_batches)
         self.optimizer.init(self.module.trainable_parameters())
-        loss_kwargs = dict(cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value, vf_coef=cfg.vf_coef)
+        clip = as_inputs(cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value, vf_coef=cfg.vf_coef)
+        self.numbers.update(clip)  # the compiled step's inputs (worker/runtime/scalars.py), with the temperature
 
         def loss_fn(module, inputs, pad, completion, mask, old_logp, old_values, advantages, returns, n_tokens):
             logp, values = self.policy_and_values(module, inputs, pad, completion, self.memory.gradient_checkpointing)
-            return ppo_loss(logp, values, old_logp, old_values, advantages, returns, mask, n_tokens=n_tokens, **loss_kwargs)
+            return ppo_loss(logp, values, old_logp, old_values, advantages, returns, mask, n_tokens=n_tokens,
+                            **{name: self.numbers[name] for name in clip})
 
         value_and_grad = nn.value_and_grad(self.module, loss_fn)
         state = [self.module.state, mx.random.state]
@@ -170,15 +174,15 @@ class PPOTrainer(GRPOTrainer):
             (loss, stats), grads = value_and_grad(self.module, *arrays)
             return loss, stats, grads
 
-        self.ppo_step = mx.compile(micro_batch_step, inputs=state, outputs=state)
+        self.ppo_step = mx.compile(micro_batch_step, inputs=[*state, self.numbers], outputs=state)
 
     def policy_and_values(self, module: RewardModel, inputs: mx.array, pad: mx.array, completion: mx.array,
                           checkpointing: bool = False) -> tuple[mx.array, mx.array]:
         """log pi(o_t) and V_t at every completion position, from one forward pass."""
         rows, L = completion.shape
         hidden = completion_hidden(module.lm, inputs, pad, L, checkpointing)
-        logp = head_logprobs(module.lm, hidden.reshape(rows * L, -1), completion.reshape(-1, 1), self.cfg.temperature,
-                             self.chunk_tokens).reshape(rows, L)
+        logp = head_logprobs(module.lm, hidden.reshape(rows * L, -1), completion.reshape(-1, 1),
+                             self.numbers["temperature"], self.chunk_tokens).reshape(rows, L)
         # The head reads the hidden states with their gradient stopped: the value loss trains the
         # head alone, so a large value error never moves the policy (docs/kinds.md#ppo).
         return logp, module.head(mx.stop_gradient(hidden).astype(mx.float32))[..., 0]

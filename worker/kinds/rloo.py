@@ -56,7 +56,7 @@ def rloo_advantages(rewards: np.ndarray, normalize: bool) -> np.ndarray:
 
 
 def rloo_loss(logp: mx.array, old_logp: mx.array, ref_logp: mx.array | None, advantages: mx.array, mask: mx.array, *,
-              epsilon_low: float, epsilon_high: float, n_rows: mx.array | None = None,
+              epsilon_low: float | mx.array, epsilon_high: float | mx.array, n_rows: mx.array | None = None,
               n_tokens: mx.array | None = None) -> tuple[mx.array, dict[str, mx.array]]:
     """RLOO's objective for rows of completion tokens (as grpo_loss: logp, old_logp, ref_logp, mask
     (rows, T), advantages (rows,); n_rows, n_tokens: the whole step's when these rows are a
@@ -92,8 +92,8 @@ class RLOOTrainer(GRPOTrainer):
 
     def loss(self, logp, old_logp, ref_logp, advantages, mask, n_rows, n_tokens):
         return rloo_loss(logp, old_logp, ref_logp if self.cfg.beta > 0 else None, advantages, mask,
-                         epsilon_low=self.cfg.epsilon_low, epsilon_high=self.cfg.epsilon_upper, n_rows=n_rows,
-                         n_tokens=n_tokens)
+                         epsilon_low=self.numbers["epsilon_low"], epsilon_high=self.numbers["epsilon_high"],
+                         n_rows=n_rows, n_tokens=n_tokens)
 
 
 load = functools.partial(grpo_job.load, trainer_class=RLOOTrainer)

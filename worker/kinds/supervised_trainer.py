@@ -34,6 +34,7 @@ from worker.runtime.logprobs import pair_tokens
 from worker.runtime.memory_plan import device_kind, device_memory_bytes, model_shape, weights_bytes
 from worker.runtime.models import get_model, gradient_checkpointing, private_base
 from worker.runtime.qat import check_qat, qat_loss, qat_step
+from worker.runtime.scalars import as_inputs
 from worker.runtime.train_core import (
     Rows,
     Run,
@@ -54,11 +55,12 @@ HISTORY_METRICS = ("loss", "learning_rate", "step_time")
 # --------------------------------------------------------------------------- the trainer
 
 
-def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int, max_grad_norm: float | None,
+def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int, numbers: dict[str, mx.array],
               gang: Gang = SOLO, compiled: bool = True) -> Callable:
     """One micro-batch of an optimizer step, as mlx_lm's trainer makes its step: compiled with
     the model's, the optimizer's and the random state as inputs and outputs, so that the
-    forward, backward and update are one graph MLX simplifies and fuses. Gradient
+    forward, backward and update are one graph MLX simplifies and fuses. numbers: the
+    trainer's (Trainer.numbers: what loss_fn reads, and max_grad_norm), inputs too. Gradient
     accumulation sums the micro-batches' gradients (and metrics), then averages them: the
     same update as one batch of all their rows, for equal sizes. In a gang (worker/runtime/gang_group.py)
     each rank has a share of every micro-batch: its mean counts by its `share` of the
@@ -68,7 +70,7 @@ def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int
         step(arrays, share, running, do_update) -> (running, metrics)
         running: the summed (gradients, metrics) so far (None at the first micro-batch);
         do_update: the last micro-batch: the mean gradient's norm (before clipping, as TRL
-        reports it), the gradient clipped to max_grad_norm (None: not clipped), the update.
+        reports it), the gradient clipped to numbers' max_grad_norm (none: not clipped), the update.
         arrays None: no micro-batch, only the update of `running` (a gang's rank evaluates its
         local sums first, to time its own work: Gang.measure)."""
     vg = nn.value_and_grad(module, loss_fn)
@@ -90,20 +92,22 @@ def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int
         grads, metrics = gang.sum_tree((grads, metrics))
         grads = tree_map(lambda g: g / accumulation, grads)
         metrics = {k: v / accumulation for k, v in metrics.items()}
-        grads, metrics["grad_norm"] = clipped(grads, max_grad_norm)
+        grads, metrics["grad_norm"] = clipped(grads, numbers.get("max_grad_norm"))
         optimizer.update(module, grads)
         return None, metrics
 
     if not compiled:
         return step
     state = [module.state, optimizer.state, mx.random.state]
-    return mx.compile(step, inputs=state, outputs=state)
+    return mx.compile(step, inputs=[*state, numbers], outputs=state)
 
 
 class Trainer:
     """The steps of a supervised kind. A subclass sets `module` (trainable parameters: the
     adapter, plus a reward model's head) and defines `loss(module, *arrays) -> (loss, stats)`
-    and `arrays(indices, rows) -> (arrays, tokens)` for a batch of its rows."""
+    and `arrays(indices, rows) -> (arrays, tokens)` for a batch of its rows; its loss reads the
+    numbers of its `loss_numbers` from `self.numbers`, arrays its compiled step takes as inputs
+    rather than numbers compiled into its kernels (worker/runtime/scalars.py)."""
 
     module: nn.Module
     truncated = 0  # rows cut to max_seq_length
@@ -116,6 +120,8 @@ class Trainer:
         self.optimizer = make_optimizer(cfg, cfg.iters, cfg.optimizer, cfg.lr_schedule and cfg.lr_schedule.model_dump(),
                                         cfg.momentum)
         self.optimizer.init(module.trainable_parameters())
+        clip = {"max_grad_norm": cfg.max_grad_norm} if cfg.max_grad_norm is not None else {}
+        self.numbers = as_inputs(**self.loss_numbers(cfg), **clip)
         self.micro_steps, self.micro_step_state = {}, None  # made at a step's first use (make_step), below: plain, QAT
         check_qat(module, cfg)
 
@@ -137,7 +143,7 @@ class Trainer:
         qat = qat_step(cfg, state.step)
         if qat not in self.micro_steps:
             self.micro_steps[qat] = make_step(self.module, self.optimizer, qat_loss(self.loss, cfg.qat) if qat else self.loss,
-                                              len(micro), cfg.max_grad_norm, self.gang, self.compiled)
+                                              len(micro), self.numbers, self.gang, self.compiled)
         self.module.train()
         running, local = None, time.perf_counter()
         solo = self.gang.size == 1  # a gang's rank sums its micro-batches, times that, then updates
@@ -169,6 +175,10 @@ class Trainer:
         return {**metrics, **({} if solo else shared_rows), "learning_rate": float(lr.item() if isinstance(lr, mx.array) else lr),
                 "examples": sum(map(len, ids)), "num_tokens": state.num_tokens, "tokens_per_second": n_tokens / max(dt, 1e-9),
                 "peak_memory_gb": mx.get_peak_memory() / 1e9, "step_time": dt}
+
+    def loss_numbers(self, cfg) -> dict[str, float]:
+        """The numbers the loss computes with, by name (self.numbers holds them as arrays)."""
+        return {}
 
     @staticmethod
     def weight(ids: list[int], tokens: int) -> float:

@@ -21,6 +21,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
 
 from shared.adapters import CONFIG_FILE, WEIGHTS_FILE
 from worker.runtime.projection_groups import lora_pair, shared_input_groups
+from worker.runtime.scalars import as_input
 
 
 ADAPTER_LAYERS = (LoRALinear, DoRALinear, LoRASwitchLinear)  # mlx_lm's adapter layers, each around its `linear`
@@ -33,7 +34,11 @@ class InputDtypeLoRALinear(LoRALinear):
     updates are not rounded away; on a float32 model nothing changes. On MLX CUDA the float32
     product made a LoRA step of a bfloat16 model 1.7x slower (docs/performance.md). A job's
     layers are these (attach_adapter); the decoder runs its own LoRA products. shared_input:
-    the SharedInput it belongs to, whose one computation gives each of its layers its output."""
+    the SharedInput it belongs to, whose one computation gives each of its layers its output.
+    _scale: `scale` as an array (attach_adapter sets it; the underscore keeps it out of the
+    parameters), so that a compiled step takes it as an input (in the module's state) rather than
+    compiling it into its kernels (worker/runtime/scalars.py); `scale` stays the number (0:
+    lora_disabled)."""
 
     shared_input = None
 
@@ -44,7 +49,7 @@ class InputDtypeLoRALinear(LoRALinear):
             return self.linear(x)
         h = x.reshape(-1, x.shape[-1])  # 2-D rows: each 3-D matmul would add a flatten and an unflatten
         z = (self.dropout(h) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
-        return (self.linear(h) + (self.scale * z).astype(x.dtype)).reshape(*x.shape[:-1], -1)
+        return (self.linear(h) + self._scale.astype(z.dtype) * z).reshape(*x.shape[:-1], -1)
 
 
 @dataclass(eq=False, repr=False)
@@ -83,7 +88,8 @@ class SharedInput:
             return [m.linear(x) for m in layers]
         a, b = lora_pair(layers)
         h, rows = x.reshape(-1, x.shape[-1]), x.shape[:-1]  # 2-D rows, as InputDtypeLoRALinear's
-        z = (scale * ((h @ a.astype(x.dtype)) @ b.astype(x.dtype))).astype(x.dtype)
+        p = (h @ a.astype(x.dtype)) @ b.astype(x.dtype)
+        z = layers[0]._scale.astype(p.dtype) * p
         if self.fused is not None:
             return mx.split((self.fused(h) + z).reshape(*rows, -1), splits, axis=-1)
         return [(m.linear(h) + z_i).reshape(*rows, -1) for m, z_i in zip(layers, mx.split(z, splits, axis=-1))]
@@ -155,6 +161,7 @@ def attach_adapter(model: nn.Module, cfg, fine_tune_type: str = "lora", init: Pa
         for _, m in model.named_modules():
             if type(m) is LoRALinear:
                 m.__class__ = InputDtypeLoRALinear  # the same weights and fields, another __call__
+                m._scale = as_input(m.scale)
         if not cfg.lora_dropout:
             share_inputs(model, fused=not getattr(cfg, "qat_enable", False))
     if init is not None:

@@ -61,10 +61,18 @@ def lm_head(model: nn.Module) -> Callable[[mx.array], mx.array]:
     return model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens.as_linear
 
 
-def log_softmax(logits: mx.array, temperature: float) -> mx.array:
-    """log softmax(logits / temperature) in float32 (temperature 0, greedy, counts as 1)."""
-    logits = logits.astype(mx.float32) / (temperature if temperature > 0 else 1.0)
+def log_softmax(logits: mx.array, temperature: float | mx.array) -> mx.array:
+    """log softmax(logits / temperature) in float32 (temperature 0, greedy, counts as 1; an
+    array is a compiled function's input, worker/runtime/scalars.py: divisor(), never 0)."""
+    if not isinstance(temperature, mx.array):
+        temperature = divisor(temperature)
+    logits = logits.astype(mx.float32) / temperature
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def divisor(temperature: float) -> float:
+    """What log_softmax divides the logits by: the temperature, 1 for greedy's 0."""
+    return temperature if temperature > 0 else 1.0
 
 
 def pick(logp_all: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
@@ -73,7 +81,7 @@ def pick(logp_all: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
     return logp, (mx.exp(logp_all) * -logp_all).sum(-1)  # negated inside: fused, not a primitive after the sum
 
 
-def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> tuple[mx.array, mx.array]:
+def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float | mx.array) -> tuple[mx.array, mx.array]:
     """log p(token) and entropy of softmax(logits / temperature), in float32.
 
     Sampling's (pi_old); the loss (pi_theta, head_logprobs) takes the same log_softmax, so
@@ -83,7 +91,7 @@ def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> tu
 
 
 def completion_logprobs(
-    model: nn.Module, inputs: mx.array, pad: mx.array, completion: mx.array, temperature: float,
+    model: nn.Module, inputs: mx.array, pad: mx.array, completion: mx.array, temperature: float | mx.array,
     chunk_tokens: int, checkpointing: bool = False,
 ) -> mx.array:
     """log pi(o_t) for every completion position: one forward pass of the transformer for
@@ -103,7 +111,8 @@ def completion_hidden(model: nn.Module, inputs: mx.array, pad: mx.array, L: int,
     return hidden[:, -L - 1 : -1]
 
 
-def head_logprobs(model: nn.Module, hidden: mx.array, tokens: mx.array, temperature: float, chunk_tokens: int) -> mx.array:
+def head_logprobs(model: nn.Module, hidden: mx.array, tokens: mx.array, temperature: float | mx.array,
+                  chunk_tokens: int) -> mx.array:
     """log softmax(head(h) / T)[token] of hidden states (M, D) for tokens (M, K), K of them per
     position: the output head chunk_tokens positions at a time. Each chunk is a checkpoint of
     the head: its full-vocabulary logits are recomputed in the backward pass rather than kept,

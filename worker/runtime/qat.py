@@ -40,7 +40,7 @@ def fake_quantized(layer: nn.Module, lora: LoRALinear | None, quantization: dict
     through. Under a LoRA layer the rounded weight is the fused one, W + scale * (a b)^T, and the
     base takes the rounding's difference, so that base plus LoRA give the fused model's rounding."""
     w = layer.weight
-    fused = w if lora is None else w + lora.scale * (lora.lora_a @ lora.lora_b).T.astype(w.dtype)
+    fused = w if lora is None else w + lora._scale.astype(w.dtype) * (lora.lora_a @ lora.lora_b).T.astype(w.dtype)
     return w + mx.stop_gradient(rounded(fused, quantization) - fused)
 
 

@@ -1,0 +1,98 @@
+"""A training process's kernels for two jobs that differ only in their numbers (tests/test_scalars.py).
+
+    python tests/compiled_numbers.py MODEL_DIR CACHE_DIR [KIND ...]
+
+Set up as the worker's training process is (worker/supervisor/kernel_cache.py: MLX compiles into
+CACHE_DIR), it runs one step of each KIND's job with the first config of CASES, then one of a
+job that changes every number of it (not its structure: beta stays above 0, top_p below 1), on a
+fresh LoRA each, and prints one JSON line per kind: the kernels the first compiled, and the
+names of those the second added (none, where the numbers are inputs of the compiled functions;
+on CUDA, each kernel's files).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from worker.supervisor import kernel_cache  # noqa: E402
+
+WORDS = " ".join(["word"] * 12)
+OPTIMIZER = ({"learning_rate": 1e-4, "max_grad_norm": 1.0}, {"learning_rate": 3e-4, "max_grad_norm": 0.5})
+LORA = ({"lora_alpha": 16.0}, {"lora_alpha": 32.0})
+CASES = {
+    "grpo": ({"temperature": 0.7, "top_p": 0.9, "clip_ratio": 0.2, "epsilon_high": 0.28, "beta": 0.04},
+             {"temperature": 0.9, "top_p": 0.8, "clip_ratio": 0.3, "epsilon_high": 0.35, "beta": 0.1}),
+    "sft": ({}, {}),
+    "dpo": ({"beta": 0.1, "label_smoothing": 0.1}, {"beta": 0.3, "label_smoothing": 0.2}),
+    "orpo": ({"beta": 0.1, "lambda_odds": 1.0}, {"beta": 0.2, "lambda_odds": 0.5}),
+    "kto": ({"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
+            {"beta": 0.3, "desirable_weight": 1.5, "undesirable_weight": 0.7}),
+    "cpo": ({"beta": 0.1, "label_smoothing": 0.1, "cpo_alpha": 1.0}, {"beta": 0.2, "label_smoothing": 0.2, "cpo_alpha": 0.5}),
+}
+
+
+def rows(kind: str) -> list[dict]:
+    if kind == "sft":
+        return [{"text": f"{i} {WORDS}"} for i in range(4)]
+    if kind == "kto":
+        return [{"prompt": f"{i} {WORDS}", "completion": f"yes {WORDS}", "label": i % 2 == 0} for i in range(4)]
+    return [{"prompt": f"{i} {WORDS}", "chosen": f"yes {WORDS}", "rejected": f"no {WORDS}"} for i in range(4)]
+
+
+def step(kind: str, model, tokenizer, model_dir: str, config: dict) -> None:
+    """One step of a fresh job of `kind` with `config` on the loaded model."""
+    import mlx.core as mx
+
+    from shared.kinds import KINDS
+    from worker.kinds.cpo_job import CPOTrainer
+    from worker.kinds.dpo_job import DPOTrainer
+    from worker.kinds.grpo import GRPOTrainer
+    from worker.kinds.kto_job import KTOTrainer
+    from worker.kinds.sft_job import SFTTrainer
+    from worker.rewards.scorer import build_scorer
+    from worker.runtime.adapter_layers import attach_adapter
+    from worker.runtime.train_core import TrainState
+
+    mx.random.seed(0)
+    if kind == "grpo":
+        spec = KINDS[kind].spec_model.model_validate({"model_id": model_dir, "prompts": ["One.", "Two."], "config": {
+            "group_size": 2, "batch_size": 2, "max_completion_len": 8, "iters": 2, **config}})
+        attach_adapter(model, spec.config)
+        with build_scorer(spec, "numbers") as scorer:
+            GRPOTrainer(model, tokenizer, spec, scorer).step(TrainState(), lambda: False)
+        return
+    data = rows(kind)
+    spec = KINDS[kind].spec_model.model_validate({"model_id": model_dir, "dataset": data, "config": {
+        "batch_size": 2, "iters": 2, **config}})
+    attach_adapter(model, spec.config)
+    trainer = {"sft": SFTTrainer, "dpo": DPOTrainer, "orpo": DPOTrainer, "kto": KTOTrainer, "cpo": CPOTrainer}[kind]
+    trainer(model, tokenizer, spec, data, None).step(TrainState())
+
+
+def main() -> None:
+    model_dir, cache = sys.argv[1], Path(sys.argv[2])
+    kernel_cache.use(cache)  # as worker/supervisor/child.py child_main, before MLX
+    import mlx.core as mx
+    import mlx_lm
+
+    from worker.runtime.training_process import kernel_backend
+
+    model, tokenizer = mlx_lm.load(model_dir)
+    tokenizer.eos_token_ids = []  # every completion runs to its end: the same decode steps each time
+
+    def kernels() -> set[str]:  # a CPU's kernels, or each CUDA kernel's files
+        return {p.name for p in kernel_cache.compiled_kernels(mx.__version__, kernel_backend())}
+
+    for kind in sys.argv[3:] or list(CASES):
+        first, second = ({**a, **b, **c} for a, b, c in zip(CASES[kind], OPTIMIZER, LORA))
+        before = kernels()
+        step(kind, model, tokenizer, model_dir, first)
+        after_first = kernels()
+        step(kind, model, tokenizer, model_dir, second)
+        print(json.dumps({"kind": kind, "first": len(after_first - before),
+                          "new": sorted(kernels() - after_first)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
