@@ -21,10 +21,11 @@ WORDS = " ".join(["word"] * 12)
 OPTIMIZER = ({"learning_rate": 1e-4, "max_grad_norm": 1.0}, {"learning_rate": 3e-4, "max_grad_norm": 0.5})
 LORA = ({"lora_alpha": 16.0}, {"lora_alpha": 32.0})
 CASES = {
-    "grpo": ({"temperature": 0.7, "top_p": 0.9, "clip_ratio": 0.2, "epsilon_high": 0.28, "beta": 0.04},
-             {"temperature": 0.9, "top_p": 0.8, "clip_ratio": 0.3, "epsilon_high": 0.35, "beta": 0.1}),
+    "grpo": ({"temperature": 0.7, "top_p": 0.9, "min_p": 0.05, "clip_ratio": 0.2, "epsilon_high": 0.28, "beta": 0.04},
+             {"temperature": 0.9, "top_p": 0.8, "min_p": 0.1, "clip_ratio": 0.3, "epsilon_high": 0.35, "beta": 0.1}),
     "sft": ({}, {}),
-    "dpo": ({"beta": 0.1, "label_smoothing": 0.1}, {"beta": 0.3, "label_smoothing": 0.2}),
+    "dpo": ({"beta": 0.1, "label_smoothing": 0.1, "loss_type": ["sigmoid", "hinge"], "loss_weights": [1.0, 0.5]},
+            {"beta": 0.3, "label_smoothing": 0.2, "loss_type": ["sigmoid", "hinge"], "loss_weights": [0.8, 0.3]}),
     "orpo": ({"beta": 0.1, "lambda_odds": 1.0}, {"beta": 0.2, "lambda_odds": 0.5}),
     "kto": ({"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
             {"beta": 0.3, "desirable_weight": 1.5, "undesirable_weight": 0.7}),

@@ -3,10 +3,11 @@ returns (Samples), and draw, which picks the tokens from the logits with their l
 entropies under the distribution they were drawn from (logits / temperature: log_softmax and
 pick of worker/runtime/logprobs.py, as the loss computes them)."""
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from worker.runtime.logprobs import divisor, log_softmax, pick
 from worker.runtime.scalars import as_inputs
@@ -27,8 +28,9 @@ class SamplingParams:
 
     def inputs(self) -> dict[str, mx.array]:
         """The numbers draw computes with, as arrays for a compiled decode step to take as inputs
-        (worker/runtime/scalars.py): the logits' divisor and top_p."""
-        return as_inputs(temperature=divisor(self.temperature), top_p=self.top_p)
+        (worker/runtime/scalars.py): the logits' divisor, top_p and log(min_p)."""
+        return as_inputs(temperature=divisor(self.temperature), top_p=self.top_p,
+                         log_min_p=math.log(self.min_p) if self.min_p > 0 else 0.0)
 
 
 @dataclass
@@ -48,7 +50,8 @@ def draw(logits: mx.array, key: mx.array, p: SamplingParams, rows: tuple[int, mx
     the rows left once finished ones are dropped), and each draws the Gumbel noise it would
     draw in the whole batch (mx.random.categorical's own way), so the same token. values:
     p.inputs(), which a compiled step takes as its inputs (None: made here; mlx_lm's top_p filter
-    is a compiled function of its own)."""
+    is a compiled function of its own). min_p as mlx_lm's apply_min_p filters (it keeps at least
+    the likeliest token), with log(min_p) an input where it takes the number."""
     values = p.inputs() if values is None else values
     logp_all = log_softmax(logits, values["temperature"])
     if p.temperature == 0:
@@ -60,7 +63,8 @@ def draw(logits: mx.array, key: mx.array, p: SamplingParams, rows: tuple[int, mx
         if p.top_p < 1.0:
             filtered = apply_top_p(filtered, values["top_p"])
         if p.min_p > 0.0:
-            filtered = apply_min_p(filtered, p.min_p)
+            top = filtered.max(axis=-1, keepdims=True)
+            filtered = mx.where(filtered < top + values["log_min_p"], -float("inf"), filtered)
         if rows is None:
             tokens = mx.random.categorical(filtered, key=key)
         else:

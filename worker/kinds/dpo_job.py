@@ -90,7 +90,8 @@ def pair_losses(c: mx.array, r: mx.array, chosen_len: mx.array, rejected_len: mx
 
 
 def dpo_loss(chosen: mx.array, rejected: mx.array, ref_chosen: mx.array, ref_rejected: mx.array, chosen_len: mx.array,
-             rejected_len: mx.array, *, beta: float | mx.array, loss_types: list[str], loss_weights: list[float],
+             rejected_len: mx.array, *, beta: float | mx.array, loss_types: list[str],
+             loss_weights: list[float | mx.array],
              label_smoothing: float | mx.array = 0.0) -> tuple[mx.array, dict[str, mx.array]]:
     """Sequence log-prob sums (N,) of policy and reference, completion token counts -> the loss and TRL's metrics."""
     c, r = chosen - ref_chosen, rejected - ref_rejected
@@ -133,7 +134,8 @@ class DPOTrainer(PreferenceTrainer):
     def loss_numbers(self, cfg) -> dict[str, float]:
         if self.method == "orpo":
             return {"beta": cfg.beta, "lambda_odds": cfg.lambda_odds}
-        return {"beta": cfg.beta, "label_smoothing": cfg.label_smoothing}
+        return {"beta": cfg.beta, "label_smoothing": cfg.label_smoothing,
+                **{f"loss_weight_{k}": w for k, w in enumerate(cfg.weights)}}
 
     def reference_logps(self, ids: list[int], rows: list[dict]) -> mx.array:
         """Pairs `ids`' chosen then rejected sequence log-probs under the reference: the same weights, LoRA off."""
@@ -160,7 +162,8 @@ class DPOTrainer(PreferenceTrainer):
                              beta=numbers["beta"])
         seq, lengths = sequence_logps(logps, mask), mx.maximum(mask.sum(axis=-1), 1.0)
         return dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], lengths[:n], lengths[n:], beta=numbers["beta"],
-                        loss_types=cfg.loss_types, loss_weights=cfg.weights, label_smoothing=numbers["label_smoothing"])
+                        loss_types=cfg.loss_types, label_smoothing=numbers["label_smoothing"],
+                        loss_weights=[numbers[f"loss_weight_{k}"] for k in range(len(cfg.loss_types))])
 
 
 def load(job, spec, settings):

@@ -50,16 +50,18 @@ from worker.runtime.train_core import Cancelled, step_seed
 # --------------------------------------------------------------------------- the math
 
 
-def generalized_jsd(student_logits: mx.array, teacher_logits: mx.array, beta: float,
+def generalized_jsd(student_logits: mx.array, teacher_logits: mx.array, beta: float | mx.array,
                     temperature: float = 1.0) -> mx.array:
-    """D_t at every position: logits (..., V) -> (...). TRL's generalized_jsd_loss before masking."""
+    """D_t at every position: logits (..., V) -> (...). TRL's generalized_jsd_loss before masking.
+    beta: an array between 0 and 1 (a compiled step's input, worker/runtime/scalars.py) or a number."""
     s = log_softmax(student_logits, temperature)
     t = log_softmax(teacher_logits, temperature)
-    if beta == 0:
+    if not isinstance(beta, mx.array) and beta == 0:
         return (mx.exp(t) * (t - s)).sum(-1)
-    if beta == 1:
+    if not isinstance(beta, mx.array) and beta == 1:
         return (mx.exp(s) * (s - t)).sum(-1)
-    m = mx.logaddexp(s + math.log(1 - beta), t + math.log(beta))
+    log = mx.log if isinstance(beta, mx.array) else math.log
+    m = mx.logaddexp(s + log(1 - beta), t + log(beta))
     return beta * (mx.exp(t) * (t - m)).sum(-1) + (1 - beta) * (mx.exp(s) * (s - m)).sum(-1)
 
 
@@ -118,6 +120,9 @@ class GKDTrainer(Trainer):
         self.on_policy, self.key, self.lengths = False, None, []
         super().__init__(model, cfg, train, valid)
 
+    def loss_numbers(self, cfg) -> dict[str, float]:
+        return {"beta": cfg.beta} if 0 < cfg.beta < 1 else {}
+
     def step(self, state, on_finite_loss=lambda: None) -> dict[str, float]:
         self.on_policy = on_policy_step(self.cfg.lmbda, self.cfg.seed, state.step)
         self.key = mx.random.key(step_seed(self.cfg.seed, state.step))  # the samples: as before on resume
@@ -162,7 +167,7 @@ class GKDTrainer(Trainer):
         worker/runtime/logprobs.py head_logprobs): the student's head gets its gradient."""
         head, teacher_head = lm_head(model), lm_head(self.teacher)
         owner = model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens
-        beta = self.cfg.beta
+        beta = self.numbers.get("beta", self.cfg.beta)  # an input where it is neither 0 nor 1
 
         def per_position(h, h_teacher):
             logits = head(h)
