@@ -119,8 +119,8 @@ def sequence_logprobs(model: nn.Module, rows: tuple, chunk_tokens: int, checkpoi
 @contextlib.contextmanager
 def reference_sampling(model: nn.Module):
     """The policy as the reference while it samples: every LoRA B matrix zero. (The compiled
-    decode step takes the LoRA weights as its inputs but its scale as a constant, so lora_disabled
-    would not reach it.)"""
+    decode step keeps its LoRA products, traced with them: zero B matrices make them add exactly
+    nothing.)"""
     layers = [m for _, m in model.named_modules() if hasattr(m, "lora_b")]
     kept = [m.lora_b for m in layers]
     for m in layers:
