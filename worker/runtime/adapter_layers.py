@@ -37,8 +37,9 @@ class InputDtypeLoRALinear(LoRALinear):
     the SharedInput it belongs to, whose one computation gives each of its layers its output.
     _scale: `scale` as an array (attach_adapter sets it; the underscore keeps it out of the
     parameters), so that a compiled step takes it as an input (in the module's state) rather than
-    compiling it into its kernels (worker/runtime/scalars.py); `scale` stays the number (0:
-    lora_disabled)."""
+    compiling it into its kernels (worker/runtime/scalars.py); in the layer's compute dtype, so
+    that the product multiplies by it without a cast (a primitive per layer in an eager forward).
+    `scale` stays the number (0: lora_disabled)."""
 
     shared_input = None
 
@@ -161,7 +162,8 @@ def attach_adapter(model: nn.Module, cfg, fine_tune_type: str = "lora", init: Pa
         for _, m in model.named_modules():
             if type(m) is LoRALinear:
                 m.__class__ = InputDtypeLoRALinear  # the same weights and fields, another __call__
-                m._scale = as_input(m.scale)
+                base = m.linear.scales if isinstance(m.linear, nn.QuantizedLinear) else m.linear.weight
+                m._scale = as_input(m.scale, base.dtype)  # the model's dtype, its inputs'
         if not cfg.lora_dropout:
             share_inputs(model, fused=not getattr(cfg, "qat_enable", False))
     if init is not None:

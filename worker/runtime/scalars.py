@@ -7,17 +7,17 @@ input (an argument, or an array in its `inputs=` state), a value is read, not co
 over them compiles nothing new. What picks another graph stays a Python choice (beta 0 or not,
 greedy or not, top_p 1 or not).
 
-Each is a float32 array of the number, the value MLX would make of it in float32 math; in lower
-precision math, cast it to the other operand's dtype first, as MLX casts a Python number there,
-so that the results are those of the number.
+Each is an array of the number as MLX would make it in the math it goes into (float32, or the
+model's dtype for a LoRA scale), so that the results are those of the number.
 """
 
 import mlx.core as mx
 
 
-def as_input(value: float) -> mx.array:
-    """The number as a 0-d float32 array (it broadcasts as the number would)."""
-    return mx.array(value, mx.float32)
+def as_input(value: float, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """The number as a 0-d array (it broadcasts as the number would), float32 unless the math it
+    goes into is in another dtype: then that dtype, the value MLX would make of the number there."""
+    return mx.array(value, dtype)
 
 
 def as_inputs(**values: float) -> dict[str, mx.array]:
