@@ -29,7 +29,8 @@ CASES = {
     "orpo": ({"beta": 0.1, "lambda_odds": 1.0}, {"beta": 0.2, "lambda_odds": 0.5}),
     "kto": ({"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
             {"beta": 0.3, "desirable_weight": 1.5, "undesirable_weight": 0.7}),
-    "cpo": ({"beta": 0.1, "label_smoothing": 0.1, "cpo_alpha": 1.0}, {"beta": 0.2, "label_smoothing": 0.2, "cpo_alpha": 0.5}),
+    "cpo": ({"beta": 0.1, "label_smoothing": 0.1, "cpo_alpha": 1.0},
+            {"beta": 0.2, "label_smoothing": 0.2, "cpo_alpha": 0.5}),
 }
 
 

@@ -41,7 +41,8 @@ def kl_estimate(mismatched_logps: mx.array, mismatched_ref_logps: mx.array) -> m
 
 
 def kto_loss(logps: mx.array, ref_logps: mx.array, kl: mx.array, labels: mx.array, *, beta: float | mx.array,
-             desirable_weight: float | mx.array, undesirable_weight: float | mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+             desirable_weight: float | mx.array,
+             undesirable_weight: float | mx.array) -> tuple[mx.array, dict[str, mx.array]]:
     """Sequence log-probs (N,) of policy and reference, z_0, labels (N,) of 1 (desirable) or 0 ->
     the mean loss and TRL's metrics."""
     r = logps - ref_logps

@@ -63,7 +63,8 @@ from worker.runtime.train_core import Cancelled, TrainState, check_finite, clipp
 
 
 def pair_loss(policy_a: mx.array, policy_b: mx.array, ref_a: mx.array, ref_b: mx.array, a_chosen: mx.array, *,
-              beta: float | mx.array, loss_type: str, alpha: float | mx.array | None = None) -> tuple[mx.array, dict[str, mx.array]]:
+              beta: float | mx.array, loss_type: str,
+              alpha: float | mx.array | None = None) -> tuple[mx.array, dict[str, mx.array]]:
     """Sequence log-prob sums (N,) of each pair's completions a and b under the policy and the
     reference, and whether the judge chose a -> the mean loss and TRL's metrics. alpha: XPO's
     (b is the reference's sample); None: Online DPO."""

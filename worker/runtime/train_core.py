@@ -175,8 +175,9 @@ def make_optimizer(cfg, total_updates: int, name: str = "adamw", mlx_schedule: d
                        bias_correction=cfg.bias_correction)
 
 
-def clipped(grads, max_grad_norm: float | None):
-    """(grads clipped to a global norm of max_grad_norm (None: as they are), their norm before),
+def clipped(grads, max_grad_norm: float | mx.array | None):
+    """(grads clipped to a global norm of max_grad_norm (None: as they are; an array: a compiled
+    step's input, worker/runtime/scalars.py), their norm before),
     as mlx's clip_grad_norm clips them. The squares' sums are stacked and summed in float32, not
     added one by one: a compiled chain of additions is a kernel of as many inputs as there are
     trainable arrays, compiled again for every other layer count (docs/performance.md)."""
