@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from api.submission import spec_errors
-from conftest import free_port, openenv_servers
+from conftest import free_port, openenv_servers, wait_for
 from shared.agentic_specs import OpenEnvEnvironment
 from shared.schemas import GRPOConfig, JobCreate
 from shared.settings import load_settings
@@ -111,7 +111,8 @@ def test_many_episodes_at_once_from_threads_leave_no_thread_or_socket(servers):
     finally:
         env.close()
     assert threading.active_count() == threads
-    assert open_fds() == fds
+    # A closed websocket's descriptor may go a moment after close() returns (CI once saw 17 for 16).
+    wait_for(lambda: open_fds() == fds, 5, f"the episodes' sockets to close (the {fds} descriptors open before)")
 
 
 def test_an_observation_too_large_is_cut(servers):
