@@ -12,6 +12,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import pytest
+
+from worker.runtime.adapter_layers import attach_adapter
 
 CHILD = Path(__file__).with_name("compiled_numbers.py")
 
@@ -25,3 +33,17 @@ def test_a_job_that_changes_only_numbers_compiles_no_kernel(tiny_model, tmp_path
     assert [line["kind"] for line in lines] == ["grpo", "sft", "dpo", "orpo", "kto", "cpo"]
     assert lines[0]["first"] > 0  # the cache is the process's own: its first job compiled into it
     assert {line["kind"]: line["new"] for line in lines} == {line["kind"]: [] for line in lines}
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_a_lora_layer_scales_its_product_by_lora_alpha_on_a_quantized_base(tiny_model, mode):
+    """The layer's scale array (worker/runtime/adapter_layers.py _scale) is in its product's dtype,
+    or float32 where the base's scales are not floating (MXFP4's are uint8): lora_alpha 2.5 stays 2.5."""
+    model, _ = mlx_lm.load(str(tiny_model))
+    nn.quantize(model, group_size=32, bits=4, mode=mode)
+    attach_adapter(model, SimpleNamespace(lora_layers=-1, lora_rank=4, lora_alpha=2.5, lora_dropout=0.0))
+    layer = model.layers[0].self_attn.o_proj
+    layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(0))
+    x = mx.random.normal((2, 3, layer.lora_a.shape[0]), key=mx.random.key(1))
+    want = layer.linear(x) + 2.5 * ((x @ layer.lora_a) @ layer.lora_b)
+    assert mx.allclose(layer(x), want, atol=1e-4).item()

@@ -113,6 +113,14 @@ def share_inputs(model: nn.Module, fused: bool = True) -> int:
     return count
 
 
+def compute_dtype(base: nn.Module) -> mx.Dtype:
+    """The dtype a LoRA layer's product is in: its base's, the model's (a quantized base's scales'),
+    float32 where those are not floating (an MX quantization's scales are uint8 exponents; the
+    product's cast then makes the scale its dtype at each call)."""
+    dtype = base.scales.dtype if isinstance(base, nn.QuantizedLinear) else base.weight.dtype
+    return dtype if mx.issubdtype(dtype, mx.floating) else mx.float32
+
+
 def adapter_config(cfg, fine_tune_type: str = "lora", quantization: dict | None = None,
                    keys: list[str] | None = None) -> dict:
     """mlx_lm's adapter_config.json for a job's config (any kind's: lora_layers, lora_rank,
@@ -162,8 +170,7 @@ def attach_adapter(model: nn.Module, cfg, fine_tune_type: str = "lora", init: Pa
         for _, m in model.named_modules():
             if type(m) is LoRALinear:
                 m.__class__ = InputDtypeLoRALinear  # the same weights and fields, another __call__
-                base = m.linear.scales if isinstance(m.linear, nn.QuantizedLinear) else m.linear.weight
-                m._scale = as_input(m.scale, base.dtype)  # the model's dtype, its inputs'
+                m._scale = as_input(m.scale, compute_dtype(m.linear))
         if not cfg.lora_dropout:
             share_inputs(model, fused=not getattr(cfg, "qat_enable", False))
     if init is not None:
