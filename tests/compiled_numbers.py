@@ -3,11 +3,11 @@
     python tests/compiled_numbers.py MODEL_DIR CACHE_DIR [KIND ...]
 
 Set up as the worker's training process is (worker/supervisor/kernel_cache.py: MLX compiles into
-CACHE_DIR), it runs one step of each KIND's job with the first config of CASES, then one of a
-job that changes every number of it (not its structure: beta stays above 0, top_p below 1), on a
-fresh LoRA each, and prints one JSON line per kind: the kernels the first compiled, and the
-names of those the second added (none, where the numbers are inputs of the compiled functions;
-on CUDA, each kernel's files).
+CACHE_DIR), it runs one step of each KIND's job with the first config of CASES, then one of a job
+that changes every number of it, its batch size too (not its structure: beta stays above 0, top_p
+below 1, a batch has more than one row), on a fresh LoRA each, and prints one JSON line per kind:
+the kernels the first compiled, and the names of those the second added (none, where the numbers
+are inputs of the compiled functions; on CUDA, each kernel's files).
 """
 
 import json
@@ -20,6 +20,7 @@ from worker.supervisor import kernel_cache  # noqa: E402
 WORDS = " ".join(["word"] * 12)
 OPTIMIZER = ({"learning_rate": 1e-4, "max_grad_norm": 1.0}, {"learning_rate": 3e-4, "max_grad_norm": 0.5})
 LORA = ({"lora_alpha": 16.0}, {"lora_alpha": 32.0})
+BATCH = ({"batch_size": 2}, {"batch_size": 3})  # a mean's 1/count was a constant of the batch's size
 CASES = {
     "grpo": ({"temperature": 0.7, "top_p": 0.9, "min_p": 0.05, "clip_ratio": 0.2, "epsilon_high": 0.28, "beta": 0.04},
              {"temperature": 0.9, "top_p": 0.8, "min_p": 0.1, "clip_ratio": 0.3, "epsilon_high": 0.35, "beta": 0.1}),
@@ -58,15 +59,16 @@ def step(kind: str, model, tokenizer, model_dir: str, config: dict) -> None:
 
     mx.random.seed(0)
     if kind == "grpo":
-        spec = KINDS[kind].spec_model.model_validate({"model_id": model_dir, "prompts": ["One.", "Two."], "config": {
-            "group_size": 2, "batch_size": 2, "max_completion_len": 8, "iters": 2, **config}})
+        spec = KINDS[kind].spec_model.model_validate({"model_id": model_dir, "prompts": ["One.", "Two.", "Three."],
+                                                      "config": {"group_size": 2, "max_completion_len": 8, "iters": 2,
+                                                                 **config}})
         attach_adapter(model, spec.config)
         with build_scorer(spec, "numbers") as scorer:
             GRPOTrainer(model, tokenizer, spec, scorer).step(TrainState(), lambda: False)
         return
     data = rows(kind)
-    spec = KINDS[kind].spec_model.model_validate({"model_id": model_dir, "dataset": data, "config": {
-        "batch_size": 2, "iters": 2, **config}})
+    spec = KINDS[kind].spec_model.model_validate({"model_id": model_dir, "dataset": data,
+                                                  "config": {"iters": 2, **config}})
     attach_adapter(model, spec.config)
     trainer = {"sft": SFTTrainer, "dpo": DPOTrainer, "orpo": DPOTrainer, "kto": KTOTrainer, "cpo": CPOTrainer}[kind]
     trainer(model, tokenizer, spec, data, None).step(TrainState())
@@ -87,7 +89,7 @@ def main() -> None:
         return {p.name for p in kernel_cache.compiled_kernels(mx.__version__, kernel_backend())}
 
     for kind in sys.argv[3:] or list(CASES):
-        first, second = ({**a, **b, **c} for a, b, c in zip(CASES[kind], OPTIMIZER, LORA))
+        first, second = ({**a, **b, **c, **d} for a, b, c, d in zip(CASES[kind], OPTIMIZER, LORA, BATCH))
         before = kernels()
         step(kind, model, tokenizer, model_dir, first)
         after_first = kernels()

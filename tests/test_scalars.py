@@ -4,8 +4,9 @@ that differs from an earlier one only in its numbers compiles no kernel of its o
 A real training process's setup (tests/compiled_numbers.py, its own kernel cache) runs a step of
 each kind's job and then of one that changes every number: the LoRA scale (lora_alpha), the
 learning rate and gradient clip, and the kind's own (GRPO's temperature, top_p, min_p, clip range
-and beta; DPO's, ORPO's, KTO's and CPO's betas, weights and label smoothing). Before this, the
-second job of each kind compiled 1 to 14 kernels of its own (GRPO 14): seconds each on CUDA."""
+and beta; DPO's, ORPO's, KTO's and CPO's betas, weights and label smoothing), and the batch size.
+Before this, the second job of each kind compiled 1 to 14 kernels of its own (GRPO 14): seconds
+each on CUDA; with only the batch size changed (2 to 3), DPO 3 and CPO 1 (mx.mean's 1/count)."""
 
 import json
 import os
@@ -20,6 +21,7 @@ import mlx_lm
 import pytest
 
 from worker.runtime.adapter_layers import attach_adapter
+from worker.runtime.scalars import mean
 
 CHILD = Path(__file__).with_name("compiled_numbers.py")
 
@@ -47,3 +49,18 @@ def test_a_lora_layer_scales_its_product_by_lora_alpha_on_a_quantized_base(tiny_
     x = mx.random.normal((2, 3, layer.lora_a.shape[0]), key=mx.random.key(1))
     want = layer.linear(x) + 2.5 * ((x @ layer.lora_a) @ layer.lora_b)
     assert mx.allclose(layer(x), want, atol=1e-4).item()
+
+
+def test_mean_is_mx_means_float32_value_without_a_constant_of_the_count():
+    """scalars.mean: the losses' mean over a batch, whose count is summed on the device (mx.mean's
+    1/count is a constant MLX compiles into the kernels: a job of another batch size compiled its
+    loss's again), is mx.mean's value to the bit, eager and compiled, over all of x or an axis."""
+    compiled = mx.compile(lambda x: (mean(x), mean(x, axis=0)))
+    mx.random.seed(0)
+    for n in range(1, 2000):
+        x = mx.random.normal((n,))
+        assert mx.array_equal(mean(x), x.mean()).item(), n
+        if n % 97 == 1:
+            rows = mx.random.normal((n, 3))
+            whole, columns = compiled(rows)
+            assert mx.array_equal(whole, rows.mean()).item() and mx.array_equal(columns, rows.mean(axis=0)).item(), n

@@ -27,6 +27,7 @@ from worker.kinds import supervised_trainer
 from worker.kinds.dpo_job import chosen_nll, preference_metrics
 from worker.kinds.supervised_trainer import PreferenceTrainer
 from worker.runtime.logprobs import sequence_logps, token_logps
+from worker.runtime.scalars import mean
 
 # --------------------------------------------------------------------------- the math
 
@@ -49,7 +50,7 @@ def cpo_loss(logps: mx.array, mask: mx.array, *, beta: float | mx.array, loss_ty
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     nll = chosen_nll(logps, mask)
-    return losses.mean() + cpo_alpha * nll, {
+    return mean(losses) + cpo_alpha * nll, {
         "nll_loss": nll, **preference_metrics(beta * seq[:n], beta * seq[n:], seq[:n], seq[n:])}
 
 

@@ -43,6 +43,7 @@ from worker.kinds import supervised_trainer
 from worker.kinds.supervised_trainer import PreferenceTrainer, ReferenceLogps
 from worker.runtime.adapter_layers import lora_disabled
 from worker.runtime.logprobs import sequence_logps, token_logps
+from worker.runtime.scalars import mean
 
 # --------------------------------------------------------------------------- the math
 
@@ -51,12 +52,12 @@ def preference_metrics(chosen_reward: mx.array, rejected_reward: mx.array, chose
                        rejected_logps: mx.array) -> dict[str, mx.array]:
     """TRL's rewards/* and logps/* metrics of a batch of pairs, for DPO and ORPO alike."""
     return {
-        "rewards/chosen": chosen_reward.mean(),
-        "rewards/rejected": rejected_reward.mean(),
-        "rewards/accuracies": (chosen_reward > rejected_reward).astype(mx.float32).mean(),
-        "rewards/margins": (chosen_reward - rejected_reward).mean(),
-        "logps/chosen": chosen_logps.mean(),
-        "logps/rejected": rejected_logps.mean(),
+        "rewards/chosen": mean(chosen_reward),
+        "rewards/rejected": mean(rejected_reward),
+        "rewards/accuracies": mean((chosen_reward > rejected_reward).astype(mx.float32)),
+        "rewards/margins": mean(chosen_reward - rejected_reward),
+        "logps/chosen": mean(chosen_logps),
+        "logps/rejected": mean(rejected_logps),
     }
 
 
@@ -95,7 +96,7 @@ def dpo_loss(chosen: mx.array, rejected: mx.array, ref_chosen: mx.array, ref_rej
              label_smoothing: float | mx.array = 0.0) -> tuple[mx.array, dict[str, mx.array]]:
     """Sequence log-prob sums (N,) of policy and reference, completion token counts -> the loss and TRL's metrics."""
     c, r = chosen - ref_chosen, rejected - ref_rejected
-    loss = sum(w * pair_losses(c, r, chosen_len, rejected_len, t, beta=beta, eps=label_smoothing).mean()
+    loss = sum(w * mean(pair_losses(c, r, chosen_len, rejected_len, t, beta=beta, eps=label_smoothing))
                for t, w in zip(loss_types, loss_weights, strict=True))
     return loss, preference_metrics(beta * c, beta * r, chosen, rejected)
 
@@ -112,10 +113,10 @@ def orpo_loss(chosen_mean: mx.array, rejected_mean: mx.array, nll: mx.array, *, 
     log_odds = (chosen_mean - rejected_mean) - (mx.log1p(-mx.exp(chosen_mean)) - mx.log1p(-mx.exp(rejected_mean)))
     ratio = nn.log_sigmoid(log_odds)
     chosen_reward, rejected_reward = beta * chosen_mean, beta * rejected_mean
-    return nll - lambda_odds * ratio.mean(), {
+    return nll - lambda_odds * mean(ratio), {
         "nll_loss": nll,
-        "log_odds_ratio": ratio.mean(),
-        "log_odds_chosen": log_odds.mean(),
+        "log_odds_ratio": mean(ratio),
+        "log_odds_chosen": mean(log_odds),
         **preference_metrics(chosen_reward, rejected_reward, chosen_mean, rejected_mean),
     }
 
@@ -157,8 +158,8 @@ class DPOTrainer(PreferenceTrainer):
         cfg, numbers, n = self.cfg, self.numbers, inputs.shape[0] // 2
         logps = token_logps(model(inputs), targets)
         if self.method == "orpo":
-            mean = sequence_logps(logps, mask, average=True)
-            return orpo_loss(mean[:n], mean[n:], chosen_nll(logps, mask), lambda_odds=numbers["lambda_odds"],
+            means = sequence_logps(logps, mask, average=True)
+            return orpo_loss(means[:n], means[n:], chosen_nll(logps, mask), lambda_odds=numbers["lambda_odds"],
                              beta=numbers["beta"])
         seq, lengths = sequence_logps(logps, mask), mx.maximum(mask.sum(axis=-1), 1.0)
         return dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], lengths[:n], lengths[n:], beta=numbers["beta"],

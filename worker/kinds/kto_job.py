@@ -30,6 +30,7 @@ from worker.kinds import supervised_trainer
 from worker.kinds.supervised_trainer import Trainer, completion_rows
 from worker.runtime.adapter_layers import lora_disabled
 from worker.runtime.logprobs import sequence_logps, token_logps
+from worker.runtime.scalars import mean
 from worker.runtime.train_core import PaddedBatch, Rows, pad_rows
 
 # --------------------------------------------------------------------------- the math
@@ -37,7 +38,7 @@ from worker.runtime.train_core import PaddedBatch, Rows, pad_rows
 
 def kl_estimate(mismatched_logps: mx.array, mismatched_ref_logps: mx.array) -> mx.array:
     """z_0 from the mismatched pairs' sequence log-probs (N,) under the policy and the reference."""
-    return mx.stop_gradient(mx.maximum((mismatched_logps - mismatched_ref_logps).mean(), 0.0))
+    return mx.stop_gradient(mx.maximum(mean(mismatched_logps - mismatched_ref_logps), 0.0))
 
 
 def kto_loss(logps: mx.array, ref_logps: mx.array, kl: mx.array, labels: mx.array, *, beta: float | mx.array,
@@ -54,7 +55,7 @@ def kto_loss(logps: mx.array, ref_logps: mx.array, kl: mx.array, labels: mx.arra
         return (values * which).sum() / mx.maximum(which.sum(), 1.0)
 
     chosen, rejected = mean_of(beta * r, labels), mean_of(beta * r, 1 - labels)
-    return losses.mean(), {
+    return mean(losses), {
         "rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen - rejected, "kl": kl,
         "logps/chosen": mean_of(logps, labels), "logps/rejected": mean_of(logps, 1 - labels),
     }

@@ -56,7 +56,7 @@ from worker.kinds.dpo_job import dpo_loss
 from worker.kinds.grpo import Batch, GRPOTrainer, Rollout, completions, make_batch, nan_mean, samples_event, step_metrics
 from worker.runtime.adapter_layers import lora_disabled
 from worker.runtime.logprobs import completion_logprobs, sequence_logps
-from worker.runtime.scalars import as_inputs
+from worker.runtime.scalars import as_inputs, mean
 from worker.runtime.train_core import Cancelled, TrainState, check_finite, clipped, step_seed
 
 # --------------------------------------------------------------------------- the math
@@ -74,13 +74,13 @@ def pair_loss(policy_a: mx.array, policy_b: mx.array, ref_a: mx.array, ref_b: mx
     ones = mx.ones(chosen.shape)
     loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, ones, ones, beta=beta, loss_types=[loss_type],
                            loss_weights=[1.0])
-    kl = ((policy_a - ref_a).mean() + (policy_b - ref_b).mean()) / 2
-    stats = {**stats, "objective/kl": kl, "objective/entropy": -(policy_a.mean() + policy_b.mean()) / 2}
+    kl = (mean(policy_a - ref_a) + mean(policy_b - ref_b)) / 2
+    stats = {**stats, "objective/kl": kl, "objective/entropy": -(mean(policy_a) + mean(policy_b)) / 2}
     if alpha is None:
         return loss, {**stats, "objective/non_score_reward": -beta * kl}
-    xpo = alpha * policy_b.mean()
-    stats.update({"loss/dpo": loss, "loss/xpo": xpo, "logps/chosen": chosen.mean() + ref_chosen.mean(),
-                  "logps/rejected": rejected.mean() + ref_rejected.mean()})
+    xpo = alpha * mean(policy_b)
+    stats.update({"loss/dpo": loss, "loss/xpo": xpo, "logps/chosen": mean(chosen) + mean(ref_chosen),
+                  "logps/rejected": mean(rejected) + mean(ref_rejected)})
     return loss + xpo, stats
 
 

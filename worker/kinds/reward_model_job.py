@@ -23,6 +23,7 @@ from worker.kinds import supervised_trainer
 from worker.kinds.reward_head import RewardModel, load_head, new_head, save_head
 from worker.kinds.supervised_trainer import PreferenceTrainer
 from worker.runtime.adapter_layers import save_adapter
+from worker.runtime.scalars import mean
 
 # --------------------------------------------------------------------------- the math
 
@@ -30,7 +31,7 @@ from worker.runtime.adapter_layers import save_adapter
 def bradley_terry_loss(chosen: mx.array, rejected: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
     """Rewards (N,) of chosen and rejected completions -> mean loss, accuracy, margin."""
     diff = chosen - rejected
-    return -nn.log_sigmoid(diff).mean(), {"accuracy": (diff > 0).astype(mx.float32).mean(), "margin": diff.mean()}
+    return -mean(nn.log_sigmoid(diff)), {"accuracy": mean((diff > 0).astype(mx.float32)), "margin": mean(diff)}
 
 
 # --------------------------------------------------------------------------- the trainer
