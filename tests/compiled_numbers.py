@@ -25,6 +25,7 @@ CASES = {
     "grpo": ({"temperature": 0.7, "top_p": 0.9, "min_p": 0.05, "clip_ratio": 0.2, "epsilon_high": 0.28, "beta": 0.04},
              {"temperature": 0.9, "top_p": 0.8, "min_p": 0.1, "clip_ratio": 0.3, "epsilon_high": 0.35, "beta": 0.1}),
     "sft": ({}, {}),
+    "dora": ({"fine_tune_type": "dora"}, {"fine_tune_type": "dora"}),  # an SFT job of DoRA layers
     "dpo": ({"beta": 0.1, "label_smoothing": 0.1, "loss_type": ["sigmoid", "hinge"], "loss_weights": [1.0, 0.5]},
             {"beta": 0.3, "label_smoothing": 0.2, "loss_type": ["sigmoid", "hinge"], "loss_weights": [0.8, 0.3]}),
     "orpo": ({"beta": 0.1, "lambda_odds": 1.0}, {"beta": 0.2, "lambda_odds": 0.5}),
@@ -36,7 +37,7 @@ CASES = {
 
 
 def rows(kind: str) -> list[dict]:
-    if kind == "sft":
+    if kind in ("sft", "dora"):
         return [{"text": f"{i} {WORDS}"} for i in range(4)]
     if kind == "kto":
         return [{"prompt": f"{i} {WORDS}", "completion": f"yes {WORDS}", "label": i % 2 == 0} for i in range(4)]
@@ -67,10 +68,10 @@ def step(kind: str, model, tokenizer, model_dir: str, config: dict) -> None:
             GRPOTrainer(model, tokenizer, spec, scorer).step(TrainState(), lambda: False)
         return
     data = rows(kind)
-    spec = KINDS[kind].spec_model.model_validate({"model_id": model_dir, "dataset": data,
-                                                  "config": {"iters": 2, **config}})
-    attach_adapter(model, spec.config)
-    trainer = {"sft": SFTTrainer, "dpo": DPOTrainer, "orpo": DPOTrainer, "kto": KTOTrainer, "cpo": CPOTrainer}[kind]
+    spec = KINDS["sft" if kind == "dora" else kind].spec_model.model_validate({"model_id": model_dir, "dataset": data,
+                                                                            "config": {"iters": 2, **config}})
+    attach_adapter(model, spec.config, config.get("fine_tune_type", "lora"))
+    trainer = {"sft": SFTTrainer, "dora": SFTTrainer, "dpo": DPOTrainer, "orpo": DPOTrainer, "kto": KTOTrainer, "cpo": CPOTrainer}[kind]
     trainer(model, tokenizer, spec, data, None).step(TrainState())
 
 

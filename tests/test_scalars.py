@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
+from mlx_lm.tuner.dora import DoRALinear
 
 from worker.runtime.adapter_layers import attach_adapter
 from worker.runtime.scalars import mean
@@ -32,7 +33,7 @@ def test_a_job_that_changes_only_numbers_compiles_no_kernel(tiny_model, tmp_path
                          env={k: v for k, v in os.environ.items() if k != "CUDA_CACHE_PATH"})
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [line["kind"] for line in lines] == ["grpo", "sft", "dpo", "orpo", "kto", "cpo"]
+    assert [line["kind"] for line in lines] == ["grpo", "sft", "dora", "dpo", "orpo", "kto", "cpo"]
     assert lines[0]["first"] > 0  # the cache is the process's own: its first job compiled into it
     assert {line["kind"]: line["new"] for line in lines} == {line["kind"]: [] for line in lines}
 
@@ -50,6 +51,23 @@ def test_a_lora_layer_scales_its_product_by_lora_alpha_on_a_quantized_base(tiny_
     want = layer.linear(x) + 2.5 * ((x @ layer.lora_a) @ layer.lora_b)
     assert mx.allclose(layer(x), want, atol=1e-4).item()
 
+
+def test_a_dora_layer_computes_mlx_lms_dora_with_its_scale_an_input(tiny_model):
+    """InputScaleDoRALinear (attach_adapter's DoRA layers) gives mlx_lm's DoRALinear's output to
+    the bit, with trained A, B and magnitude, eager and in a compiled function; lora_disabled (scale
+    0) too."""
+    model, _ = mlx_lm.load(str(tiny_model))
+    attach_adapter(model, SimpleNamespace(lora_layers=-1, lora_rank=4, lora_alpha=2.5, lora_dropout=0.0), "dora")
+    layer = model.layers[0].self_attn.o_proj
+    assert type(layer).__name__ == "InputScaleDoRALinear" and layer.scale == 2.5
+    layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(0))
+    layer.m = layer.m * (1 + 0.1 * mx.random.normal(layer.m.shape, key=mx.random.key(2)))
+    x = mx.random.normal((2, 3, layer.lora_a.shape[0]), key=mx.random.key(1))
+    for scale in (2.5, 0.0):
+        layer.scale = scale  # a number the compiled function is traced with (0: another graph)
+        compiled = mx.compile(lambda x: layer(x), inputs=[layer.state])
+        want = DoRALinear.__call__(layer, x)
+        assert mx.array_equal(layer(x), want).item() and mx.allclose(compiled(x), want, atol=1e-6).item(), scale
 
 def test_mean_is_mx_means_float32_value_without_a_constant_of_the_count():
     """scalars.mean: the losses' mean over a batch, whose count is summed on the device (mx.mean's

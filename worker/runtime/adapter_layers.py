@@ -53,6 +53,24 @@ class InputDtypeLoRALinear(LoRALinear):
         return (self.linear(h) + self._scale.astype(z.dtype) * z).reshape(*x.shape[:-1], -1)
 
 
+class InputScaleDoRALinear(DoRALinear):
+    """mlx_lm's DoRA layer with its scale an input of a compiled step (`_scale`, as
+    InputDtypeLoRALinear's), not a constant compiled into its kernels: a DoRA job of another
+    lora_alpha compiled 4 kernels of its own (tests/test_scalars.py). The math is mlx_lm's
+    DoRALinear.__call__'s; `scale` 0 (lora_disabled) stays the number."""
+
+    def __call__(self, x):
+        scale = self._scale if self.scale else self.scale
+        w = self._dequantized_weight()
+        z = (self.dropout(x) @ self.lora_a) @ self.lora_b
+        out = x @ w.T + (scale * z).astype(x.dtype)
+        adapted = w + (scale * self.lora_b.T) @ self.lora_a.T  # the norm of the adapted weights
+        out = (self.m / mx.stop_gradient(mx.linalg.norm(adapted, axis=1))).astype(x.dtype) * out
+        if "bias" in self.linear:
+            out = out + self.linear.bias
+        return out
+
+
 @dataclass(eq=False, repr=False)
 class SharedInput:
     """A block's LoRA layers that read one input (a SHARED_INPUT group: q/k/v, gate/up), computed
@@ -171,6 +189,9 @@ def attach_adapter(model: nn.Module, cfg, fine_tune_type: str = "lora", init: Pa
             if type(m) is LoRALinear:
                 m.__class__ = InputDtypeLoRALinear  # the same weights and fields, another __call__
                 m._scale = as_input(m.scale, compute_dtype(m.linear))
+            elif type(m) is DoRALinear:
+                m.__class__ = InputScaleDoRALinear
+                m._scale = as_input(m.scale)  # float32: the number's value in DoRA's float32 products
         if not cfg.lora_dropout:
             share_inputs(model, fused=not getattr(cfg, "qat_enable", False))
     if init is not None:
