@@ -23,8 +23,9 @@
 #   bash bench/h200_sitting.sh decode    first the decode of 8 rows, LoRA on 16 blocks, beside itself with MLX's
 #                                        quantized matmuls for quantized_kernel's (--undo quantized, 5 interleaved
 #                                        rounds); then decode per position, LoRA on 16 blocks and none, 8 and 32 rows, beside
-#                                        mlx_lm's decoders (3 interleaved rounds), each kernel's GPU time
-#                                        alone at 8 and 32 rows
+#                                        mlx_lm's decoders (3 interleaved rounds), with LoRA at 16 and 32 rows with
+#                                        dense weights beside the quantized (a GRPO job's default on CUDA), each
+#                                        kernel's GPU time alone at 8 and 32 rows
 #   bash bench/h200_sitting.sh versions  where /tmp/old holds an earlier tree's worker/ and shared/, that tree
 #                                        against this one in one process (bench/code_versions.py: decode and
 #                                        GRPO G8 B4 L128, 3 interleaved rounds; about 7 minutes)
@@ -121,6 +122,9 @@ case "$stage" in
     run "$py" bench/decode.py "$q4" --rows 8 --tokens 128 --reps 5 --lora-layers "$lora_layers" --queries 2 \
       --ours-only --undo quantized
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2
+    # ours with dense copies beside the quantized weights: what a GRPO job decodes with on CUDA by default (from 16 rows)
+    run "$py" bench/decode.py "$q4" --rows 16 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2 --ours-only \
+      --dense
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --queries 2
     run "$py" bench/decode_kernels.py "$q4" --rows 8 32 ;;  # each kernel's GPU time alone: what 32 rows cost
   versions)
