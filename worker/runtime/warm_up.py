@@ -18,9 +18,9 @@ from typing import Callable
 
 import mlx.core as mx
 
+from shared.kinds import KINDS
 from shared.schemas import GRPOConfig, JobCreate
 from shared.settings import Settings
-from shared.kinds import KINDS
 from worker.kinds.cpo_job import CPOTrainer
 from worker.kinds.dpo_job import DPOTrainer
 from worker.kinds.grpo import GRPOTrainer
@@ -55,8 +55,8 @@ SUPERVISED_STEPS += [(kind, batch) for kind in ("dpo", "orpo", "cpo") for batch 
 
 def warm_up(model_id: str, settings: Settings, should_stop: Callable[[], bool],
             job_waiting: Callable[[], bool] = lambda: False) -> float:
-    """A GRPO and an SFT step of the model per LoRA layout, then a step of each other SUPERVISED
-    kind, all discarded (the model keeps no adapter), until a job waits; the seconds."""
+    """A GRPO and an SFT step of the model per LoRA layout, then SUPERVISED_STEPS, all discarded
+    (the model keeps no adapter), until a job waits; the seconds."""
     t0 = time.perf_counter()
     model, tokenizer, _ = get_model(model_id, settings)
     layouts = [{"lora_layers": layers} for layers in lora_layouts(len(model.layers))]
