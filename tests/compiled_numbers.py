@@ -49,14 +49,11 @@ def step(kind: str, model, tokenizer, model_dir: str, config: dict) -> None:
     import mlx.core as mx
 
     from shared.kinds import KINDS
-    from worker.kinds.cpo_job import CPOTrainer
-    from worker.kinds.dpo_job import DPOTrainer
     from worker.kinds.grpo import GRPOTrainer
-    from worker.kinds.kto_job import KTOTrainer
-    from worker.kinds.sft_job import SFTTrainer
     from worker.rewards.scorer import build_scorer
     from worker.runtime.adapter_layers import attach_adapter
     from worker.runtime.train_core import TrainState
+    from worker.runtime.warm_up import SUPERVISED  # each supervised kind's trainer
 
     mx.random.seed(0)
     if kind == "grpo":
@@ -67,11 +64,11 @@ def step(kind: str, model, tokenizer, model_dir: str, config: dict) -> None:
         with build_scorer(spec, "numbers") as scorer:
             GRPOTrainer(model, tokenizer, spec, scorer).step(TrainState(), lambda: False)
         return
-    data = rows(kind)
-    spec = KINDS["sft" if kind == "dora" else kind].spec_model.model_validate({"model_id": model_dir, "dataset": data,
-                                                                            "config": {"iters": 2, **config}})
+    data, name = rows(kind), "sft" if kind == "dora" else kind
+    spec = KINDS[name].spec_model.model_validate({"model_id": model_dir, "dataset": data,
+                                                  "config": {"iters": 2, **config}})
     attach_adapter(model, spec.config, config.get("fine_tune_type", "lora"))
-    trainer = {"sft": SFTTrainer, "dora": SFTTrainer, "dpo": DPOTrainer, "orpo": DPOTrainer, "kto": KTOTrainer, "cpo": CPOTrainer}[kind]
+    trainer, _ = SUPERVISED[name]
     trainer(model, tokenizer, spec, data, None).step(TrainState())
 
 

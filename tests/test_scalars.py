@@ -69,6 +69,7 @@ def test_a_dora_layer_computes_mlx_lms_dora_with_its_scale_an_input(tiny_model):
         want = DoRALinear.__call__(layer, x)
         assert mx.array_equal(layer(x), want).item() and mx.allclose(compiled(x), want, atol=1e-6).item(), scale
 
+
 def test_mean_is_mx_means_float32_value_without_a_constant_of_the_count():
     """scalars.mean: the losses' mean over a batch, whose count is summed on the device (mx.mean's
     1/count is a constant MLX compiles into the kernels: a job of another batch size compiled its

@@ -54,7 +54,7 @@ SUPERVISED_STEPS += [(kind, batch) for kind in ("dpo", "orpo", "cpo") for batch 
 
 
 def warm_up(model_id: str, settings: Settings, should_stop: Callable[[], bool],
-            job_waiting: Callable[[], bool] = lambda: False) -> float:
+            job_waiting: Callable[[], bool]) -> float:
     """A GRPO and an SFT step of the model per LoRA layout, then SUPERVISED_STEPS, all discarded
     (the model keeps no adapter), until a job waits; the seconds."""
     t0 = time.perf_counter()
