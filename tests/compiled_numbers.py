@@ -18,7 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from worker.supervisor import kernel_cache  # noqa: E402
 
 WORDS = " ".join(["word"] * 12)
-OPTIMIZER = ({"learning_rate": 1e-4, "max_grad_norm": 1.0}, {"learning_rate": 3e-4, "max_grad_norm": 0.5})
+OPTIMIZER = ({"learning_rate": 1e-4, "max_grad_norm": 1.0},
+             {"learning_rate": 3e-4, "max_grad_norm": 0.5, "weight_decay": 0.01, "adam_beta1": 0.8, "adam_beta2": 0.99,
+              "adam_epsilon": 1e-6})
 LORA = ({"lora_alpha": 16.0}, {"lora_alpha": 32.0})
 BATCH = ({"batch_size": 2}, {"batch_size": 3})  # a mean's 1/count was a constant of the batch's size
 CASES = {

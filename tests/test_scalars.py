@@ -17,12 +17,14 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.optimizers as optim
 import mlx_lm
 import pytest
 from mlx_lm.tuner.dora import DoRALinear
 
 from worker.runtime.adapter_layers import attach_adapter
 from worker.runtime.scalars import mean
+from worker.runtime.train_core import AdamW
 
 CHILD = Path(__file__).with_name("compiled_numbers.py")
 
@@ -83,3 +85,33 @@ def test_mean_is_mx_means_float32_value_without_a_constant_of_the_count():
             rows = mx.random.normal((n, 3))
             whole, columns = compiled(rows)
             assert mx.array_equal(whole, rows.mean()).item() and mx.array_equal(columns, rows.mean(axis=0)).item(), n
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_adamw_with_its_numbers_as_inputs_updates_as_mlxs(dtype, bias_correction):
+    """train_core.AdamW (betas, eps and weight decay in its state: inputs of a compiled step) gives
+    mlx's AdamW's weights and moments to the bit over several steps, eager and compiled, in float32
+    (LoRA's weights) and bfloat16 (full fine-tuning's), with a learning-rate schedule."""
+    numbers = dict(betas=[0.85, 0.995], eps=1e-6, weight_decay=0.03, bias_correction=bias_correction)
+    mx.random.seed(0)
+    weights = {"w": mx.random.normal((8, 16)).astype(dtype), "b": mx.random.normal((16,)).astype(dtype)}
+    grads = [{k: mx.random.normal(v.shape).astype(dtype) for k, v in weights.items()} for _ in range(4)]
+    for compile_it in (False, True):
+        theirs, ours = (cls(learning_rate=optim.linear_schedule(1e-2, 1e-3, 4), **numbers)
+                        for cls in (optim.AdamW, AdamW))
+        params = {}
+        for name, opt in (("theirs", theirs), ("ours", ours)):
+            params[name] = dict(weights)
+            opt.init(params[name])
+
+            def update(g, p, opt=opt):
+                return opt.apply_gradients(g, p)
+
+            step = mx.compile(update, inputs=[opt.state], outputs=[opt.state]) if compile_it else update
+            for g in grads:
+                params[name] = step(g, params[name])
+                mx.eval(params[name], opt.state)
+        for k in weights:
+            assert mx.array_equal(params["ours"][k], params["theirs"][k]).item(), (k, compile_it)
+            assert mx.array_equal(ours.state[k]["v"], theirs.state[k]["v"]).item(), (k, compile_it)

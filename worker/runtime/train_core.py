@@ -24,6 +24,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.tuner.utils import build_schedule
 
+from worker.runtime.scalars import as_inputs
+
 PAD_TO = 32  # padded widths are multiples of this: few distinct shapes to compile
 
 
@@ -162,7 +164,7 @@ def make_optimizer(cfg, total_updates: int, name: str = "adamw", mlx_schedule: d
     lr = build_schedule(mlx_schedule) if mlx_schedule else learning_rate_schedule(cfg, total_updates)
     betas, eps = [cfg.adam_beta1, cfg.adam_beta2], cfg.adam_epsilon
     if name == "adam":
-        return optim.Adam(learning_rate=lr, betas=betas, eps=eps, bias_correction=cfg.bias_correction)
+        return AdamW(learning_rate=lr, betas=betas, eps=eps, weight_decay=0.0, bias_correction=cfg.bias_correction)
     if name == "sgd":
         return optim.SGD(learning_rate=lr, momentum=momentum or 0.0, weight_decay=cfg.weight_decay)
     if name == "muon":
@@ -171,8 +173,37 @@ def make_optimizer(cfg, total_updates: int, name: str = "adamw", mlx_schedule: d
     if name == "adafactor":
         return optim.Adafactor(learning_rate=lr, relative_step=False, scale_parameter=False,
                                weight_decay=cfg.weight_decay)
-    return optim.AdamW(learning_rate=lr, betas=betas, eps=eps, weight_decay=cfg.weight_decay,
-                       bias_correction=cfg.bias_correction)
+    return AdamW(learning_rate=lr, betas=betas, eps=eps, weight_decay=cfg.weight_decay,
+                 bias_correction=cfg.bias_correction)
+
+
+class AdamW(optim.AdamW):
+    """mlx's AdamW (weight_decay 0: its Adam) with betas, eps and weight decay in its state, so
+    inputs of a compiled step (worker/runtime/scalars.py): as Python numbers mlx's compiled them
+    into the update's kernels, which a job of another weight decay compiled again (3 kernels, 1.8
+    s on an H100). Each number is cast to the dtype mlx's Python number takes in that product,
+    and 1 - beta is the Python number's, so the update is mlx's to the bit (tests/test_scalars.py)."""
+
+    def __init__(self, learning_rate, betas: list[float], eps: float, weight_decay: float, bias_correction: bool):
+        super().__init__(learning_rate=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay,
+                         bias_correction=bias_correction)
+        b1, b2 = betas
+        self.state["numbers"] = as_inputs(beta1=b1, beta2=b2, rest1=1 - b1, rest2=1 - b2, eps=eps,
+                                          weight_decay=weight_decay)
+
+    def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
+        n, dtype = self.state["numbers"], gradient.dtype
+        lr = self.learning_rate.astype(dtype)
+        parameter = parameter * (1 - lr * n["weight_decay"].astype(dtype))
+        m = n["beta1"].astype(dtype) * state["m"] + n["rest1"].astype(dtype) * gradient
+        v = n["beta2"].astype(dtype) * state["v"] + n["rest2"].astype(dtype) * mx.square(gradient)
+        state["m"], state["v"] = m, v
+        eps = n["eps"].astype(dtype)
+        if not self.bias_correction:
+            return parameter - lr * m / (mx.sqrt(v) + eps)
+        c1 = (lr / (1 - n["beta1"] ** self.step)).astype(dtype)
+        c2 = mx.rsqrt(1 - n["beta2"] ** self.step).astype(dtype)
+        return parameter - c1 * m / (mx.sqrt(v) * c2 + eps)
 
 
 def clipped(grads, max_grad_norm: float | mx.array | None):
