@@ -3,8 +3,9 @@ that differs from an earlier one only in its numbers compiles no kernel of its o
 
 A real training process's setup (tests/compiled_numbers.py, its own kernel cache) runs a step of
 each kind's job and then of one that changes every number: the LoRA scale (lora_alpha), the
-learning rate and gradient clip, and the kind's own (GRPO's temperature, top_p, min_p, clip range
-and beta; DPO's, ORPO's, KTO's and CPO's betas, weights and label smoothing), and the batch size.
+learning rate, gradient clip and Adam's betas, epsilon and weight decay, and the kind's own
+(GRPO's temperature, top_p, min_p, clip range and beta; DPO's, ORPO's, KTO's and CPO's betas,
+weights and label smoothing), and the batch size.
 Before this, the second job of each kind compiled 1 to 14 kernels of its own (GRPO 14): seconds
 each on CUDA; with only the batch size changed (2 to 3), DPO 3 and CPO 1 (mx.mean's 1/count)."""
 
