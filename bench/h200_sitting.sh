@@ -10,7 +10,8 @@
 #   bash bench/h200_sitting.sh wait 540  until they end or 540 s pass, copying their logs to $OUT as they grow
 #
 #   bash bench/h200_sitting.sh lora      LoRA step, layers together and alone, against full fine-tuning;
-#                                        SFT against `mlx_lm lora`, bfloat16 then 4-bit (3 rounds each)
+#                                        SFT against `mlx_lm lora`, bfloat16 then 4-bit (3 rounds each); DPO's,
+#                                        ORPO's, KTO's and reward models' LoRA steps against their full steps
 #   bash bench/h200_sitting.sh graphs    the LoRA and full steps with MLX's CUDA graphs and without (3 rounds
 #                                        of one process each, interleaved: on the H100 the full step 3-6% faster
 #                                        with them, the LoRA step's rounds either way); then the kernels, graphs and cuBLASLt
@@ -86,7 +87,10 @@ case "$stage" in
   lora)
     run "$py" bench/lora_step.py "$bf16" --rounds 3 --steps 8 --warmup 3
     run "$py" bench/train_step.py "$bf16" --kinds sft sft-full --mlx-lm --rounds 3 --steps 8 --warmup 3
-    run "$py" bench/train_step.py "$q4" --kinds sft --mlx-lm --rounds 3 --steps 8 --warmup 3 ;;
+    run "$py" bench/train_step.py "$q4" --kinds sft --mlx-lm --rounds 3 --steps 8 --warmup 3
+    # the other kinds' LoRA step against their full step (issue 41: at most its time), interleaved by round
+    run "$py" bench/train_step.py "$bf16" --kinds dpo dpo-full orpo orpo-full kto kto-full reward reward-full \
+      --rounds 3 --steps 8 --warmup 3 ;;
   graphs)  # env read once per process (MLX's device.cpp), so a round is a process
     for r in 1 2 3; do  # first the steps with MLX's CUDA graphs and without
       for knobs in MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0; do
