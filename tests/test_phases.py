@@ -65,7 +65,8 @@ def test_a_worker_that_offers_a_model_compiles_its_kernels_before_its_first_job(
     two blocks, for which a warm-up of LoRA on both alone left 8 kernels to compile) then finds
     the model loaded, never shows the compiling phase, and compiles no kernel; nor do SFT, DPO,
     ORPO, CPO and KTO jobs after it, of 1 to 3 rows or pairs (a warm-up of GRPO alone left them 15,
-    9, 13, 5 and 6 on the `small` model)."""
+    9, 13, 5 and 6 on the `small` model), nor RLOO, REINFORCE and reward-model jobs (a warm-up
+    without RLOO's and the reward model's steps left them 14, 0 and 8 here)."""
     fresh = tmp_path / "cache"
     fresh.mkdir()
     kernels = lambda: list(fresh.glob("mlx/*/cpu/*"))  # noqa: E731
@@ -88,7 +89,13 @@ def test_a_worker_that_offers_a_model_compiles_its_kernels_before_its_first_job(
             (f"{api}/cpo/jobs", f"{api}/cpo/jobs", {"model_id": model, "dataset": pairs,
                                                     "config": {"iters": 2, "batch_size": 1}}),
             (f"{api}/kto/jobs", f"{api}/kto/jobs", {"model_id": model, "dataset": labelled,
-                                                    "config": {"iters": 2, "batch_size": 3}})]
+                                                    "config": {"iters": 2, "batch_size": 3}}),
+            (f"{api}/rloo/jobs", f"{api}/rloo/jobs", {"model_id": model, "prompts": ["Say hello."],
+                                                      "config": {**CONFIG, "lora_layers": 1}}),
+            (f"{api}/reinforce/jobs", f"{api}/reinforce/jobs", {"model_id": model, "prompts": ["Say hello."],
+                                                                "config": CONFIG}),
+            (f"{api}/reward/jobs", f"{api}/reward/jobs", {"model_id": model, "dataset": pairs,
+                                                          "config": {"iters": 2, "batch_size": 3}})]
     try:
         with stack.client() as c:
             def warmed():
@@ -116,7 +123,7 @@ def test_a_worker_that_offers_a_model_compiles_its_kernels_before_its_first_job(
                 ready = [e for _, e in read_events(stack.redis, job_id) if e["type"] == "model_ready"]
                 assert ready and ready[0]["cached"] is True
                 ran.append((route.split("/")[-2], len(kernels()) - warm, job["finished_at"] - job["started_at"]))
-        warmed_in = re.findall(r"warmed up \S+ in [\d.]+ s", stack.logs("worker"))
+        warmed_in = re.findall(r"warmed up \S+ in [\d.]+ s", stack.logs("worker", tail=None))
         print(f"\n{warmed_in}: {warm} kernels; then each job's new kernels and seconds from start to end: {ran}")
         assert len(kernels()) == warm, ran
     finally:

@@ -7,9 +7,10 @@ with a fresh LoRA of a job's defaults, as a job's first step does, on a small ba
 depend on the ops and dtypes, not on the batch's size, the LoRA rank or a job's numbers
 (worker/runtime/scalars.py), so a job's first step then finds them in the cache. They do depend on
 which blocks have LoRA, so it takes one such step per LoRA layout (lora_layouts), and on an axis of
-size 1 (a batch of one row); then the supervised kinds' steps (SUPERVISED), whose losses are
-kernels of their own. A job that arrives stops the warm-up between two steps. The model stays
-loaded for the jobs.
+size 1 (a batch of one row); then an RLOO step (its loss, which REINFORCE's shares, and the
+reference pass of its default beta) and the supervised kinds' steps (SUPERVISED), whose losses
+are kernels of their own. A job that arrives stops the warm-up between two steps. The model
+stays loaded for the jobs.
 """
 
 import logging
@@ -19,12 +20,14 @@ from typing import Callable
 import mlx.core as mx
 
 from shared.kinds import KINDS
-from shared.schemas import GRPOConfig, JobCreate
+from shared.schemas import GRPOConfig
 from shared.settings import Settings
 from worker.kinds.cpo_job import CPOTrainer
 from worker.kinds.dpo_job import DPOTrainer
 from worker.kinds.grpo import GRPOTrainer
 from worker.kinds.kto_job import KTOTrainer
+from worker.kinds.reward_model_job import RewardTrainer
+from worker.kinds.rloo import RLOOTrainer
 from worker.kinds.sft_job import SFTTrainer
 from worker.rewards.scorer import build_scorer
 from worker.runtime.adapter_layers import attach_adapter, remove_adapter_layers
@@ -48,34 +51,38 @@ SUPERVISED = {
     "orpo": (DPOTrainer, PAIRS),
     "kto": (KTOTrainer, [{"prompt": p, "completion": "Yes.", "label": i == 0} for i, p in enumerate(TEXT)]),
     "cpo": (CPOTrainer, PAIRS),
+    "reward": (RewardTrainer, PAIRS),
 }
 SUPERVISED_STEPS = [("sft", {"batch_size": 1}), ("kto", {})]  # KTO takes two rows at least
-SUPERVISED_STEPS += [(kind, batch) for kind in ("dpo", "orpo", "cpo") for batch in ({}, {"batch_size": 1})]
+SUPERVISED_STEPS += [(kind, batch) for kind in ("dpo", "orpo", "cpo", "reward") for batch in ({}, {"batch_size": 1})]
+# The policy-gradient kinds' trainers: GRPO's steps per LoRA layout, then RLOO's at its defaults.
+POLICY = {"grpo": GRPOTrainer, "rloo": RLOOTrainer}
 
 
 def warm_up(model_id: str, settings: Settings, should_stop: Callable[[], bool],
             job_waiting: Callable[[], bool]) -> float:
-    """A GRPO and an SFT step of the model per LoRA layout, then SUPERVISED_STEPS, all discarded
-    (the model keeps no adapter), until a job waits; the seconds."""
+    """A GRPO and an SFT step of the model per LoRA layout, then an RLOO step and SUPERVISED_STEPS,
+    all discarded (the model keeps no adapter), until a job waits; the seconds."""
     t0 = time.perf_counter()
     model, tokenizer, _ = get_model(model_id, settings)
     layouts = [{"lora_layers": layers} for layers in lora_layouts(len(model.layers))]
-    steps = [(kind, layout) for kind in ("grpo", "sft") for layout in layouts] + SUPERVISED_STEPS
+    steps = [(kind, layout) for kind in ("grpo", "sft") for layout in layouts] + [("rloo", {})] + SUPERVISED_STEPS
     for kind, config in steps:
         if job_waiting():
             break
         mx.random.seed(0)
-        if kind == "grpo":
-            spec = JobCreate.model_validate({"model_id": model_id, "prompts": PROMPTS, "config": {**CONFIG, **config}})
+        if kind in POLICY:
+            spec = KINDS[kind].spec_model.model_validate({"model_id": model_id, "prompts": PROMPTS,
+                                                          "config": {**CONFIG, **config}})
         else:
             trainer, rows = SUPERVISED[kind]
             spec = KINDS[kind].spec_model.model_validate({"model_id": model_id, "dataset": rows,
                                                           "config": {"batch_size": 2, "iters": 1, **config}})
         attach_adapter(model, spec.config)
         try:
-            if kind == "grpo":
+            if kind in POLICY:
                 with build_scorer(spec, "warm-up") as scorer:
-                    GRPOTrainer(model, tokenizer, spec, scorer, SOLO).step(TrainState(), should_stop)
+                    POLICY[kind](model, tokenizer, spec, scorer, SOLO).step(TrainState(), should_stop)
             else:
                 trainer(model, tokenizer, spec, rows, None).step(TrainState())
         finally:
