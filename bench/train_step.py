@@ -49,8 +49,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from worker.supervisor.openblas import reexec_with_openblas  # noqa: E402
