@@ -51,11 +51,10 @@ def step(kind: str, model, tokenizer, model_dir: str, config: dict) -> None:
     import mlx.core as mx
 
     from shared.kinds import KINDS
-    from worker.kinds.grpo import GRPOTrainer
     from worker.rewards.scorer import build_scorer
     from worker.runtime.adapter_layers import attach_adapter
     from worker.runtime.train_core import TrainState
-    from worker.runtime.warm_up import SUPERVISED  # each supervised kind's trainer
+    from worker.runtime.warm_up import POLICY, SUPERVISED  # each kind's trainer
 
     mx.random.seed(0)
     if kind == "grpo":
@@ -64,7 +63,7 @@ def step(kind: str, model, tokenizer, model_dir: str, config: dict) -> None:
                                                                  **config}})
         attach_adapter(model, spec.config)
         with build_scorer(spec, "numbers") as scorer:
-            GRPOTrainer(model, tokenizer, spec, scorer).step(TrainState(), lambda: False)
+            POLICY[kind](model, tokenizer, spec, scorer).step(TrainState(), lambda: False)
         return
     data, name = rows(kind), "sft" if kind == "dora" else kind
     spec = KINDS[name].spec_model.model_validate({"model_id": model_dir, "dataset": data,

@@ -77,25 +77,19 @@ def test_a_worker_that_offers_a_model_compiles_its_kernels_before_its_first_job(
     labelled = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
                 for p in pairs for side in ("chosen", "rejected")]
     api = "/admin/api/fine-tune"
-    jobs = [(JOBS, JOBS, {"model_id": model, "prompts": ["Say hello."], "config": {**CONFIG, "lora_layers": 1}}),
-            (f"{api}/jobs", f"{api}/jobs", {"model_id": model, "dataset": [{"text": f"Row {i}, some words."}
-                                                                           for i in range(3)],
-                                            "config": {"iters": 2, "batch_size": 1, "lora_layers": 1, "lora_rank": 4}}),
-            (f"{api}/dpo/jobs", f"{api}/dpo/jobs", {"model_id": model, "dataset": pairs,
-                                                    "config": {"iters": 2, "batch_size": 1, "beta": 0.3}}),
-            # an ORPO job is followed where DPO's are (the seed's routes)
-            (f"{api}/orpo/jobs", f"{api}/dpo/jobs", {"model_id": model, "dataset": pairs,
-                                                     "config": {"iters": 2, "batch_size": 3, "lambda_odds": 0.5}}),
-            (f"{api}/cpo/jobs", f"{api}/cpo/jobs", {"model_id": model, "dataset": pairs,
-                                                    "config": {"iters": 2, "batch_size": 1}}),
-            (f"{api}/kto/jobs", f"{api}/kto/jobs", {"model_id": model, "dataset": labelled,
-                                                    "config": {"iters": 2, "batch_size": 3}}),
-            (f"{api}/rloo/jobs", f"{api}/rloo/jobs", {"model_id": model, "prompts": ["Say hello."],
-                                                      "config": {**CONFIG, "lora_layers": 1}}),
-            (f"{api}/reinforce/jobs", f"{api}/reinforce/jobs", {"model_id": model, "prompts": ["Say hello."],
-                                                                "config": CONFIG}),
-            (f"{api}/reward/jobs", f"{api}/reward/jobs", {"model_id": model, "dataset": pairs,
-                                                          "config": {"iters": 2, "batch_size": 3}})]
+    jobs = [(JOBS, {"model_id": model, "prompts": ["Say hello."], "config": {**CONFIG, "lora_layers": 1}}),
+            (f"{api}/jobs", {"model_id": model, "dataset": [{"text": f"Row {i}, some words."} for i in range(3)],
+                             "config": {"iters": 2, "batch_size": 1, "lora_layers": 1, "lora_rank": 4}}),
+            (f"{api}/dpo/jobs", {"model_id": model, "dataset": pairs,
+                                 "config": {"iters": 2, "batch_size": 1, "beta": 0.3}}),
+            (f"{api}/orpo/jobs", {"model_id": model, "dataset": pairs,
+                                  "config": {"iters": 2, "batch_size": 3, "lambda_odds": 0.5}}),
+            (f"{api}/cpo/jobs", {"model_id": model, "dataset": pairs, "config": {"iters": 2, "batch_size": 1}}),
+            (f"{api}/kto/jobs", {"model_id": model, "dataset": labelled, "config": {"iters": 2, "batch_size": 3}}),
+            (f"{api}/rloo/jobs", {"model_id": model, "prompts": ["Say hello."],
+                                  "config": {**CONFIG, "lora_layers": 1}}),
+            (f"{api}/reinforce/jobs", {"model_id": model, "prompts": ["Say hello."], "config": CONFIG}),
+            (f"{api}/reward/jobs", {"model_id": model, "dataset": pairs, "config": {"iters": 2, "batch_size": 3}})]
     try:
         with stack.client() as c:
             def warmed():
@@ -106,18 +100,18 @@ def test_a_worker_that_offers_a_model_compiles_its_kernels_before_its_first_job(
             warm = len(kernels())
             assert warm > 0
             ran = []
-            for route, follow, body in jobs:
+            for route, body in jobs:
                 res = c.post(route, json=body)
                 assert res.status_code in (200, 201), res.text
                 job_id, phases = res.json()["job_id"], set()
 
                 def ended():
-                    job = c.get(f"{follow}/{job_id}").json()
+                    job = c.get(f"{route}/{job_id}").json()
                     phases.add(job["phase"])
                     return job["status"] in ("completed", "failed")
 
                 wait_for(ended, 120, f"the job to end; phases {phases}", interval=0.05)
-                job = c.get(f"{follow}/{job_id}").json()
+                job = c.get(f"{route}/{job_id}").json()
                 assert job["status"] == "completed", job
                 assert "compiling" not in phases, (route, phases)
                 ready = [e for _, e in read_events(stack.redis, job_id) if e["type"] == "model_ready"]
