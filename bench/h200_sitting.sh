@@ -19,7 +19,7 @@
 #                                        of the two steps alone, graphs on and off (bench/matmul_shapes.py)
 #   bash bench/h200_sitting.sh grpo      GRPO G8 B4 L128 and G16 B4 L256 by default (on CUDA a budget of 75% of the
 #                                        GPU's free memory), G8 B4 L128 with max_memory_gb 16, G16 B4 L256 with 5
-#                                        and with 5.2 (dense decode copies fit the plan) (3 rounds each), each
+#                                        (dense decode copies fit the plan there) (3 rounds each), each
 #                                        phase's time; TRL's step where torch and trl import
 #   bash bench/h200_sitting.sh decode    first the decode of 8 rows, LoRA on 16 blocks, beside itself with MLX's
 #                                        quantized matmuls for quantized_kernel's (--undo quantized, 5 interleaved
@@ -112,10 +112,9 @@ case "$stage" in
     # the default (on CUDA a budget of 75% of the GPU's free memory), then two budgets: 16 GB, 5 GB (issue 41's G16 B4 L256)
     run "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 16,4,256 --steps 3 --warmup 1 --rounds 3
     run "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 --steps 3 --warmup 1 --rounds 3 --set max_memory_gb=16
+    # at 5 GB the plan's KV estimate (1.85 copies, 3.64 GB) leaves room for the dense decode copies (0.91 GB):
+    # this line's peak says whether dense decoding fits there (the H100 peaked at 1.84 copies without them)
     run "$py" bench/grpo_step.py "$q4" --sweep 16,4,256 --steps 3 --warmup 1 --rounds 3 --set max_memory_gb=5
-    # 5.2 GB: the plan's estimate (4.19 GB) fits the dense decode copies (0.91 GB) beside it, where 5 GB does
-    # not; the H100 measured 3.87 GB at 5 GB, so whether dense decoding fits in 5 GB is this line's peak
-    run "$py" bench/grpo_step.py "$q4" --sweep 16,4,256 --steps 3 --warmup 1 --rounds 3 --set max_memory_gb=5.2
     run "$py" bench/step_phases.py "$q4" 8,4,128 --reps 3 --sampling
     if "$py" -c "import torch, trl" 2>/dev/null; then
       run "$py" bench/trl_grpo.py "$bf16" --group-size 8 --batch-size 4 --max-completion-len 128 --steps 5 --warmup 2

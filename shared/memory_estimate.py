@@ -13,9 +13,9 @@ from typing import Any
 
 GB = 1e9
 # The decode's peak over its KV cache: ~4.7 measured on CPU (attention copies K/V for
-# grouped-query heads, old and new buffers). On the H200 (fused attention) a limit of 2x held
-# (bench --sweep: 4.56 GB at G16 B4 L256) at the cost of ~6% decode speed, MLX waiting on queued work.
-SAMPLING_KV_COPIES = {"cpu": 5, "gpu": 2}
+# grouped-query heads, old and new buffers). On CUDA (fused attention) the H100 peaked at 1.84
+# copies (G16 B4 L256 within 5 GB); 1.85 leaves room for dense decode copies at that budget.
+SAMPLING_KV_COPIES = {"cpu": 5, "gpu": 1.85}
 LOGITS_CHUNK_BYTES = 16 * 2**20  # float32 logits of one chunk of completion positions
 MIN_LOGITS_CHUNK_TOKENS = 64
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -67,7 +67,7 @@ def activation_bytes(s: ModelShape, width: int) -> int:
 
 def sampling_bytes(s: ModelShape, rows: int, width: int, device: str) -> int:
     """The KV cache of `rows` rows of `width` positions, times the decode's copies of it."""
-    return SAMPLING_KV_COPIES[device] * rows * s.layers * 2 * s.kv_heads * s.head_dim * width * s.act_bytes
+    return int(SAMPLING_KV_COPIES[device] * rows * s.layers * 2 * s.kv_heads * s.head_dim * width * s.act_bytes)
 
 
 def loss_bytes(s: ModelShape, rows: int, width: int, checkpointing: bool) -> int:
