@@ -3,6 +3,7 @@
     python3 -m pip install --target DIR --no-deps "nvidia-cuda-nvrtc==13.*" "nvidia-cuda-runtime==13.*" \
         "nvidia-cuda-cccl==13.*"
     python3 bench/cuda_compile.py --cuda DIR --mlx-src MLX_SOURCE_TREE [--arch sm_90a] [--only NAME]
+                                  [--model DIR --rows 8 --lora-layers 16]
 
 MLX's CUDA backend compiles a custom kernel (mx.fast.cuda_kernel) at its first call on a GPU, so
 a kernel source that does not compile fails a job there, and no test on a CPU sees it. This
@@ -20,6 +21,10 @@ float16, and 4- and 8-bit in groups of 32 and 64; without LoRA, with LoRA on the
 1 to 8 rows and 32; KV buffers of 3 lengths (attention_kernel.WARPS). A compile checks what the
 source says, not what it computes: tests/test_decode.py's CUDA tests do that on a GPU.
 
+--model DIR: only that model's decode (loaded as a job loads it, LoRA on --lora-layers blocks, --rows
+rows), each source timed: what a new process pays for a job's kernels even on a warm kernel cache,
+since MLX 0.32's custom_kernel.cpp keeps custom kernels out of its disk cache (use_disk_cache false).
+
 --cuda DIR: where pip put NVRTC, the CUDA runtime's headers and CCCL (the command above; 13.x,
 as the mlx-cuda-13 wheel takes). --mlx-src: an MLX source tree (its mlx/backend/cuda/device/
 headers, which the wheel embeds in its library rather than ship as files).
@@ -36,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import mlx.core as mx  # noqa: E402
+import mlx_lm  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from decode import kernels_as_on_cuda  # noqa: E402
 from mlx.utils import tree_map  # noqa: E402
@@ -178,12 +184,23 @@ def main():
     ap.add_argument("--mlx-src", type=Path, required=True, help="an MLX source tree")
     ap.add_argument("--arch", default="sm_90a", help="NVRTC's --gpu-architecture (MLX: sm_XYa from 9.0 on)")
     ap.add_argument("--only", help="compile only the kernels whose name holds this")
+    ap.add_argument("--model", help="trace only this model's decode (a path or Hugging Face id)")
+    ap.add_argument("--rows", type=int, default=8, help="with --model: the decode's rows")
+    ap.add_argument("--lora-layers", type=int, default=16, help="with --model: blocks with LoRA (0: none)")
     args = ap.parse_args()
     nvrtc = NVRTC(args.cuda, args.mlx_src, args.arch)
 
     calls: list = []
     with kernels_as_on_cuda(calls):
-        for label, make in models():
+        if args.model:
+            model = mlx_lm.load(args.model)[0]
+            fuse_shared_inputs(model)
+            model.freeze()
+            if args.lora_layers:
+                linear_to_lora_layers(model, args.lora_layers, {"rank": 8, "scale": 16.0, "dropout": 0.0})
+                model.eval()
+            trace(model, args.rows, 64)
+        for label, make in () if args.model else models():
             for lora_layers in (0, 1, 2):  # none, the last block's (a block without LoRA before it), all
                 model = make()
                 fuse_shared_inputs(model)
@@ -203,7 +220,7 @@ def main():
         name, source = mlx_source(kernel, call)
         sources.setdefault(source, name)
     print(f"{len(calls)} kernel calls, {len(sources)} distinct sources", flush=True)
-    failed = 0
+    failed, started = 0, time.perf_counter()
     for source, name in sorted(sources.items(), key=lambda item: item[1]):
         t0 = time.perf_counter()
         ok, log = nvrtc.compile(name, source)
@@ -211,7 +228,7 @@ def main():
         if not ok or "warning" in log:
             print("\n".join("      " + line for line in log.strip().splitlines()), flush=True)
         failed += not ok
-    print(f"{len(sources) - failed} compiled, {failed} failed", flush=True)
+    print(f"{len(sources) - failed} compiled, {failed} failed, {time.perf_counter() - started:.1f} s", flush=True)
     sys.exit(1 if failed else 0)
 
 
