@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import mlx.core as mx  # noqa: E402
-import mlx_lm  # noqa: E402
 import mlx.nn as nn  # noqa: E402
+import mlx_lm  # noqa: E402
 from decode import kernels_as_on_cuda  # noqa: E402
 from mlx.utils import tree_map  # noqa: E402
 from mlx_lm.models import llama, qwen3  # noqa: E402
@@ -158,6 +158,17 @@ def models():
                 yield f"{label} {TYPE_NAMES[dtype]}" + (f" {b}-bit g{group}" if b else ""), make
 
 
+def with_lora(model, lora_layers: int):
+    """The model as a job decodes with it: shared-input projections fused, base frozen, LoRA on its
+    last lora_layers blocks (0: none)."""
+    fuse_shared_inputs(model)
+    model.freeze()
+    if lora_layers:
+        linear_to_lora_layers(model, lora_layers, {"rank": 8, "scale": 16.0, "dropout": 0.0})
+        model.eval()
+    return model
+
+
 class _Traced(Exception):
     pass
 
@@ -193,25 +204,15 @@ def main():
     calls: list = []
     with kernels_as_on_cuda(calls):
         if args.model:
-            model = mlx_lm.load(args.model)[0]
-            fuse_shared_inputs(model)
-            model.freeze()
-            if args.lora_layers:
-                linear_to_lora_layers(model, args.lora_layers, {"rank": 8, "scale": 16.0, "dropout": 0.0})
-                model.eval()
-            trace(model, args.rows, 64)
-        for label, make in () if args.model else models():
-            for lora_layers in (0, 1, 2):  # none, the last block's (a block without LoRA before it), all
-                model = make()
-                fuse_shared_inputs(model)
-                model.freeze()
-                if lora_layers:
-                    linear_to_lora_layers(model, lora_layers, {"rank": 8, "scale": 16.0, "dropout": 0.0})
-                    model.eval()
-                for rows in (1, 2, 3, 4, 5, 6, 7, 8, 32):
-                    for capacity in (64, 300, 600) if rows == 1 else (64,):
-                        trace(model, rows, capacity)
-            print(f"traced {label}: {len(calls)} kernel calls so far", flush=True)
+            trace(with_lora(mlx_lm.load(args.model)[0], args.lora_layers), args.rows, 64)
+        else:
+            for label, make in models():
+                for lora_layers in (0, 1, 2):  # none, the last block's (a block without LoRA before it), all
+                    model = with_lora(make(), lora_layers)
+                    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 32):
+                        for capacity in (64, 300, 600) if rows == 1 else (64,):
+                            trace(model, rows, capacity)
+                print(f"traced {label}: {len(calls)} kernel calls so far", flush=True)
 
     sources = {}
     for kernel, call in calls:
