@@ -35,16 +35,21 @@
 #                                        100), 3 rounds of one process each
 #   bash bench/h200_sitting.sh kernels   first step: cold, warm, another rank / layer count / batch, and a new
 #                                        machine fetching the cold run's kernels from a Redis (first_step.py --fleet);
+#                                        KINDS=grpo for GRPO's alone (default: sft grpo)
+#   bash bench/h200_sitting.sh workers   a job of other numbers compiles nothing (tests/compiled_numbers.py);
 #                                        24 jobs in one process, as a worker and as a plain process
+#   bash bench/h200_sitting.sh first     a fresh process's first GRPO step phase by phase (bench/first_sampling.py):
+#                                        on an empty cache, then warm, then warm without cuDNN's attention
+#                                        and without MLX's CUDA graphs; which cached kernels each process read
 #   bash bench/h200_sitting.sh tests     the CUDA runs of the decode kernels' tests and of the qlora fused-group
-#                                        test, changed since they passed there (the kernels' passed on the H100)
+#                                        test (both passed on the H100 in the tenth sitting)
 #
 # The models (qwen3-0.6b's shape: /tmp/q06f-SIZE bfloat16, /tmp/q06-SIZE 4-bit) are made where missing, about
 # 30 s each. SIZE=small LORA_LAYERS=4 runs a stage on the tests' small model instead (a dry run of
 # the commands; it has 4 blocks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?stage: lora, graphs, grpo, decode, versions, decode-graphs, kernels or tests; or start STAGE... / wait SECONDS}"
+stage="${1:?stage: lora, graphs, grpo, decode, versions, decode-graphs, kernels, workers, first or tests; or start STAGE... / wait SECONDS}"
 case "$stage" in
   start)
     shift
@@ -154,16 +159,25 @@ case "$stage" in
       echo "# the fleet's new machine not run: no redis-server starts here" | tee -a "$log"
     fi
     # the share's cap (default 128 MB) far above one job's kernels, whose size on CUDA it prints
-    run env MTQ_KERNEL_SHARE_MB=4096 "$py" bench/first_step.py "$q4" --kinds sft grpo \
-      --vary lora_rank=16 lora_layers=2 batch_size=4 lora_alpha=32 weight_decay=0.01 "${fleet[@]}"
-    run "$py" tests/compiled_numbers.py "$q4" /tmp/kernel-cache-numbers  # a job of other numbers: no kernel of its own
+    run env MTQ_KERNEL_SHARE_MB=4096 "$py" bench/first_step.py "$q4" --kinds ${KINDS:-sft grpo} \
+      --vary lora_rank=16 lora_layers=2 batch_size=4 lora_alpha=32 weight_decay=0.01 "${fleet[@]}" ;;
+  workers)  # a job of other numbers compiles no kernel of its own; a worker's jobs over its life
+    run "$py" tests/compiled_numbers.py "$q4" /tmp/kernel-cache-numbers
     run "$py" bench/worker_life.py "$q4" --jobs 24 --steps 3
     run "$py" bench/worker_life.py "$q4" --jobs 24 --steps 3 --as-worker ;;
+  first)  # where a fresh process's first GRPO step goes: a process that fills a cache, then warm ones on it
+    cache=(env TMPDIR=/tmp/first-cache CUDA_CACHE_PATH=/tmp/first-cache/cuda-driver)
+    rm -rf /tmp/first-cache && mkdir -p /tmp/first-cache
+    run "${cache[@]}" "$py" bench/first_sampling.py "$q4"
+    run "${cache[@]}" "$py" bench/first_sampling.py "$q4"  # issue 41's warm first step, phase by phase
+    run "${cache[@]}" MLX_CUDA_USE_CUDNN_SDPA=0 "$py" bench/first_sampling.py "$q4"
+    run "${cache[@]}" MLX_USE_CUDA_GRAPHS=0 "$py" bench/first_sampling.py "$q4" ;;
   tests)  # samples and losses unchanged by the speed changes, on CUDA (float32 products: TF32 off)
     # what changed since both files passed on the H100 (docs/performance.md): the kernels' tests and qlora's
     run env MLX_ENABLE_TF32=0 "$py" -m pytest -q -rf tests/test_shared_input.py -k "qlora"
     run env MLX_ENABLE_TF32=0 "$py" -m pytest -q -rf tests/test_decode.py -k "kernel or attends" ;;
-  *) echo "unknown stage $stage: lora, graphs, grpo, decode, versions, decode-graphs, kernels or tests" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: lora, graphs, grpo, decode, versions, decode-graphs, kernels, workers, first or tests" >&2
+     exit 2 ;;
 esac
 echo "# stage $stage: $failed command(s) failed" | tee -a "$log"
 [ "$failed" = 0 ]
