@@ -51,8 +51,8 @@ def free_port() -> int:
 os.environ.setdefault("MTQ_REWARD_MODULES", "reward_fns,tests.reward_fns")
 # Reward servers on this host are reached only at an exact host:port of MTQ_REWARD_HOSTS: the
 # tests' reward servers listen on REWARD_PORT (tests/reward_server.py), and nothing listens on
-# CLOSED_PORT (a server that is down). Set, not defaulted: each of pytest-xdist's processes has ports of
-# its own, and inherits the environment of the one that started it.
+# CLOSED_PORT (a server that is down). Set, not defaulted: a pytest process started by another
+# (pytest-xdist's) inherits its environment but has ports of its own.
 REWARD_PORT, CLOSED_PORT = free_port(), free_port()
 os.environ["MTQ_REWARD_HOSTS"] = f"127.0.0.1:{REWARD_PORT},127.0.0.1:{CLOSED_PORT}"
 
