@@ -12,7 +12,8 @@ DIR. Prints one JSON line: the seconds of each phase, first and second time (loa
 trainer; sample_1: prefill and the first draw; sample_2: one compiled decode step more, a new
 trace; sample_L: the whole sampling, its buffers another shape, so traced again; loss: the loss
 phase's forward and backward over the samples), the kernels in MLX's cache before and after, and
-those the process read, by kind (custom_kernel_: the decode's kernels, mx.fast.cuda_kernel; MLX
+those the process read, by kind (custom_kernel_: the decode's kernels, mx.fast.cuda_kernel,
+which MLX 0.32 never writes to its cache itself, so 0 unless something put them there; MLX
 reads a kernel's .txt file, its lowered names, only when it loads that kernel from the cache, so
 an access time that moved says the kernel came from disk; `atime` false where the filesystem
 keeps none).
@@ -70,6 +71,8 @@ def main():
     ap.add_argument("shape", nargs="?", default="8,4,128", metavar="G,B,L")
     args = ap.parse_args()
     G, B, L = (int(x) for x in args.shape.split(","))
+    if L < 3:
+        ap.error("L must be at least 3: the phases decode 1, 2 and L tokens")
     backend = "cuda" if cuda() else "cpu"
     before = kernel_cache.compiled_kernels(mx.__version__, backend)
     atime = reset_access_times([p for p in before if p.suffix == ".txt"])
@@ -97,8 +100,8 @@ def main():
         _, phases[f"loss_{rep}"] = timed(lambda b=batch: mx.eval(trainer.loss_and_grads(b, b.old_logp)))
 
     after = kernel_cache.compiled_kernels(mx.__version__, backend)
-    known = {p for p in before}
-    read = [p for p in before if p.suffix == ".txt" and p.stat().st_atime_ns > p.stat().st_mtime_ns - 10**9]
+    known = set(before)
+    read = [p for p in before if p.suffix == ".txt" and (st := p.stat()).st_atime_ns > st.st_mtime_ns - 10**9]
     decode_kernels = [p for p in after if p.suffix == ".txt" and p.name.startswith("custom_kernel_")]
     print(json.dumps({
         "device": str(mx.default_device()), "shape": args.shape, "phases": phases,
