@@ -254,6 +254,43 @@ def test_tool_calls_are_read_with_the_tokenizers_syntax_and_held_back_from_a_str
     assert batch.answer(broken)["choices"][0] == {"text": '<tool_call>{"nam</tool_call>', "finish_reason": "stop"}
 
 
+def test_a_seeded_choice_draws_the_same_alone_batched_and_across_turns(tiny_model):
+    """Each choice draws with keys of its own (completions.choice_keys, a key per token): the
+    same tokens alone in one turn, cut after a turn and continued from its tokens, and batched
+    behind another request's rows."""
+    import numpy as np
+    from mlx_lm import load
+
+    from worker.decode.draw import SamplingParams
+    from worker.decode.sampling import make_decode_step
+    from worker.decode.serving import decode
+    from worker.runtime.completions import Choice, Pending, choice_keys
+    model, _ = load(str(tiny_model))
+    params = SamplingParams(max_tokens=40, temperature=1.5)
+    step = make_decode_step(model, params, [-1], 0)  # no EOS: every row draws its whole limit
+
+    def run(prompts, limits, keys, turns=0):
+        got, calls = [[] for _ in prompts], []
+
+        def on_chunk(tokens, _):
+            calls.append(1)
+            for g, t in zip(got, tokens):
+                g += t
+            return None if len(calls) == turns else np.zeros(len(prompts), dtype=bool)
+        decode(model, step, prompts, limits, params, [-1], keys, on_chunk)
+        return [g[:n] for g, n in zip(got, limits)]
+
+    keys = choice_keys(Pending("a", {"seed": 5}, [1, 2, 3], [Choice(), Choice()], 40))
+    assert [k.tolist() for k in keys] == [k.tolist() for k in choice_keys(Pending("a", {"seed": 5}, [1], [
+        Choice(), Choice()], 40))] and keys[0].tolist() != keys[1].tolist()
+    [alone] = run([[1, 2, 3]], [40], [keys[1]])
+    [first] = run([[1, 2, 3]], [40], [keys[1]], turns=2)  # the first token, a chunk, and the turn ends
+    [rest] = run([[1, 2, 3] + first], [40 - len(first)], [keys[1][len(first):]])
+    assert 0 < len(first) < 40 and first + rest == alone
+    other = choice_keys(Pending("b", {"seed": 9}, [7, 7, 7], [Choice()], 30))
+    assert run([[7, 7, 7], [1, 2, 3]], [30, 40], [other[0], keys[1]])[1] == alone
+
+
 def test_a_long_answer_goes_on_over_several_turns(stack, worker):
     """A completion longer than a worker's turn keeps its tokens and continues from them at the
     next turn: the same greedy text as in one go. (1200 tokens: a quiet 2-core machine decoded

@@ -48,7 +48,8 @@ def draw(logits: mx.array, key: mx.array, p: SamplingParams, rows: tuple[int, mx
     """The next token of every row, its log-prob and the entropy (one log-softmax for all three).
     rows (height, index): the rows are these rows of a batch of `height` (a gang's share, or
     the rows left once finished ones are dropped), and each draws the Gumbel noise it would
-    draw in the whole batch (mx.random.categorical's own way), so the same token. values:
+    draw in the whole batch (mx.random.categorical's own way), so the same token. key: one
+    key, or one per row (rows, 2; chat completions: worker/decode/serving.py). values:
     p.inputs(), which a compiled step takes as its inputs (None: made here; mlx_lm's top_p filter
     is a compiled function of its own). min_p as mlx_lm's apply_min_p filters (it keeps at least
     the likeliest token), with log(min_p) an input where it takes the number."""
@@ -65,7 +66,10 @@ def draw(logits: mx.array, key: mx.array, p: SamplingParams, rows: tuple[int, mx
         if p.min_p > 0.0:
             top = filtered.max(axis=-1, keepdims=True)
             filtered = mx.where(filtered < top + values["log_min_p"], -float("inf"), filtered)
-        if rows is None:
+        if key.ndim == 2:  # a key per row: each row's draws are its own, whatever it is batched with
+            noise = mx.vmap(lambda k: mx.random.gumbel(shape=filtered.shape[-1:], key=k))(key)
+            tokens = mx.argmax(filtered + noise, axis=-1)
+        elif rows is None:
             tokens = mx.random.categorical(filtered, key=key)
         else:
             height, index = rows

@@ -14,7 +14,7 @@ import numpy as np
 from worker.decode.draw import SamplingParams, draw
 from worker.decode.graph_patches import lora_args
 from worker.decode.kv_cache import Slots, StaticKVCache
-from worker.decode.sampling import CHUNK, draw_keys, is_eos
+from worker.decode.sampling import CHUNK, is_eos
 from worker.runtime.logprobs import left_pad, lm_head
 
 # on_chunk(tokens, logprobs): each row's new tokens (its EOS included, none once it has
@@ -24,9 +24,11 @@ OnChunk = Callable[[list[list[int]], list[list[float]]], np.ndarray | None]
 
 
 def decode(model, step: Callable, prompts: list[list[int]], limits: list[int], params: SamplingParams,
-           eos_ids: list[int], key: mx.array, on_chunk: OnChunk) -> None:
+           eos_ids: list[int], row_keys: list[np.ndarray], on_chunk: OnChunk) -> None:
     """Decode each row from its prompt until it draws an EOS, the caller ends it, or it has
-    limits[row] tokens (its last chunk may run past that: the caller keeps what it asked for)."""
+    limits[row] tokens (its last chunk may run past that: the caller keeps what it asked for).
+    row_keys[row]: the random keys of its next draws (limits[row] of them, shape (limit, 2)), so
+    that a row draws what it would alone, in any batch and from any turn it goes on at."""
     prompt_tokens, pad = left_pad(prompts, pad_id=0)
     width = prompt_tokens.shape[1]
     longest = max(limits)
@@ -37,7 +39,8 @@ def decode(model, step: Callable, prompts: list[list[int]], limits: list[int], p
     keys, values = [c.keys for c in caches], [c.values for c in caches]
 
     lora = lora_args(model)
-    step_keys = draw_keys(key, longest + 1)
+    # Draw i's key for each row; a row past its limit draws with its last key (its token is not kept).
+    step_keys = np.stack([k[np.minimum(np.arange(longest), len(k) - 1)] for k in row_keys], axis=1)
     tokens, logp, _ = draw(logits, mx.array(step_keys[0]), params)
     finished = is_eos(tokens, eos_ids)
     chunk = [(tokens, logp, mx.ones(tokens.shape, dtype=mx.bool_))]

@@ -18,9 +18,10 @@ is sure to stay (no half of a multi-byte character, nothing that may be the star
 or of a tool call). Tool calls are read at the end with the tokenizer's own syntax (as tool
 episodes read them: worker/agentic/tools.py).
 
-The requested adapter goes in with adapter_swapped, as for scoring, and the draws use the
-request's own key (its seed, or a fresh one): a busy worker's job keeps its weights, optimizer
-state and random state.
+The requested adapter goes in with adapter_swapped, as for scoring, and each choice draws with
+keys of its own (from the request's seed, or a fresh one; a key per token), so a seed gives the same
+choices in any batch and across turns, and a busy worker's job keeps its weights, optimizer state
+and random state.
 """
 
 import json
@@ -40,7 +41,7 @@ from worker.agentic.conversation import Conversation
 from worker.agentic.episode import EpisodeFailed
 from worker.agentic.tools import call_syntax, find_blocks
 from worker.decode.draw import SamplingParams
-from worker.decode.sampling import make_decode_step
+from worker.decode.sampling import draw_keys, make_decode_step
 from worker.decode.serving import decode
 from worker.runtime.adapter_layers import adapter_swapped
 from worker.runtime.logprobs import eos_token_ids
@@ -261,6 +262,15 @@ def unsure_tail(text: str, markers: list[str]) -> int:
     return max((k for m in markers for k in range(1, min(len(m), len(text) + 1)) if text.endswith(m[:k])), default=0)
 
 
+def choice_keys(p: Pending) -> list[np.ndarray]:
+    """Each choice's random keys, one per token up to its limit: from the request's seed (or a
+    fresh one) alone, so that a seed gives the same choices whatever the request is batched with
+    and at whichever turn it goes on."""
+    seed = p.request.get("seed")
+    key = mx.random.key(seed % 2**32 if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    return [draw_keys(k, p.limit) for k in mx.random.split(key, len(p.choices))]
+
+
 def claim_batch(r, queue: str, first: tuple[str, dict, list]) -> list[tuple[str, dict, list]]:
     """The first request and the next ones in turn that can share its decode."""
     claimed = [first]
@@ -309,13 +319,12 @@ def serve(r, settings: Settings, queue: str, first: tuple[str, dict, list], unti
     try:
         params = SamplingParams(max_tokens=max(p.limit for p in items), temperature=request.get("temperature", 1.0),
                                 top_p=request.get("top_p", 1.0))
-        seed = request.get("seed")
-        key = mx.random.key(seed % 2**32 if seed is not None else int.from_bytes(os.urandom(4), "little"))
+        keys = {p.request_id: choice_keys(p) for p in items}
         with adapter_swapped(model, adapter):
             step = make_decode_step(model, params, eos_ids, eos_ids[0])
             decode(model, step, [p.prompt + p.choices[i].tokens for p, i in batch.rows],
-                   [p.limit - len(p.choices[i].tokens) for p, i in batch.rows], params, eos_ids, key,
-                   batch.on_chunk)
+                   [p.limit - len(p.choices[i].tokens) for p, i in batch.rows], params, eos_ids,
+                   [keys[p.request_id][i][len(p.choices[i].tokens):] for p, i in batch.rows], batch.on_chunk)
     except Exception as e:
         log.exception("completion batch failed")
         for p in items:
