@@ -41,6 +41,9 @@
 #   bash bench/h200_sitting.sh first     a fresh process's first GRPO step phase by phase (bench/first_sampling.py):
 #                                        on an empty cache, then warm, then warm without cuDNN's attention
 #                                        and without MLX's CUDA graphs; which cached kernels each process read
+#   bash bench/h200_sitting.sh sdpa      GRPO's G8 B4 L128 step and SFT's LoRA step with cuDNN's attention and without
+#                                        (MLX_CUDA_USE_CUDNN_SDPA=0; a process each, 2 rounds alternated): what the
+#                                        steady step pays or saves where a process builds no cuDNN graphs
 #   bash bench/h200_sitting.sh tests     the CUDA runs of the decode kernels' tests and of the qlora fused-group
 #                                        test (both passed on the H100 in the tenth sitting)
 #
@@ -49,7 +52,7 @@
 # the commands; it has 4 blocks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?stage: lora, graphs, grpo, decode, versions, decode-graphs, kernels, workers, first or tests; or start STAGE... / wait SECONDS}"
+stage="${1:?stage: lora, graphs, grpo, decode, versions, decode-graphs, kernels, workers, first, sdpa or tests; or start STAGE... / wait SECONDS}"
 case "$stage" in
   start)
     shift
@@ -172,11 +175,19 @@ case "$stage" in
     run "${cache[@]}" "$py" bench/first_sampling.py "$q4"  # issue 41's warm first step, phase by phase
     run "${cache[@]}" MLX_CUDA_USE_CUDNN_SDPA=0 "$py" bench/first_sampling.py "$q4"
     run "${cache[@]}" MLX_USE_CUDA_GRAPHS=0 "$py" bench/first_sampling.py "$q4" ;;
+  sdpa)  # steps with cuDNN's attention and with MLX's own (env read once per process: a process a round, alternated)
+    for r in 1 2; do
+      for knobs in MLX_CUDA_USE_CUDNN_SDPA=1 MLX_CUDA_USE_CUDNN_SDPA=0; do
+        echo "# round $r, $knobs" | tee -a "$log"
+        run env "$knobs" "$py" bench/grpo_step.py "$q4" --sweep 8,4,128 --steps 3 --warmup 1 --rounds 1
+        run env "$knobs" "$py" bench/train_step.py "$bf16" --kinds sft --rounds 1 --steps 8 --warmup 3
+      done
+    done ;;
   tests)  # samples and losses unchanged by the speed changes, on CUDA (float32 products: TF32 off)
     # what changed since both files passed on the H100 (docs/performance.md): the kernels' tests and qlora's
     run env MLX_ENABLE_TF32=0 "$py" -m pytest -q -rf tests/test_shared_input.py -k "qlora"
     run env MLX_ENABLE_TF32=0 "$py" -m pytest -q -rf tests/test_decode.py -k "kernel or attends" ;;
-  *) echo "unknown stage $stage: lora, graphs, grpo, decode, versions, decode-graphs, kernels, workers, first or tests" >&2
+  *) echo "unknown stage $stage: lora, graphs, grpo, decode, versions, decode-graphs, kernels, workers, first, sdpa or tests" >&2
      exit 2 ;;
 esac
 echo "# stage $stage: $failed command(s) failed" | tee -a "$log"
