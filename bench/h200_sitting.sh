@@ -40,7 +40,9 @@
 #                                        24 jobs in one process, as a worker and as a plain process
 #   bash bench/h200_sitting.sh first     a fresh process's first GRPO step phase by phase (bench/first_sampling.py):
 #                                        on an empty cache, then warm, then warm without cuDNN's attention
-#                                        and without MLX's CUDA graphs; which cached kernels each process read
+#                                        and without MLX's CUDA graphs; which cached kernels each process read;
+#                                        with OTHER_TREE=DIR (another tree's worker/, shared/ and bench/), that
+#                                        tree's first step twice on the same cache, after this tree's warm one
 #   bash bench/h200_sitting.sh sdpa      GRPO's G8 B4 L128 step and SFT's LoRA step with cuDNN's attention and without
 #                                        (MLX_CUDA_USE_CUDNN_SDPA=0; a process each, 2 rounds alternated): what the
 #                                        steady step pays or saves where a process builds no cuDNN graphs
@@ -173,6 +175,11 @@ case "$stage" in
     rm -rf /tmp/first-cache && mkdir -p /tmp/first-cache
     run "${cache[@]}" "$py" bench/first_sampling.py "$q4"
     run "${cache[@]}" "$py" bench/first_sampling.py "$q4"  # issue 41's warm first step, phase by phase
+    if [ -d "${OTHER_TREE:-/nonexistent}/worker" ]; then  # another tree's worker/ on the same warm cache
+      cp bench/first_sampling.py "$OTHER_TREE/bench/"
+      run "${cache[@]}" "$py" "$OTHER_TREE/bench/first_sampling.py" "$q4"
+      run "${cache[@]}" "$py" "$OTHER_TREE/bench/first_sampling.py" "$q4"  # its second process: what stays
+    fi
     run "${cache[@]}" MLX_CUDA_USE_CUDNN_SDPA=0 "$py" bench/first_sampling.py "$q4"
     run "${cache[@]}" MLX_USE_CUDA_GRAPHS=0 "$py" bench/first_sampling.py "$q4" ;;
   sdpa)  # steps with cuDNN's attention and with MLX's own (env read once per process: a process a round, alternated)
