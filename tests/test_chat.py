@@ -269,7 +269,7 @@ def test_a_seeded_choice_draws_the_same_alone_batched_and_across_turns(tiny_mode
     params = SamplingParams(max_tokens=40, temperature=1.5)
     step = make_decode_step(model, params, [-1], 0)  # no EOS: every row draws its whole limit
 
-    def run(prompts, limits, keys, turns=0):
+    def run(prompts, keys, turns=0):
         got, calls = [[] for _ in prompts], []
 
         def on_chunk(tokens, _):
@@ -277,18 +277,18 @@ def test_a_seeded_choice_draws_the_same_alone_batched_and_across_turns(tiny_mode
             for g, t in zip(got, tokens):
                 g += t
             return None if len(calls) == turns else np.zeros(len(prompts), dtype=bool)
-        decode(model, step, prompts, limits, params, [-1], keys, on_chunk)
-        return [g[:n] for g, n in zip(got, limits)]
+        decode(model, step, prompts, keys, params, [-1], on_chunk)
+        return [g[:len(k)] for g, k in zip(got, keys)]
 
     keys = choice_keys(Pending("a", {"seed": 5}, [1, 2, 3], [Choice(), Choice()], 40))
     assert [k.tolist() for k in keys] == [k.tolist() for k in choice_keys(Pending("a", {"seed": 5}, [1], [
         Choice(), Choice()], 40))] and keys[0].tolist() != keys[1].tolist()
-    [alone] = run([[1, 2, 3]], [40], [keys[1]])
-    [first] = run([[1, 2, 3]], [40], [keys[1]], turns=2)  # the first token, a chunk, and the turn ends
-    [rest] = run([[1, 2, 3] + first], [40 - len(first)], [keys[1][len(first):]])
+    [alone] = run([[1, 2, 3]], [keys[1]])
+    [first] = run([[1, 2, 3]], [keys[1]], turns=2)  # the first token, a chunk, and the turn ends
+    [rest] = run([[1, 2, 3] + first], [keys[1][len(first):]])
     assert 0 < len(first) < 40 and first + rest == alone
     other = choice_keys(Pending("b", {"seed": 9}, [7, 7, 7], [Choice()], 30))
-    assert run([[7, 7, 7], [1, 2, 3]], [30, 40], [other[0], keys[1]])[1] == alone
+    assert run([[7, 7, 7], [1, 2, 3]], [other[0], keys[1]])[1] == alone
 
 
 def test_a_long_answer_goes_on_over_several_turns(stack, worker):

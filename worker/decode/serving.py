@@ -23,12 +23,13 @@ from worker.runtime.logprobs import left_pad, lm_head
 OnChunk = Callable[[list[list[int]], list[list[float]]], np.ndarray | None]
 
 
-def decode(model, step: Callable, prompts: list[list[int]], limits: list[int], params: SamplingParams,
-           eos_ids: list[int], row_keys: list[np.ndarray], on_chunk: OnChunk) -> None:
-    """Decode each row from its prompt until it draws an EOS, the caller ends it, or it has
-    limits[row] tokens (its last chunk may run past that: the caller keeps what it asked for).
-    row_keys[row]: the random keys of its next draws (limits[row] of them, shape (limit, 2)), so
-    that a row draws what it would alone, in any batch and from any turn it goes on at."""
+def decode(model, step: Callable, prompts: list[list[int]], row_keys: list[np.ndarray], params: SamplingParams,
+           eos_ids: list[int], on_chunk: OnChunk) -> None:
+    """Decode each row from its prompt until it draws an EOS, the caller ends it, or it has a
+    token for each of its keys (its last chunk may run past that: the caller keeps what it asked
+    for). row_keys[row]: the random keys of its next draws, shape (limit, 2), so that a row draws
+    what it would alone, in any batch and from any turn it goes on at."""
+    limits = [len(k) for k in row_keys]
     prompt_tokens, pad = left_pad(prompts, pad_id=0)
     width = prompt_tokens.shape[1]
     longest = max(limits)
@@ -40,7 +41,7 @@ def decode(model, step: Callable, prompts: list[list[int]], limits: list[int], p
 
     lora = lora_args(model)
     # Draw i's key for each row; a row past its limit draws with its last key (its token is not kept).
-    step_keys = np.stack([k[np.minimum(np.arange(longest), len(k) - 1)] for k in row_keys], axis=1)
+    step_keys = np.stack([k[np.minimum(np.arange(longest), n - 1)] for k, n in zip(row_keys, limits)], axis=1)
     tokens, logp, _ = draw(logits, mx.array(step_keys[0]), params)
     finished = is_eos(tokens, eos_ids)
     chunk = [(tokens, logp, mx.ones(tokens.shape, dtype=mx.bool_))]

@@ -323,8 +323,8 @@ def serve(r, settings: Settings, queue: str, first: tuple[str, dict, list], unti
         with adapter_swapped(model, adapter):
             step = make_decode_step(model, params, eos_ids, eos_ids[0])
             decode(model, step, [p.prompt + p.choices[i].tokens for p, i in batch.rows],
-                   [p.limit - len(p.choices[i].tokens) for p, i in batch.rows], params, eos_ids,
-                   [keys[p.request_id][i][len(p.choices[i].tokens):] for p, i in batch.rows], batch.on_chunk)
+                   [keys[p.request_id][i][len(p.choices[i].tokens):] for p, i in batch.rows], params, eos_ids,
+                   batch.on_chunk)
     except Exception as e:
         log.exception("completion batch failed")
         for p in items:
