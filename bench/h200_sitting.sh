@@ -38,7 +38,9 @@
 #                                        KINDS=grpo for GRPO's alone (default: sft grpo)
 #   bash bench/h200_sitting.sh workers   a job of other numbers compiles nothing (tests/compiled_numbers.py);
 #                                        24 jobs in one process, as a worker and as a plain process
-#   bash bench/h200_sitting.sh first     a fresh process's first GRPO step phase by phase (bench/first_sampling.py):
+#   bash bench/h200_sitting.sh first     first, four decode kernels' first calls in a fresh process, twice on one
+#                                        cache (bench/kernel_first_call.py; OTHER_TREE's too, a cache of its own);
+#                                        then a fresh process's first GRPO step phase by phase (bench/first_sampling.py):
 #                                        on an empty cache, then warm, then warm without cuDNN's attention
 #                                        and without MLX's CUDA graphs; which cached kernels each process read;
 #                                        with OTHER_TREE=DIR (another tree's worker/, shared/ and bench/), that
@@ -172,7 +174,14 @@ case "$stage" in
     run "$py" bench/worker_life.py "$q4" --jobs 24 --steps 3 --as-worker ;;
   first)  # where a fresh process's first GRPO step goes: a process that fills a cache, then warm ones on it
     cache=(env TMPDIR=/tmp/first-cache CUDA_CACHE_PATH=/tmp/first-cache/cuda-driver)
-    rm -rf /tmp/first-cache && mkdir -p /tmp/first-cache
+    rm -rf /tmp/first-cache /tmp/probe-cache && mkdir -p /tmp/first-cache /tmp/probe-cache
+    trees=(.)  # first, each tree's decode kernels alone: what a second process's first call of each pays
+    [ -d "${OTHER_TREE:-/nonexistent}/worker" ] && cp bench/kernel_first_call.py "$OTHER_TREE/bench/" && trees+=("$OTHER_TREE")
+    for i in "${!trees[@]}"; do  # a cache each: the other tree's seeded modules must not serve this one's
+      mkdir -p "/tmp/probe-cache/$i"
+      run env TMPDIR="/tmp/probe-cache/$i" "$py" "${trees[$i]}/bench/kernel_first_call.py"
+      run env TMPDIR="/tmp/probe-cache/$i" "$py" "${trees[$i]}/bench/kernel_first_call.py"
+    done
     run "${cache[@]}" "$py" bench/first_sampling.py "$q4"
     run "${cache[@]}" "$py" bench/first_sampling.py "$q4"  # issue 41's warm first step, phase by phase
     if [ -d "${OTHER_TREE:-/nonexistent}/worker" ]; then  # another tree's worker/ on the same warm cache
