@@ -8,12 +8,16 @@ process: its custom_kernel.cpp keeps those kernels out of its disk cache. Run tw
 seconds if it compiles, milliseconds if a module came from the cache. Copied into another tree
 (bench/ beside its worker/), it runs that tree's kernels. Prints one JSON line: each kernel's
 first and second call in seconds, and the decode kernels' modules in MLX's PTX cache before and
-after.
+after. In a tree that seeds MLX's PTX cache (worker/decode/ptx_cache.py), also whether the source
+it hashes is the one MLX builds (MLX prints its own with verbose=True), and where they differ.
 """
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +36,35 @@ def modules() -> int:
     """The decode's kernels (custom_kernel_mtq_*) among the compiled modules in MLX's PTX cache."""
     folder = kernel_cache.kernel_dir(mx.__version__, "cuda")
     return sum(1 for _ in folder.rglob("custom_kernel_mtq_*.ptx")) if folder.exists() else 0
+
+
+def source_check(x: mx.array, a: mx.array) -> dict:
+    """lora_kernel.down's source as MLX builds it (its verbose print) against ptx_cache.mlx_source's."""
+    from worker.decode import ptx_cache  # only in a tree that seeds MLX's cache
+    inputs, template = [x, a], [("T", x.dtype), ("THREADS", lora_kernel.THREADS)]
+    made = mx.fast.cuda_kernel(name="mtq_lora_down", input_names=["x", "a"], output_names=["t"],
+                               source=lora_kernel.DOWN, header=lora_kernel.HEADER)
+    with tempfile.TemporaryFile() as out:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(out.fileno(), 1)
+        try:
+            mx.eval(made(inputs=inputs, template=template, grid=(lora_kernel.THREADS, x.shape[0], 1),
+                         threadgroup=(lora_kernel.THREADS, 1, 1), output_shapes=[(x.shape[0], a.shape[1])],
+                         output_dtypes=[mx.float32], verbose=True))
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        out.seek(0)
+        printed = out.read().decode(errors="replace")
+    mlx = printed.split("```\n", 1)[-1].rsplit("\n```", 1)[0]
+    kname, ours = ptx_cache.mlx_source("mtq_lora_down", ("x", "a"), ("t",), lora_kernel.DOWN, lora_kernel.HEADER,
+                                       inputs, [mx.float32], template)
+    at = next((i for i, (p, q) in enumerate(zip(mlx, ours)) if p != q), min(len(mlx), len(ours)))
+    path = ptx_cache.module_path(kernel_cache.kernel_dir(mx.__version__, "cuda"), kname, ours)
+    return {"mlx_source_matches": mlx == ours, "lengths": [len(mlx), len(ours)], "first_difference": at,
+            "mlx_there": mlx[max(0, at - 80):at + 80], "ours_there": ours[max(0, at - 80):at + 80],
+            "seeded_module": str(path), "seeded_module_exists": path.exists()}
 
 
 def main():
@@ -62,8 +95,10 @@ def main():
             start = time.perf_counter()
             mx.eval(call())
             seconds[f"{name}_{turn}"] = round(time.perf_counter() - start, 4)
+    seeding = importlib.util.find_spec("worker.decode.ptx_cache") is not None
     print(json.dumps({"device": str(mx.default_device()), "tree": str(ROOT), "seconds": seconds,
-                      "decode_modules_before": before, "decode_modules_after": modules()}))
+                      "decode_modules_before": before, "decode_modules_after": modules(),
+                      "source_check": source_check(x, a) if seeding else None}))
 
 
 if __name__ == "__main__":
