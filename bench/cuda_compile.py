@@ -2,7 +2,7 @@
 
     python3 -m pip install --target DIR --no-deps "nvidia-cuda-nvrtc==13.*" "nvidia-cuda-runtime==13.*" \
         "nvidia-cuda-cccl==13.*"
-    python3 bench/cuda_compile.py --cuda DIR --mlx-src MLX_SOURCE_TREE [--arch sm_90a] [--only NAME]
+    python3 bench/cuda_compile.py --cuda DIR [--mlx-src MLX_SOURCE_TREE] [--arch sm_90a] [--only NAME]
                                   [--model DIR --rows 8 --lora-layers 16]
 
 MLX's CUDA backend compiles a custom kernel (mx.fast.cuda_kernel) at its first call on a GPU, so
@@ -22,12 +22,15 @@ float16, and 4- and 8-bit in groups of 32 and 64; without LoRA, with LoRA on the
 source says, not what it computes: tests/test_decode.py's CUDA tests do that on a GPU.
 
 --model DIR: only that model's decode (loaded as a job loads it, LoRA on --lora-layers blocks, --rows
-rows), each source timed: what a new process pays for a job's kernels even on a warm kernel cache,
-since MLX 0.32's custom_kernel.cpp keeps custom kernels out of its disk cache (use_disk_cache false).
+rows), each source timed and its compiled module's size printed: what a process pays for a job's
+kernels where MLX's PTX cache lacks them (MLX 0.32 never writes custom kernels there;
+worker/decode/ptx_cache.py does).
 
 --cuda DIR: where pip put NVRTC, the CUDA runtime's headers and CCCL (the command above; 13.x,
-as the mlx-cuda-13 wheel takes). --mlx-src: an MLX source tree (its mlx/backend/cuda/device/
-headers, which the wheel embeds in its library rather than ship as files).
+as the mlx-cuda-13 wheel takes). The sources compile with worker/decode/ptx_cache.py's device
+header, as a worker compiles them into MLX's PTX cache; --mlx-src: with an MLX source tree's
+mlx/backend/cuda/device/ headers instead, as MLX compiles them (the wheel embeds those in its
+library rather than ship them as files).
 """
 
 import argparse
@@ -48,93 +51,10 @@ from mlx.utils import tree_map  # noqa: E402
 from mlx_lm.models import llama, qwen3  # noqa: E402
 from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 
+from worker.decode import ptx_cache  # noqa: E402
 from worker.decode.draw import SamplingParams  # noqa: E402
 from worker.decode.sampling import make_decode_step, sample  # noqa: E402
 from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
-
-CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
-              mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
-              mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double"}
-TYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}  # MLX's get_type_string
-
-DEFAULT_HEADER = '''
-#include "mlx/backend/cuda/device/utils.cuh"
-
-#include <cooperative_groups.h>
-
-'''
-
-
-def mlx_source(kernel: dict, call: dict) -> tuple[str, str]:
-    """(the kernel's name, its whole source) as MLX's custom_kernel.cpp makes them."""
-    template = call.get("template") or []
-
-    def hashed(value) -> str:
-        if isinstance(value, bool):
-            return "_t" if value else "_f"
-        return f"_{value}" if isinstance(value, int) else "_" + TYPE_NAMES.get(value, str(value).removeprefix("mlx.core."))
-
-    name = "custom_kernel_" + kernel["name"] + "".join(hashed(v) for _, v in template)
-    params = []
-    for arg, x in zip(kernel["input_names"], call["inputs"]):
-        params.append(f"    const {CUDA_TYPES[x.dtype]}* {arg}")
-        if x.ndim > 0:
-            for suffix, kind in (("_shape", "const __grid_constant__ Shape"), ("_strides", "const __grid_constant__ Strides"),
-                                 ("_ndim", "const __grid_constant__ int")):
-                if arg + suffix in kernel["source"]:
-                    params.append(f"    {kind} {arg}{suffix}")
-    params += [f"    {CUDA_TYPES[d]}* {arg}" for arg, d in zip(kernel["output_names"], call["output_dtypes"])]
-    constants = []
-    for arg, value in template:
-        if isinstance(value, bool):
-            constants.append(f"  constexpr bool {arg} = {'true' if value else 'false'};")
-        elif isinstance(value, int):
-            constants.append(f"  constexpr int {arg} = {value};")
-        else:
-            constants.append(f"  using {arg} = {CUDA_TYPES[value]};")
-    source = (DEFAULT_HEADER + kernel["header"] + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-              + f"__global__ void {name}(\n" + ",\n".join(params) + ") {\n"
-              + ("\n".join(constants) + "\n\n" if constants else "") + kernel["source"]
-              + "\n}\n\n} // namespace mlx::core::cu\n")
-    return name, source
-
-
-class NVRTC:
-    """NVRTC through ctypes, with MLX's device headers given as NVRTC's named headers (as MLX gives them)."""
-
-    def __init__(self, cuda: Path, mlx_src: Path, arch: str):
-        lib = next((cuda / "nvidia").glob("cu*/lib"))
-        for builtins in lib.glob("libnvrtc-builtins.so*"):  # libnvrtc loads it by name
-            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
-        self.lib = ctypes.CDLL(str(next(lib.glob("libnvrtc.so*"))))
-        device = mlx_src / "mlx/backend/cuda/device"
-        headers = sorted(device.glob("*.cuh")) + sorted(device.glob("*.h"))
-        if not headers:
-            raise SystemExit(f"no MLX device headers under {device}")
-        self.names = [str(h.relative_to(mlx_src)).encode() for h in headers]
-        self.texts = [h.read_bytes() for h in headers]
-        include = next((cuda / "nvidia").glob("cu*/include"))
-        self.options = [b"--device-as-default-execution-space", f"--gpu-architecture={arch}".encode(),
-                        f"--include-path={include / 'cccl'}".encode(), f"--include-path={include}".encode()]
-
-    def compile(self, name: str, source: str) -> tuple[bool, str]:
-        prog = ctypes.c_void_p()
-        n = len(self.names)
-        rc = self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), n,
-                                         (ctypes.c_char_p * n)(*self.texts), (ctypes.c_char_p * n)(*self.names))
-        if rc != 0:
-            return False, f"nvrtcCreateProgram: {rc}"
-        try:
-            opts = (ctypes.c_char_p * len(self.options))(*self.options)
-            ok = self.lib.nvrtcCompileProgram(prog, len(self.options), opts) == 0
-            size = ctypes.c_size_t()
-            self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            self.lib.nvrtcGetProgramLog(prog, log)
-            return ok, log.value.decode(errors="replace")
-        finally:
-            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
 
 def models():
     """(label, make) for every model traced: make() gives it with random weights, two blocks."""
@@ -155,7 +75,7 @@ def models():
                         nn.quantize(model, group_size=group, bits=b)
                     mx.eval(model.parameters())
                     return model
-                yield f"{label} {TYPE_NAMES[dtype]}" + (f" {b}-bit g{group}" if b else ""), make
+                yield f"{label} {ptx_cache.TYPE_NAMES[dtype]}" + (f" {b}-bit g{group}" if b else ""), make
 
 
 def with_lora(model, lora_layers: int):
@@ -192,14 +112,27 @@ def trace(model, rows: int, capacity: int) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cuda", type=Path, required=True, help="pip's --target of nvidia-cuda-nvrtc, -runtime and -cccl")
-    ap.add_argument("--mlx-src", type=Path, required=True, help="an MLX source tree")
+    ap.add_argument("--mlx-src", type=Path, help="an MLX source tree: its device headers, not the worker's own")
     ap.add_argument("--arch", default="sm_90a", help="NVRTC's --gpu-architecture (MLX: sm_XYa from 9.0 on)")
     ap.add_argument("--only", help="compile only the kernels whose name holds this")
     ap.add_argument("--model", help="trace only this model's decode (a path or Hugging Face id)")
     ap.add_argument("--rows", type=int, default=8, help="with --model: the decode's rows")
     ap.add_argument("--lora-layers", type=int, default=16, help="with --model: blocks with LoRA (0: none)")
     args = ap.parse_args()
-    nvrtc = NVRTC(args.cuda, args.mlx_src, args.arch)
+    lib = next((args.cuda / "nvidia").glob("cu*/lib"))
+    for builtins in lib.glob("libnvrtc-builtins.so*"):  # libnvrtc loads it by name
+        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+    include = next((args.cuda / "nvidia").glob("cu*/include"))
+    headers = None  # ptx_cache's own device header, what a worker compiles with
+    if args.mlx_src:
+        device = args.mlx_src / "mlx/backend/cuda/device"
+        found = sorted(device.glob("*.cuh")) + sorted(device.glob("*.h"))
+        headers = {str(h.relative_to(args.mlx_src)): h.read_text() for h in found}
+        if not headers:
+            raise SystemExit(f"no MLX device headers under {device}")
+    mlx_include = ptx_cache.site_dirs()[0]  # the installed MLX's config.h (MAX_NDIM)
+    nvrtc = ptx_cache.NVRTC(ctypes.CDLL(str(next(lib.glob("libnvrtc.so*")))),
+                            [mlx_include, include / "cccl", include], args.arch, headers)
 
     calls: list = []
     with kernels_as_on_cuda(calls):
@@ -218,18 +151,29 @@ def main():
     for kernel, call in calls:
         if args.only and args.only not in kernel["name"]:
             continue
-        name, source = mlx_source(kernel, call)
+        name, source = ptx_cache.mlx_source(kernel["name"], kernel["input_names"], kernel["output_names"],
+                                            kernel["source"], kernel["header"], call["inputs"], call["output_dtypes"],
+                                            call.get("template"))
         sources.setdefault(source, name)
     print(f"{len(calls)} kernel calls, {len(sources)} distinct sources", flush=True)
-    failed, started = 0, time.perf_counter()
+    failed, skipped, started = 0, 0, time.perf_counter()
     for source, name in sorted(sources.items(), key=lambda item: item[1]):
+        if not args.mlx_src and not ptx_cache.seedable(source):
+            print(f"  MLX  {name:70s} (includes MLX's headers: --mlx-src to compile it)", flush=True)
+            skipped += 1
+            continue
         t0 = time.perf_counter()
-        ok, log = nvrtc.compile(name, source)
-        print(f"  {'ok  ' if ok else 'FAIL'} {name:70s} {time.perf_counter() - t0:5.1f} s", flush=True)
-        if not ok or "warning" in log:
+        try:
+            size = f"{len(nvrtc.compile(name, source)[0]) / 1000:6.1f} KB"  # the module MLX's PTX cache holds
+            log = ""
+        except RuntimeError as e:
+            size, log = "", str(e)
+        print(f"  {'FAIL' if log else 'ok  '} {name:70s} {time.perf_counter() - t0:5.1f} s {size}", flush=True)
+        if log:
             print("\n".join("      " + line for line in log.strip().splitlines()), flush=True)
-        failed += not ok
-    print(f"{len(sources) - failed} compiled, {failed} failed, {time.perf_counter() - started:.1f} s", flush=True)
+        failed += bool(log)
+    print(f"{len(sources) - failed - skipped} compiled, {failed} failed, {skipped} left to MLX, "
+          f"{time.perf_counter() - started:.1f} s", flush=True)
     sys.exit(1 if failed else 0)
 
 

@@ -48,8 +48,8 @@
 #   bash bench/h200_sitting.sh sdpa      GRPO's G8 B4 L128 step and SFT's LoRA step with cuDNN's attention and without
 #                                        (MLX_CUDA_USE_CUDNN_SDPA=0; a process each, 2 rounds alternated): what the
 #                                        steady step pays or saves where a process builds no cuDNN graphs
-#   bash bench/h200_sitting.sh tests     the CUDA runs of the decode kernels' tests and of the qlora fused-group
-#                                        test (both passed on the H100 in the tenth sitting)
+#   bash bench/h200_sitting.sh tests     the CUDA runs of the PTX cache's tests (MLX loads the kernels seeded
+#                                        there), of the decode kernels' tests and of the qlora fused-group test
 #
 # The models (qwen3-0.6b's shape: /tmp/q06f-SIZE bfloat16, /tmp/q06-SIZE 4-bit) are made where missing, about
 # 30 s each. SIZE=small LORA_LAYERS=4 runs a stage on the tests' small model instead (a dry run of
@@ -200,7 +200,9 @@ case "$stage" in
       done
     done ;;
   tests)  # samples and losses unchanged by the speed changes, on CUDA (float32 products: TF32 off)
+    # first that MLX loads the kernels seeded into its PTX cache (worker/decode/ptx_cache.py), then
     # what changed since both files passed on the H100 (docs/performance.md): the kernels' tests and qlora's
+    run "$py" -m pytest -q -rf tests/test_ptx_cache.py
     run env MLX_ENABLE_TF32=0 "$py" -m pytest -q -rf tests/test_shared_input.py -k "qlora"
     run env MLX_ENABLE_TF32=0 "$py" -m pytest -q -rf tests/test_decode.py -k "kernel or attends" ;;
   *) echo "unknown stage $stage: lora, graphs, grpo, decode, versions, decode-graphs, kernels, workers, first, sdpa or tests" >&2

@@ -26,6 +26,8 @@ Where each part lives:
                        lora_args, dequantized
   *_kernel.py          the CUDA kernels: attention, embed, lora, norm, quantized, swiglu
   custom_kernel.py     kernel: how each of them is made (mx.fast.cuda_kernel, kept per source)
+  ptx_cache.py         seed: each kernel's module put into MLX's PTX cache before MLX needs it
+                       (MLX compiles custom kernels in every process), mlx_source, std_hash
 
 What model loading and memory planning share with the decoder lives in worker/runtime/, so that
 neither loads it: projection_groups.py (fuse_shared_inputs, decode_groups), backend.py (cuda),

@@ -50,3 +50,17 @@ def compiled_kernels(version: str, backend: str) -> list[Path]:
     if not where.is_dir():
         return []
     return [p for p in where.rglob("*") if p.is_file()] if backend == "cuda" else list(where.rglob("*.so"))
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Whole or not at all: MLX may read the cache at any time (so may another worker's on this $MTQ_HOME)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".shared-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

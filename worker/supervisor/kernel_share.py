@@ -26,14 +26,13 @@ No MLX here: the training process (worker/runtime/training_process.py) names its
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path, PurePosixPath
 
 import redis
 
 from shared.keys import KERNELS_BYTES, kernel_entry_key, kernels_index_key
+from worker.supervisor import kernel_cache
 
 log = logging.getLogger(__name__)
 
@@ -129,20 +128,6 @@ def local_kernels(where: Path, backend: str) -> dict[str, list[Path]]:
     return found
 
 
-def _write(path: Path, data: bytes) -> None:
-    """Whole or not at all: MLX may read the cache at any time (so may another worker's on this $MTQ_HOME)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".shared-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 class KernelShare:
     """A training process's side of its fleet's shared kernels: `where` is its cache directory
     for `backend` (kernel_cache.kernel_dir), cap_mb the fleets' total in Redis (0: off)."""
@@ -175,7 +160,7 @@ class KernelShare:
                     refused += 1
                     continue
                 for path, data in files:
-                    _write(self.where / path, data)
+                    kernel_cache.write_whole(self.where / path, data)
                 loaded += 1
         except (redis.RedisError, OSError) as e:
             log.warning("kernel share: could not fetch the fleet's kernels: %s", e)

@@ -1,0 +1,241 @@
+"""The decode's CUDA kernels in MLX's own PTX cache, so that a new process loads them from disk.
+
+MLX 0.32 compiles a custom kernel (mx.fast.cuda_kernel) with NVRTC in every process: its
+custom_kernel.cpp asks get_jit_module for it with use_disk_cache false, so MLX never writes it to
+the PTX cache. It does read the cache first, though (jit_module.cpp's JitModule). So before a
+kernel's first call, seed() looks for the file MLX will look for (the module name MLX gives the
+kernel: its name and the libstdc++ hash of its source), and where it is missing compiles the
+source as MLX would (NVRTC, MLX's options, the device's architecture) and writes it there. MLX
+then loads it instead of compiling; the next process, and the fleet's workers through the kernel
+share (worker/supervisor/kernel_share.py), find it too. Anything that fails here leaves the
+kernel to MLX, which compiles it as before.
+
+mlx_source() makes the source as custom_kernel.cpp's build_kernel does, byte for byte: the module
+name hashes it. NVRTC gets MLX's device header as a named header, as MLX gives it; the wheel
+embeds that header in its library, so DEVICE_HEADER holds what these kernels use of it (Shape and
+Strides as MLX defines them, and the CUDA headers it includes); a kernel that includes more of
+MLX's headers stays MLX's to compile (seedable).
+"""
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+import mlx.core as mx
+
+from worker.supervisor import kernel_cache
+
+log = logging.getLogger(__name__)
+
+CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
+              mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
+              mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double"}
+TYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}  # MLX's get_type_string
+DEFAULT_HEADER = '''
+#include "mlx/backend/cuda/device/utils.cuh"
+
+#include <cooperative_groups.h>
+
+'''
+DEVICE_HEADER_NAME = "mlx/backend/cuda/device/utils.cuh"
+DEVICE_HEADER = '''#pragma once
+#include "mlx/backend/cuda/device/config.h"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+#include <cuda/std/tuple>
+#include <cuda/std/cmath>
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}
+'''
+MAX_FILE_NAME = 245  # jit_module.cpp get_ptx_path: longer module names become folders
+_MASK = 2**64 - 1
+_MUL = (0xC6A4A793 << 32) + 0x5BD1E995
+
+
+def std_hash(data: bytes) -> int:
+    """std::hash<std::string> of libstdc++ on 64 bits (_Hash_bytes, seed 0xc70f6907): the hash MLX's
+    custom kernels name their modules by."""
+    def shift_mix(v: int) -> int:
+        return v ^ (v >> 47)
+    n = len(data)
+    aligned = n & ~7
+    h = (0xC70F6907 ^ (n * _MUL)) & _MASK
+    for i in range(0, aligned, 8):
+        h = ((h ^ (shift_mix(int.from_bytes(data[i:i + 8], "little") * _MUL & _MASK) * _MUL & _MASK)) * _MUL) & _MASK
+    if n & 7:
+        h = ((h ^ int.from_bytes(data[aligned:], "little")) * _MUL) & _MASK
+    return shift_mix(shift_mix(h) * _MUL & _MASK)
+
+
+def mlx_source(name: str, input_names, output_names, source: str, header: str, inputs, output_dtypes,
+               template) -> tuple[str, str]:
+    """(the kernel's name, its whole source) as MLX's custom_kernel.cpp makes them for one call."""
+    template = template or []
+
+    def hashed(value) -> str:
+        if isinstance(value, bool):
+            return "_t" if value else "_f"
+        if isinstance(value, int):
+            return f"_{value}"
+        return "_" + TYPE_NAMES.get(value, str(value).removeprefix("mlx.core."))
+
+    kname = "custom_kernel_" + name + "".join(hashed(v) for _, v in template)
+    params = []
+    for arg, x in zip(input_names, inputs):
+        params.append(f"    const {CUDA_TYPES[x.dtype]}* {arg}")
+        if x.ndim > 0:
+            for suffix, kind in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
+                if arg + suffix in source:
+                    params.append(f"    const __grid_constant__ {kind} {arg}{suffix}")
+    params += [f"    {CUDA_TYPES[d]}* {arg}" for arg, d in zip(output_names, output_dtypes)]
+    constants = []
+    for arg, value in template:
+        if isinstance(value, bool):
+            constants.append(f"  constexpr bool {arg} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            constants.append(f"  constexpr int {arg} = {value};")
+        else:
+            constants.append(f"  using {arg} = {CUDA_TYPES[value]};")
+    whole = (DEFAULT_HEADER + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+             + f"__global__ void {kname}(\n" + ",\n".join(params) + ") {\n"
+             + ("\n".join(constants) + "\n\n" if constants else "") + source
+             + "\n}\n\n} // namespace mlx::core::cu\n")
+    return kname, whole
+
+
+def module_path(cache_dir: Path, kname: str, source: str) -> Path:
+    """Where MLX looks for the kernel's compiled module (jit_module.cpp get_ptx_path)."""
+    module = f"{kname}_{std_hash(source.encode()):x}"
+    path = cache_dir
+    while len(module) > MAX_FILE_NAME:
+        path, module = path / module[:MAX_FILE_NAME], module[MAX_FILE_NAME:]
+    return path / (module + ".ptx")
+
+
+class NVRTC:
+    """NVRTC through ctypes with MLX's options and include paths (jit_module.cpp compile,
+    include_path_args) and MLX's device headers as named headers (headers: name -> text; by
+    default DEVICE_HEADER alone), for one architecture."""
+
+    def __init__(self, lib: ctypes.CDLL, include_dirs: list[Path], arch: str, headers: dict[str, str] | None = None):
+        self.lib, self.arch = lib, arch
+        headers = headers or {DEVICE_HEADER_NAME: DEVICE_HEADER}
+        self.names = [n.encode() for n in headers]
+        self.texts = [t.encode() for t in headers.values()]
+        self.options = [b"--device-as-default-execution-space", f"--gpu-architecture={arch}".encode()]
+        self.options += [f"--include-path={d}".encode() for d in include_dirs]
+
+    def compile(self, kname: str, source: str) -> tuple[bytes, str]:
+        """(the module's machine code, the kernel's lowered name); raises with NVRTC's log."""
+        lib, prog = self.lib, ctypes.c_void_p()
+        check = self._check
+        n = len(self.names)
+        check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{kname}.cu".encode(), n,
+                                     (ctypes.c_char_p * n)(*self.texts), (ctypes.c_char_p * n)(*self.names)),
+              "nvrtcCreateProgram")
+        try:
+            expression = f"mlx::core::cu::{kname}".encode()
+            check(lib.nvrtcAddNameExpression(prog, expression), "nvrtcAddNameExpression")
+            opts = (ctypes.c_char_p * len(self.options))(*self.options)
+            if lib.nvrtcCompileProgram(prog, len(self.options), opts) != 0:
+                size = ctypes.c_size_t()
+                lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+                text = ctypes.create_string_buffer(size.value)
+                lib.nvrtcGetProgramLog(prog, text)
+                raise RuntimeError(f"NVRTC could not compile {kname}: {text.value.decode(errors='replace')}")
+            lowered = ctypes.c_char_p()
+            check(lib.nvrtcGetLoweredName(prog, expression, ctypes.byref(lowered)), "nvrtcGetLoweredName")
+            size = ctypes.c_size_t()
+            check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+            code = ctypes.create_string_buffer(size.value)
+            check(lib.nvrtcGetCUBIN(prog, code), "nvrtcGetCUBIN")
+            return code.raw, lowered.value.decode()
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what} failed: NVRTC error {rc}")
+
+
+def write_module(path: Path, kname: str, code: bytes, lowered: str, source: str) -> None:
+    """The files MLX's write_cached_ptx would write: the kernel's lowered name, its source, and its
+    code last (the file MLX looks for), each renamed into place whole, since another process on
+    the same cache may be reading them."""
+    kernel_cache.write_whole(path.with_suffix(".txt"), f"mlx::core::cu::{kname}\t{lowered}\n".encode())
+    kernel_cache.write_whole(path.with_suffix(".cu"), source.encode())
+    kernel_cache.write_whole(path, code)
+
+
+def site_dirs() -> tuple[Path, Path]:
+    """(the mlx package's include folder, CUDA's headers) where MLX finds them."""
+    site = Path(mx.__file__).resolve().parents[1]
+    cuda = site / "nvidia" / "cu13" / "include"
+    if not cuda.exists():
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+        cuda = Path(home) / "include"
+    return site / "mlx" / "include", cuda
+
+
+def _device_arch() -> str:
+    """sm_XY, with 'a' from 9.0 on, of device 0 (jit_module.cpp compile), through the driver."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    device, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), 0):
+        raise RuntimeError("no CUDA device")
+    cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, device)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+    cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, device)
+    return f"sm_{major.value}{minor.value}{'a' if major.value >= 9 else ''}"
+
+
+def nvrtc() -> NVRTC:
+    include, cuda = site_dirs()
+    lib = None
+    for name in ("libnvrtc.so.13", cuda.parent / "lib" / "libnvrtc.so.13", cuda.parent / "lib64" / "libnvrtc.so.13"):
+        try:
+            lib = ctypes.CDLL(str(name))
+            break
+        except OSError:
+            continue
+    if lib is None:
+        raise RuntimeError("NVRTC (libnvrtc.so.13) not found")
+    return NVRTC(lib, [include, include / "cccl", cuda], _device_arch())
+
+
+_seen: set[Path] = set()
+_compiler: list = []  # the NVRTC of this process, made at the first kernel that needs one; [None]: none
+
+
+def seedable(source: str) -> bool:
+    """Whether DEVICE_HEADER is all of MLX's headers the source includes (swiglu_kernel's takes MLX's
+    own activation functions, so that it rounds as MLX does: MLX compiles that one)."""
+    return source.count('#include "mlx/') == 1
+
+
+def seed(kname: str, source: str) -> None:
+    """Make sure MLX finds the kernel of this source in its PTX cache (compiling it where missing);
+    where that fails, log why once and leave the kernel to MLX."""
+    if not seedable(source):
+        return
+    path = module_path(kernel_cache.kernel_dir(mx.__version__, "cuda"), kname, source)
+    if path in _seen:
+        return
+    _seen.add(path)
+    if path.exists():
+        return
+    try:
+        if not _compiler:
+            _compiler.append(nvrtc())
+        if _compiler[0] is not None:
+            code, lowered = _compiler[0].compile(kname, source)
+            write_module(path, kname, code, lowered, source)
+    except Exception as e:  # MLX compiles the kernel itself, as it did before this cache
+        if not _compiler:
+            _compiler.append(None)
+        log.warning("the decode's kernel %s is left to MLX to compile: %s", kname, e)
