@@ -195,17 +195,17 @@ def _device_arch() -> str:
 
 
 def nvrtc() -> NVRTC:
+    """NVRTC as MLX finds it: the nvidia-cuda-nvrtc package beside mlx, else CUDA_HOME's (or the
+    loader's). Its builtins library first: libnvrtc loads that by name, from the loader's paths."""
     include, cuda = site_dirs()
     lib = None
-    for name in ("libnvrtc.so.13", cuda.parent / "lib" / "libnvrtc.so.13", cuda.parent / "lib64" / "libnvrtc.so.13"):
-        try:
-            lib = ctypes.CDLL(str(name))
+    for folder in (cuda.parent / "lib", cuda.parent / "lib64"):
+        if (folder / "libnvrtc.so.13").exists():
+            for builtins in sorted(folder.glob("libnvrtc-builtins.so*")):
+                ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(str(folder / "libnvrtc.so.13"))
             break
-        except OSError:
-            continue
-    if lib is None:
-        raise RuntimeError("NVRTC (libnvrtc.so.13) not found")
-    return NVRTC(lib, [include, include / "cccl", cuda], _device_arch())
+    return NVRTC(lib or ctypes.CDLL("libnvrtc.so.13"), [include, include / "cccl", cuda], _device_arch())
 
 
 _seen: set[Path] = set()
