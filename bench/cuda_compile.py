@@ -75,7 +75,7 @@ def models():
                         nn.quantize(model, group_size=group, bits=b)
                     mx.eval(model.parameters())
                     return model
-                yield f"{label} {ptx_cache.TYPE_NAMES[dtype]}" + (f" {b}-bit g{group}" if b else ""), make
+                yield f"{label} {str(dtype).removeprefix('mlx.core.')}" + (f" {b}-bit g{group}" if b else ""), make
 
 
 def with_lora(model, lora_layers: int):

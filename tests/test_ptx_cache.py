@@ -34,13 +34,13 @@ def test_a_kernels_source_and_name_are_mlxs():
     name, source = ptx_cache.mlx_source("k", ("x", "w", "eps"), ("out",), "out[0] = x[w_shape[0]] + eps[0];",
                                         "// header\n", [x, w, eps], [mx.bfloat16],
                                         [("T", mx.bfloat16), ("N", 4), ("UP", True)])
-    assert name == "custom_kernel_k_bfloat16_4_t"
+    assert name == "custom_kernel_k_bfloat16_t_4_t"
     assert source == ptx_cache.DEFAULT_HEADER + """// header
 namespace mlx::core::cu {
 
 namespace cg = cooperative_groups;
 
-__global__ void custom_kernel_k_bfloat16_4_t(
+__global__ void custom_kernel_k_bfloat16_t_4_t(
     const __nv_bfloat16* x,
     const float* w,
     const __grid_constant__ Shape w_shape,

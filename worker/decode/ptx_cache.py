@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
               mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
               mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double"}
-TYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}  # MLX's get_type_string
+# MLX's get_type_string (backend/common/compiled.cpp), which names a dtype template argument in
+# the kernel's name: CUDA's type names but for the two half types
+TYPE_NAMES = dict(CUDA_TYPES) | {mx.float16: "float16_t", mx.bfloat16: "bfloat16_t"}
 DEFAULT_HEADER = '''
 #include "mlx/backend/cuda/device/utils.cuh"
 
@@ -82,7 +84,7 @@ def mlx_source(name: str, input_names, output_names, source: str, header: str, i
             return "_t" if value else "_f"
         if isinstance(value, int):
             return f"_{value}"
-        return "_" + TYPE_NAMES.get(value, str(value).removeprefix("mlx.core."))
+        return "_" + TYPE_NAMES[value]
 
     kname = "custom_kernel_" + name + "".join(hashed(v) for _, v in template)
     params = []
