@@ -99,18 +99,22 @@ def test_without_cuda_seeding_leaves_the_kernel_to_mlx_and_says_so_once(caplog, 
 @cuda_only
 def test_mlx_loads_a_seeded_kernel_instead_of_compiling_it():
     """The module seeded under a kernel's name is what MLX runs: seeded with another source's
-    code (times 3 where the kernel's own adds 1), the kernel multiplies. So the name, the hash,
-    the files and the launch's parameters are MLX's own."""
-    a = mx.arange(4, dtype=mx.float32)
+    code (times 3 where the kernel's own adds 1), the kernel multiplies. So the name (template
+    arguments of each kind: a dtype's name is MLX's get_type_string, bfloat16_t), the hash, the
+    files and the launch's parameters are MLX's own."""
+    a = mx.arange(4, dtype=mx.bfloat16)
     name = f"mtq_seed_test_{uuid.uuid4().hex}"
-    own, other = "out[threadIdx.x] = a[threadIdx.x] + 1.0f;", "out[threadIdx.x] = a[threadIdx.x] * 3.0f;"
-    kname, source = ptx_cache.mlx_source(name, ("a",), ("out",), own, "", [a], [mx.float32], None)
+    template = [("T", mx.bfloat16), ("N", 3), ("UP", True)]
+    own = "out[threadIdx.x] = static_cast<T>(static_cast<float>(a[threadIdx.x]) + 1.0f);"
+    other = "out[threadIdx.x] = static_cast<T>(static_cast<float>(a[threadIdx.x]) * N);"
+    kname, source = ptx_cache.mlx_source(name, ("a",), ("out",), own, "", [a], [mx.bfloat16], template)
     code, lowered = ptx_cache.nvrtc().compile(kname, ptx_cache.mlx_source(name, ("a",), ("out",), other, "", [a],
-                                                                          [mx.float32], None)[1])
+                                                                          [mx.bfloat16], template)[1])
     path = ptx_cache.module_path(kernel_cache.kernel_dir(mx.__version__, "cuda"), kname, source)
     ptx_cache.write_module(path, kname, code, lowered, source)
     made = mx.fast.cuda_kernel(name=name, input_names=["a"], output_names=["out"], source=own)
-    out = made(inputs=[a], output_shapes=[a.shape], output_dtypes=[mx.float32], grid=(4, 1, 1), threadgroup=(4, 1, 1))
+    out = made(inputs=[a], output_shapes=[a.shape], output_dtypes=[mx.bfloat16], grid=(4, 1, 1), threadgroup=(4, 1, 1),
+               template=template)
     assert out[0].tolist() == [0.0, 3.0, 6.0, 9.0]
 
 
