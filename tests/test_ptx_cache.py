@@ -35,6 +35,11 @@ def test_a_kernels_source_and_name_are_mlxs():
                                         "// header\n", [x, w, eps], [mx.bfloat16],
                                         [("T", mx.bfloat16), ("N", 4), ("UP", True)])
     assert name == "custom_kernel_k_bfloat16_t_4_t"
+    # MLX's get_type_string spells a dtype argument, not the dtype's own name (MLX printed
+    # custom_kernel_mtq_lora_down_bfloat16_t_1024 for lora_kernel.down on an H100)
+    names = [ptx_cache.mlx_source("k", ("x",), ("out",), "", "", [x], [mx.float32], [("T", t)])[0]
+             for t in (mx.float16, mx.float32, mx.int32)]
+    assert names == ["custom_kernel_k_float16_t", "custom_kernel_k_float", "custom_kernel_k_int32_t"]
     assert source == ptx_cache.DEFAULT_HEADER + """// header
 namespace mlx::core::cu {
 
