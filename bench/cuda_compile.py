@@ -34,7 +34,6 @@ library rather than ship them as files).
 """
 
 import argparse
-import ctypes
 import sys
 import time
 from pathlib import Path
@@ -119,9 +118,6 @@ def main():
     ap.add_argument("--rows", type=int, default=8, help="with --model: the decode's rows")
     ap.add_argument("--lora-layers", type=int, default=16, help="with --model: blocks with LoRA (0: none)")
     args = ap.parse_args()
-    lib = next((args.cuda / "nvidia").glob("cu*/lib"))
-    for builtins in lib.glob("libnvrtc-builtins.so*"):  # libnvrtc loads it by name
-        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
     include = next((args.cuda / "nvidia").glob("cu*/include"))
     headers = None  # ptx_cache's own device header, what a worker compiles with
     if args.mlx_src:
@@ -131,7 +127,7 @@ def main():
         if not headers:
             raise SystemExit(f"no MLX device headers under {device}")
     mlx_include = ptx_cache.site_dirs()[0]  # the installed MLX's config.h (MAX_NDIM)
-    nvrtc = ptx_cache.NVRTC(ctypes.CDLL(str(next(lib.glob("libnvrtc.so*")))),
+    nvrtc = ptx_cache.NVRTC(ptx_cache.load_nvrtc(next((args.cuda / "nvidia").glob("cu*/lib"))),
                             [mlx_include, include / "cccl", include], args.arch, headers)
 
     calls: list = []

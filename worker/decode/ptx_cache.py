@@ -196,18 +196,21 @@ def _device_arch() -> str:
     return f"sm_{major.value}{minor.value}{'a' if major.value >= 9 else ''}"
 
 
+def load_nvrtc(folder: Path) -> ctypes.CDLL:
+    """The folder's libnvrtc, its builtins library first: libnvrtc loads that by name, from the
+    loader's paths."""
+    for builtins in sorted(folder.glob("libnvrtc-builtins.so*")):
+        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+    return ctypes.CDLL(str(folder / "libnvrtc.so.13"))
+
+
 def nvrtc() -> NVRTC:
     """NVRTC as MLX finds it: the nvidia-cuda-nvrtc package beside mlx, else CUDA_HOME's (or the
-    loader's). Its builtins library first: libnvrtc loads that by name, from the loader's paths."""
+    loader's)."""
     include, cuda = site_dirs()
-    lib = None
-    for folder in (cuda.parent / "lib", cuda.parent / "lib64"):
-        if (folder / "libnvrtc.so.13").exists():
-            for builtins in sorted(folder.glob("libnvrtc-builtins.so*")):
-                ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
-            lib = ctypes.CDLL(str(folder / "libnvrtc.so.13"))
-            break
-    return NVRTC(lib or ctypes.CDLL("libnvrtc.so.13"), [include, include / "cccl", cuda], _device_arch())
+    folder = next((f for f in (cuda.parent / "lib", cuda.parent / "lib64") if (f / "libnvrtc.so.13").exists()), None)
+    lib = load_nvrtc(folder) if folder else ctypes.CDLL("libnvrtc.so.13")
+    return NVRTC(lib, [include, include / "cccl", cuda], _device_arch())
 
 
 _seen: set[Path] = set()
