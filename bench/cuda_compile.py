@@ -2,7 +2,8 @@
 
     python3 -m pip install --target DIR --no-deps "nvidia-cuda-nvrtc==13.*" "nvidia-cuda-runtime==13.*" \
         "nvidia-cuda-cccl==13.*"
-    python3 bench/cuda_compile.py --cuda DIR [--mlx-src MLX_SOURCE_TREE] [--arch sm_90a] [--only NAME]
+    python3 bench/cuda_compile.py --cuda DIR [--mlx-lib LIBMLX | --mlx-src MLX_SOURCE_TREE] [--arch sm_90a]
+                                  [--only NAME]
                                   [--model DIR --rows 8 --lora-layers 16]
 
 MLX's CUDA backend compiles a custom kernel (mx.fast.cuda_kernel) at its first call on a GPU, so
@@ -27,10 +28,10 @@ kernels where MLX's PTX cache lacks them (MLX 0.32 never writes custom kernels t
 worker/decode/ptx_cache.py does).
 
 --cuda DIR: where pip put NVRTC, the CUDA runtime's headers and CCCL (the command above; 13.x,
-as the mlx-cuda-13 wheel takes). The sources compile with worker/decode/ptx_cache.py's device
-header, as a worker compiles them into MLX's PTX cache; --mlx-src: with an MLX source tree's
-mlx/backend/cuda/device/ headers instead, as MLX compiles them (the wheel embeds those in its
-library rather than ship them as files).
+as the mlx-cuda-13 wheel takes). The sources compile with MLX's device headers as a worker
+compiles them into MLX's PTX cache: read from MLX's CUDA library (ptx_cache.mlx_headers), the
+installed MLX's or --mlx-lib's (a CPU machine's MLX has none: unpack the mlx-cuda wheel and pass
+its mlx/lib/libmlx.so); --mlx-src: from an MLX source tree's mlx/backend/cuda/device/ instead.
 """
 
 import argparse
@@ -111,7 +112,9 @@ def trace(model, rows: int, capacity: int) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cuda", type=Path, required=True, help="pip's --target of nvidia-cuda-nvrtc, -runtime and -cccl")
-    ap.add_argument("--mlx-src", type=Path, help="an MLX source tree: its device headers, not the worker's own")
+    ap.add_argument("--mlx-lib", type=Path, help="MLX's CUDA library (libmlx.so), its device headers; default: "
+                    "the installed MLX's")
+    ap.add_argument("--mlx-src", type=Path, help="an MLX source tree: its device headers, not a library's")
     ap.add_argument("--arch", default="sm_90a", help="NVRTC's --gpu-architecture (MLX: sm_XYa from 9.0 on)")
     ap.add_argument("--only", help="compile only the kernels whose name holds this")
     ap.add_argument("--model", help="trace only this model's decode (a path or Hugging Face id)")
@@ -119,14 +122,19 @@ def main():
     ap.add_argument("--lora-layers", type=int, default=16, help="with --model: blocks with LoRA (0: none)")
     args = ap.parse_args()
     include = next((args.cuda / "nvidia").glob("cu*/include"))
-    headers = None  # ptx_cache's own device header, what a worker compiles with
     if args.mlx_src:
         device = args.mlx_src / "mlx/backend/cuda/device"
         found = sorted(device.glob("*.cuh")) + sorted(device.glob("*.h"))
-        headers = {str(h.relative_to(args.mlx_src)): h.read_text() for h in found}
+        headers = {str(h.relative_to(args.mlx_src)): h.read_bytes() for h in found}
         if not headers:
             raise SystemExit(f"no MLX device headers under {device}")
-    mlx_include = ptx_cache.site_dirs()[0]  # the installed MLX's config.h (MAX_NDIM)
+    else:
+        library = args.mlx_lib or Path(mx.__file__).resolve().parent / "lib" / "libmlx.so"
+        try:
+            headers = ptx_cache.mlx_headers(library)
+        except ValueError as e:
+            raise SystemExit(f"{e}: pass --mlx-lib, the mlx/lib/libmlx.so of an unpacked mlx-cuda wheel") from None
+    mlx_include = ptx_cache.site_dirs()[0]  # where MLX's include paths begin
     nvrtc = ptx_cache.NVRTC(ptx_cache.load_nvrtc(next((args.cuda / "nvidia").glob("cu*/lib"))),
                             [mlx_include, include / "cccl", include], args.arch, headers)
 
@@ -152,12 +160,8 @@ def main():
                                             call.get("template"))
         sources.setdefault(source, name)
     print(f"{len(calls)} kernel calls, {len(sources)} distinct sources", flush=True)
-    failed, skipped, started = 0, 0, time.perf_counter()
+    failed, started = 0, time.perf_counter()
     for source, name in sorted(sources.items(), key=lambda item: item[1]):
-        if not args.mlx_src and not ptx_cache.seedable(source):
-            print(f"  MLX  {name:70s} (includes MLX's headers: --mlx-src to compile it)", flush=True)
-            skipped += 1
-            continue
         t0 = time.perf_counter()
         try:
             size = f"{len(nvrtc.compile(name, source)[0]) / 1000:6.1f} KB"  # the module MLX's PTX cache holds
@@ -168,8 +172,7 @@ def main():
         if log:
             print("\n".join("      " + line for line in log.strip().splitlines()), flush=True)
         failed += bool(log)
-    print(f"{len(sources) - failed - skipped} compiled, {failed} failed, {skipped} left to MLX, "
-          f"{time.perf_counter() - started:.1f} s", flush=True)
+    print(f"{len(sources) - failed} compiled, {failed} failed, {time.perf_counter() - started:.1f} s", flush=True)
     sys.exit(1 if failed else 0)
 
 

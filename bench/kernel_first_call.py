@@ -1,4 +1,4 @@
-"""A fresh process's first call of four of the decode's CUDA kernels, each timed alone, then a second call.
+"""A fresh process's first call of five of the decode's CUDA kernels, each timed alone, then a second call.
 
     TMPDIR=DIR python3 bench/kernel_first_call.py [--rows 8] [--hidden 1024] [--rank 8]
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from worker.decode import lora_kernel, norm_kernel  # noqa: E402
+from worker.decode import lora_kernel, norm_kernel, swiglu_kernel  # noqa: E402
 from worker.runtime.backend import cuda  # noqa: E402
 from worker.supervisor import kernel_cache  # noqa: E402
 
@@ -82,13 +82,15 @@ def main():
     a = mx.random.normal((hidden, rank)) * 0.01
     b = mx.random.normal((rank, hidden)) * 0.01
     t = mx.random.normal((rows, rank))
+    y = mx.concatenate([x, r], axis=1)  # gate, up
     norm = nn.RMSNorm(hidden)
     norm.weight = norm.weight.astype(mx.bfloat16)
-    mx.eval(x, r, a, b, t, norm.parameters())  # MLX's own kernels for these, before any timing
+    mx.eval(x, r, a, b, t, y, norm.parameters())  # MLX's own kernels for these, before any timing
     calls = {"lora_down": lambda: lora_kernel.down(x, a),
              "lora_up": lambda: lora_kernel.up(x, t, b, 2.0),
              "add_norm": lambda: norm_kernel.add_norm(x, r, norm)[:2],
-             "add_norm_down": lambda: norm_kernel.add_norm(x, r, norm, a=a)}
+             "add_norm_down": lambda: norm_kernel.add_norm(x, r, norm, a=a),
+             "swiglu": lambda: swiglu_kernel.swiglu(y)[0]}  # includes MLX's activation headers
     seconds = {}
     for name, call in calls.items():
         for turn in ("first", "second"):

@@ -2,7 +2,10 @@
 for them on any machine; on CUDA, that MLX loads what was seeded instead of compiling."""
 
 import logging
+import shutil
+import subprocess
 import uuid
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -78,14 +81,40 @@ def test_the_module_is_where_mlx_looks_for_it(tmp_path):
         [path.name, path.with_suffix(".txt").name, path.with_suffix(".cu").name])
 
 
-def test_a_kernel_that_includes_mlxs_own_headers_is_left_to_mlx():
-    """swiglu_kernel takes MLX's activation functions (binary_ops.cuh, unary_ops.cuh), which the
-    seeded header does not have: MLX compiles it as before."""
-    x = mx.zeros((2, 8), mx.float32)
-    plain = ptx_cache.mlx_source("k", ("x",), ("out",), "out[0] = x[0];", "", [x], [mx.float32], None)[1]
-    include = '#include "mlx/backend/cuda/device/unary_ops.cuh"\n'
-    more = ptx_cache.mlx_source("k", ("x",), ("out",), "out[0] = x[0];", include, [x], [mx.float32], None)[1]
-    assert ptx_cache.seedable(plain) and not ptx_cache.seedable(more)
+LIBRARY = r"""
+static const char utils[] = "// Copyright  2025 Apple Inc.\n#pragma once\n// utils\n";
+static const char config[] = "// Copyright  2025 Apple Inc.\n#define MAX_NDIM 10\n";
+static const char other[] = "// Copyright  2024 someone\n";
+/* jit_module.cpp's two arrays, the headers first as MLX's library has them, between others that
+   start and end with other strings, so that no two arrays make one run of pointers */
+__attribute__((used)) const char* const before[] = {"x", other, "mlx/backend/cuda/device/x.h", "x"};
+__attribute__((used)) const char* const g_headers[] = {config, utils};
+__attribute__((used)) const char* const g_include_names[] = {"mlx/backend/cuda/device/config.h",
+                                                            "mlx/backend/cuda/device/utils.cuh"};
+__attribute__((used)) const char* const after[] = {"x", other, other, other, "x"};
+"""
+
+
+@pytest.mark.skipif(not shutil.which("cc"), reason="builds a shared library with cc")
+def test_mlxs_device_headers_are_read_from_its_library_by_name(tmp_path):
+    """The wheel embeds the headers MLX gives NVRTC in its library, as an array of names and one of
+    texts: a library laid out so (built here with the arrays' relocations, as MLX's is built)
+    gives each name its own text, not a lone pointer's nor a run of another length."""
+    (tmp_path / "lib.c").write_text(LIBRARY)
+    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", tmp_path / "lib.so", tmp_path / "lib.c"], check=True)
+    assert ptx_cache.mlx_headers(tmp_path / "lib.so") == {
+        "mlx/backend/cuda/device/config.h": b"// Copyright  2025 Apple Inc.\n#define MAX_NDIM 10\n",
+        "mlx/backend/cuda/device/utils.cuh": b"// Copyright  2025 Apple Inc.\n#pragma once\n// utils\n"}
+
+
+def test_a_library_without_mlxs_device_headers_says_so(tmp_path):
+    """MLX's CPU library has no device headers; a file that is no library neither."""
+    (tmp_path / "text.so").write_bytes(b"not an ELF")
+    with pytest.raises(ValueError, match="not a 64-bit"):
+        ptx_cache.mlx_headers(tmp_path / "text.so")
+    if not cuda():
+        with pytest.raises(ValueError, match="0 arrays of MLX's device header names"):
+            ptx_cache.mlx_headers(Path(mx.__file__).resolve().parent / "lib" / "libmlx.so")
 
 
 @pytest.mark.skipif(cuda(), reason="a machine without CUDA")
@@ -126,12 +155,16 @@ def test_mlx_loads_a_seeded_kernel_instead_of_compiling_it():
 @cuda_only
 def test_a_decode_kernel_is_in_mlxs_cache_after_its_first_call():
     """custom_kernel.kernel seeds each form of a call before MLX runs it, and the kernel computes
-    its own source's result."""
-    a = mx.arange(8, dtype=mx.float32).reshape(2, 4)
+    its own source's result; one that includes MLX's device headers (swiglu_kernel's Sigmoid) too,
+    rounding as MLX's own sigmoid does."""
+    a = mx.arange(-4, 4, dtype=mx.bfloat16).reshape(2, 4) / 3
     name = f"mtq_seed_test_{uuid.uuid4().hex}"
-    source = "out[threadIdx.x] = a[threadIdx.x] * a_shape[1];"
-    made = custom_kernel.kernel(name, ("a",), ("out",), source)
-    out = made(inputs=[a], output_shapes=[(8,)], output_dtypes=[mx.float32], grid=(8, 1, 1), threadgroup=(8, 1, 1))
-    assert out[0].tolist() == [4.0 * i for i in range(8)]
-    kname, whole = ptx_cache.mlx_source(name, ("a",), ("out",), source, "", [a], [mx.float32], None)
+    source = "out[threadIdx.x] = Sigmoid{}(a[threadIdx.x]) * static_cast<T>(a_shape[1]);"
+    header = '#include "mlx/backend/cuda/device/unary_ops.cuh"\n'
+    made = custom_kernel.kernel(name, ("a",), ("out",), source, header=header)
+    out = made(inputs=[a], output_shapes=[(8,)], output_dtypes=[mx.bfloat16], grid=(8, 1, 1), threadgroup=(8, 1, 1),
+               template=[("T", mx.bfloat16)])
+    assert out[0].tolist() == (mx.sigmoid(a).reshape(8) * mx.array(4, mx.bfloat16)).tolist()
+    kname, whole = ptx_cache.mlx_source(name, ("a",), ("out",), source, header, [a], [mx.bfloat16],
+                                        [("T", mx.bfloat16)])
     assert ptx_cache.module_path(kernel_cache.kernel_dir(mx.__version__, "cuda"), kname, whole).exists()

@@ -11,15 +11,17 @@ share (worker/supervisor/kernel_share.py), find it too. Anything that fails here
 kernel to MLX, which compiles it as before.
 
 mlx_source() makes the source as custom_kernel.cpp's build_kernel does, byte for byte: the module
-name hashes it. NVRTC gets MLX's device header as a named header, as MLX gives it; the wheel
-embeds that header in its library, so DEVICE_HEADER holds what these kernels use of it (Shape and
-Strides as MLX defines them, and the CUDA headers it includes); a kernel that includes more of
-MLX's headers stays MLX's to compile (seedable).
+name hashes it. NVRTC gets MLX's device headers as named headers, as jit_module.cpp gives them;
+the wheel embeds those in its library rather than ship them as files, so mlx_headers() reads them
+from there. The module is then what MLX would compile: the same source, headers, options and
+NVRTC.
 """
 
 import ctypes
 import logging
+import mmap
 import os
+import struct
 from pathlib import Path
 
 import mlx.core as mx
@@ -40,20 +42,9 @@ DEFAULT_HEADER = '''
 #include <cooperative_groups.h>
 
 '''
-DEVICE_HEADER_NAME = "mlx/backend/cuda/device/utils.cuh"
-DEVICE_HEADER = '''#pragma once
-#include "mlx/backend/cuda/device/config.h"
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda/std/array>
-#include <cuda/std/limits>
-#include <cuda/std/tuple>
-#include <cuda/std/cmath>
-namespace mlx::core::cu {
-using Shape = cuda::std::array<int32_t, MAX_NDIM>;
-using Strides = cuda::std::array<int64_t, MAX_NDIM>;
-}
-'''
+HEADER_PREFIX = b"mlx/backend/cuda/device/"  # jit_module.cpp's INCLUDE_PREFIX
+HEADER_START = b"// Copyright"  # each device header's first line
+RELATIVE = {62: 8, 183: 1027}  # ELF machine: its R_*_RELATIVE relocation (x86-64, AArch64)
 MAX_FILE_NAME = 245  # jit_module.cpp get_ptx_path: longer module names become folders
 _MASK = 2**64 - 1
 _MUL = (0xC6A4A793 << 32) + 0x5BD1E995
@@ -119,16 +110,66 @@ def module_path(cache_dir: Path, kname: str, source: str) -> Path:
     return path / (module + ".ptx")
 
 
+def mlx_headers(library: Path) -> dict[str, bytes]:
+    """MLX's device headers by name, as jit_module.cpp gives them to NVRTC (g_include_names,
+    g_headers), read from MLX's library (an ELF of 64 bits). Each array is a run of pointers, each
+    pointer a relative relocation to a NUL-terminated string: the names are the one run of strings
+    that start with HEADER_PREFIX, the headers the one run as long of texts that start with
+    HEADER_START. ValueError where the library is not laid out so (MLX's CPU library has none)."""
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+            raise ValueError(f"{library} is not a 64-bit little-endian ELF")
+        relative = RELATIVE.get(struct.unpack_from("<H", data, 0x12)[0])
+        phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
+        phsize, phnum, shsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+        segments = []  # (address, file offset, size) of what is loaded
+        for i in range(phnum):
+            kind, _, offset, address, _, size = struct.unpack_from("<IIQQQQ", data, phoff + i * phsize)
+            if kind == 1:  # PT_LOAD
+                segments.append((address, offset, size))
+        pointers = {}  # address of a pointer -> address it points at
+        for i in range(shnum):
+            _, kind, _, _, offset, size = struct.unpack_from("<IIQQQQ", data, shoff + i * shsize)
+            if kind == 4:  # SHT_RELA
+                for where, info, addend in struct.iter_unpack("<QQq", data[offset:offset + size]):
+                    if info & 0xFFFFFFFF == relative:
+                        pointers[where] = addend
+
+        def text(address: int, start: bytes) -> bytes | None:
+            """The NUL-terminated string at the address if it begins with start."""
+            for base, offset, size in segments:
+                if base <= address < base + size:
+                    at = offset + address - base
+                    return bytes(data[at:data.find(b"\0", at)]) if data[at:at + len(start)] == start else None
+            return None
+
+        def runs(start: bytes) -> list[list[bytes]]:
+            """The strings of each run of consecutive pointers to strings that begin with start."""
+            found, last = [], None
+            for where in sorted(w for w, address in pointers.items() if text(address, start) is not None):
+                if where != last:
+                    found.append([])
+                found[-1].append(text(pointers[where], start))
+                last = where + 8
+            return found
+
+        names = [r for r in runs(HEADER_PREFIX) if len(r) > 1]
+        headers = [r for r in runs(HEADER_START) if names and len(r) == len(names[0])]
+    if len(names) != 1 or len(headers) != 1:
+        raise ValueError(f"{library} has {len(names)} arrays of MLX's device header names and {len(headers)} of "
+                         "headers as long, where MLX's CUDA library has one of each")
+    return dict(zip((n.decode() for n in names[0]), headers[0]))
+
+
 class NVRTC:
     """NVRTC through ctypes with MLX's options and include paths (jit_module.cpp compile,
-    include_path_args) and MLX's device headers as named headers (headers: name -> text; by
-    default DEVICE_HEADER alone), for one architecture."""
+    include_path_args) and MLX's device headers as named headers (headers: name -> text, as
+    mlx_headers reads them), for one architecture."""
 
-    def __init__(self, lib: ctypes.CDLL, include_dirs: list[Path], arch: str, headers: dict[str, str] | None = None):
+    def __init__(self, lib: ctypes.CDLL, include_dirs: list[Path], arch: str, headers: dict[str, bytes]):
         self.lib, self.arch = lib, arch
-        headers = headers or {DEVICE_HEADER_NAME: DEVICE_HEADER}
         self.names = [n.encode() for n in headers]
-        self.texts = [t.encode() for t in headers.values()]
+        self.texts = list(headers.values())
         self.options = [b"--device-as-default-execution-space", f"--gpu-architecture={arch}".encode()]
         self.options += [f"--include-path={d}".encode() for d in include_dirs]
 
@@ -205,29 +246,22 @@ def load_nvrtc(folder: Path) -> ctypes.CDLL:
 
 
 def nvrtc() -> NVRTC:
-    """NVRTC as MLX finds it: the nvidia-cuda-nvrtc package beside mlx, else CUDA_HOME's (or the
-    loader's)."""
+    """NVRTC as MLX finds it (the nvidia-cuda-nvrtc package beside mlx, else CUDA_HOME's or the
+    loader's), with the headers of the installed MLX's library."""
     include, cuda = site_dirs()
+    headers = mlx_headers(Path(mx.__file__).resolve().parent / "lib" / "libmlx.so")
     folder = next((f for f in (cuda.parent / "lib", cuda.parent / "lib64") if (f / "libnvrtc.so.13").exists()), None)
     lib = load_nvrtc(folder) if folder else ctypes.CDLL("libnvrtc.so.13")
-    return NVRTC(lib, [include, include / "cccl", cuda], _device_arch())
+    return NVRTC(lib, [include, include / "cccl", cuda], _device_arch(), headers)
 
 
 _seen: set[Path] = set()
 _compiler: list = []  # the NVRTC of this process, made at the first kernel that needs one; [None]: none
 
 
-def seedable(source: str) -> bool:
-    """Whether DEVICE_HEADER is all of MLX's headers the source includes (swiglu_kernel's takes MLX's
-    own activation functions, so that it rounds as MLX does: MLX compiles that one)."""
-    return source.count('#include "mlx/') == 1
-
-
 def seed(kname: str, source: str) -> None:
     """Make sure MLX finds the kernel of this source in its PTX cache (compiling it where missing);
     where that fails, log why once and leave the kernel to MLX."""
-    if not seedable(source):
-        return
     path = module_path(kernel_cache.kernel_dir(mx.__version__, "cuda"), kname, source)
     if path in _seen:
         return
