@@ -146,9 +146,9 @@ def test_batch_protocol_one_request_per_step_with_item_fields(stack, worker, ser
 
 
 def test_timeout_then_answer_job_completes(stack, worker, server):
-    server.replies = [{"delay": 3.0}]  # the first request outlives its 0.5 s timeout
+    server.replies = [{"delay": 4.0}]  # the first request outlives its 1 s timeout (the retry's answer, a loaded CI's)
     started = time.monotonic()
-    job, events = run_job(stack, worker, reward=[endpoint(server.url, timeout=0.5, retries=2, backoff_s=0.05)])
+    job, events = run_job(stack, worker, reward=[endpoint(server.url, timeout=1.0, retries=2, backoff_s=0.05)])
     steps, samples = check_steps(job, events)
     requests = server.requests
     assert requests[0]["delayed"] and requests[1]["body"] == requests[0]["body"]  # the same request, again
