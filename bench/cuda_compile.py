@@ -129,7 +129,7 @@ def main():
         if not headers:
             raise SystemExit(f"no MLX device headers under {device}")
     else:
-        library = args.mlx_lib or Path(mx.__file__).resolve().parent / "lib" / "libmlx.so"
+        library = args.mlx_lib or ptx_cache.mlx_library()
         try:
             headers = ptx_cache.mlx_headers(library)
         except ValueError as e:

@@ -5,7 +5,6 @@ import logging
 import shutil
 import subprocess
 import uuid
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -114,7 +113,7 @@ def test_a_library_without_mlxs_device_headers_says_so(tmp_path):
         ptx_cache.mlx_headers(tmp_path / "text.so")
     if not cuda():
         with pytest.raises(ValueError, match="0 arrays of MLX's device header names"):
-            ptx_cache.mlx_headers(Path(mx.__file__).resolve().parent / "lib" / "libmlx.so")
+            ptx_cache.mlx_headers(ptx_cache.mlx_library())
 
 
 @pytest.mark.skipif(cuda(), reason="a machine without CUDA")

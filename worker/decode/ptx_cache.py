@@ -145,11 +145,12 @@ def mlx_headers(library: Path) -> dict[str, bytes]:
 
         def runs(start: bytes) -> list[list[bytes]]:
             """The strings of each run of consecutive pointers to strings that begin with start."""
+            strings = {w: s for w, address in pointers.items() if (s := text(address, start)) is not None}
             found, last = [], None
-            for where in sorted(w for w, address in pointers.items() if text(address, start) is not None):
+            for where in sorted(strings):
                 if where != last:
                     found.append([])
-                found[-1].append(text(pointers[where], start))
+                found[-1].append(strings[where])
                 last = where + 8
             return found
 
@@ -167,7 +168,7 @@ class NVRTC:
     mlx_headers reads them), for one architecture."""
 
     def __init__(self, lib: ctypes.CDLL, include_dirs: list[Path], arch: str, headers: dict[str, bytes]):
-        self.lib, self.arch = lib, arch
+        self.lib = lib
         self.names = [n.encode() for n in headers]
         self.texts = list(headers.values())
         self.options = [b"--device-as-default-execution-space", f"--gpu-architecture={arch}".encode()]
@@ -216,6 +217,11 @@ def write_module(path: Path, kname: str, code: bytes, lowered: str, source: str)
     kernel_cache.write_whole(path, code)
 
 
+def mlx_library() -> Path:
+    """The installed MLX's library, whose device headers mlx_headers reads."""
+    return Path(mx.__file__).resolve().parent / "lib" / "libmlx.so"
+
+
 def site_dirs() -> tuple[Path, Path]:
     """(the mlx package's include folder, CUDA's headers) where MLX finds them."""
     site = Path(mx.__file__).resolve().parents[1]
@@ -249,7 +255,7 @@ def nvrtc() -> NVRTC:
     """NVRTC as MLX finds it (the nvidia-cuda-nvrtc package beside mlx, else CUDA_HOME's or the
     loader's), with the headers of the installed MLX's library."""
     include, cuda = site_dirs()
-    headers = mlx_headers(Path(mx.__file__).resolve().parent / "lib" / "libmlx.so")
+    headers = mlx_headers(mlx_library())
     folder = next((f for f in (cuda.parent / "lib", cuda.parent / "lib64") if (f / "libnvrtc.so.13").exists()), None)
     lib = load_nvrtc(folder) if folder else ctypes.CDLL("libnvrtc.so.13")
     return NVRTC(lib, [include, include / "cccl", cuda], _device_arch(), headers)
