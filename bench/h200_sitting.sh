@@ -41,8 +41,8 @@
 #   bash bench/h200_sitting.sh first     first, four decode kernels' first calls in a fresh process, twice on one
 #                                        cache (bench/kernel_first_call.py; OTHER_TREE's too, a cache of its own);
 #                                        then a fresh process's first GRPO step phase by phase (bench/first_sampling.py):
-#                                        on an empty cache, then warm, then warm without cuDNN's attention
-#                                        and without MLX's CUDA graphs; which cached kernels each process read;
+#                                        on an empty cache, then warm (cuDNN's attention and MLX's CUDA graphs
+#                                        left out did not change it); which cached kernels each process read;
 #                                        with OTHER_TREE=DIR (another tree's worker/, shared/ and bench/), that
 #                                        tree's first step twice on the same cache, after this tree's warm one
 #   bash bench/h200_sitting.sh sdpa      GRPO's G8 B4 L128 step and SFT's LoRA step with cuDNN's attention and without
@@ -188,9 +188,7 @@ case "$stage" in
       cp bench/first_sampling.py "$OTHER_TREE/bench/"
       run "${cache[@]}" "$py" "$OTHER_TREE/bench/first_sampling.py" "$q4"
       run "${cache[@]}" "$py" "$OTHER_TREE/bench/first_sampling.py" "$q4"  # its second process: what stays
-    fi
-    run "${cache[@]}" MLX_CUDA_USE_CUDNN_SDPA=0 "$py" bench/first_sampling.py "$q4"
-    run "${cache[@]}" MLX_USE_CUDA_GRAPHS=0 "$py" bench/first_sampling.py "$q4" ;;
+    fi ;;
   sdpa)  # steps with cuDNN's attention and with MLX's own (env read once per process: a process a round, alternated)
     for r in 1 2; do
       for knobs in MLX_CUDA_USE_CUDNN_SDPA=1 MLX_CUDA_USE_CUDNN_SDPA=0; do
