@@ -4,6 +4,7 @@ for them on any machine; on CUDA, that MLX loads what was seeded instead of comp
 import logging
 import shutil
 import subprocess
+import sys
 import uuid
 
 import mlx.core as mx
@@ -94,16 +95,31 @@ __attribute__((used)) const char* const after[] = {"x", other, other, other, "x"
 """
 
 
-@pytest.mark.skipif(not shutil.which("cc"), reason="builds a shared library with cc")
-def test_mlxs_device_headers_are_read_from_its_library_by_name(tmp_path):
+@pytest.mark.skipif(not shutil.which("cc") or sys.platform != "linux", reason="builds an ELF library with cc")
+@pytest.mark.parametrize("relocations", ["rela", "relr"])
+def test_mlxs_device_headers_are_read_from_its_library_by_name(tmp_path, relocations):
     """The wheel embeds the headers MLX gives NVRTC in its library, as an array of names and one of
-    texts: a library laid out so (built here with the arrays' relocations, as MLX's is built)
-    gives each name its own text, not a lone pointer's nor a run of another length."""
+    texts: a library laid out so (built here with the arrays' relocations, as MLX's is built, and
+    packed as newer linkers pack them) gives each name its own text, not a lone pointer's nor a run
+    of another length."""
     (tmp_path / "lib.c").write_text(LIBRARY)
-    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", tmp_path / "lib.so", tmp_path / "lib.c"], check=True)
+    packed = ["-Wl,-z,pack-relative-relocs"] if relocations == "relr" else []
+    built = subprocess.run(["cc", "-shared", "-fPIC", "-O2", *packed, "-o", tmp_path / "lib.so", tmp_path / "lib.c"],
+                           capture_output=True, text=True)
+    if built.returncode and packed:
+        pytest.skip(f"this linker packs no relative relocations: {built.stderr.strip()}")
+    assert built.returncode == 0, built.stderr
+    assert (b".relr.dyn" in (tmp_path / "lib.so").read_bytes()) == bool(packed)  # the layout the case names
     assert ptx_cache.mlx_headers(tmp_path / "lib.so") == {
         "mlx/backend/cuda/device/config.h": b"// Copyright  2025 Apple Inc.\n#define MAX_NDIM 10\n",
         "mlx/backend/cuda/device/utils.cuh": b"// Copyright  2025 Apple Inc.\n#pragma once\n// utils\n"}
+
+
+def test_packed_relative_relocations_are_each_address_and_its_bitmaps():
+    """SHT_RELR: an address, then bitmaps (odd entries) of the 63 words after it, each bitmap
+    carrying on where the last ended."""
+    entries = [0x10000, 0b1011, 1 << 63 | 1, 0x20000]
+    assert ptx_cache.relr(entries) == [0x10000, 0x10008, 0x10018, 0x10008 + 63 * 8 + 62 * 8, 0x20000]
 
 
 def test_a_library_without_mlxs_device_headers_says_so(tmp_path):

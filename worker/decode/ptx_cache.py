@@ -127,6 +127,14 @@ def mlx_headers(library: Path) -> dict[str, bytes]:
             kind, _, offset, address, _, size = struct.unpack_from("<IIQQQQ", data, phoff + i * phsize)
             if kind == 1:  # PT_LOAD
                 segments.append((address, offset, size))
+
+        def at(address: int) -> int | None:
+            """The file offset of a loaded address."""
+            for base, offset, size in segments:
+                if base <= address < base + size:
+                    return offset + address - base
+            return None
+
         pointers = {}  # address of a pointer -> address it points at
         for i in range(shnum):
             _, kind, _, _, offset, size = struct.unpack_from("<IIQQQQ", data, shoff + i * shsize)
@@ -134,14 +142,16 @@ def mlx_headers(library: Path) -> dict[str, bytes]:
                 for where, info, addend in struct.iter_unpack("<QQq", data[offset:offset + size]):
                     if info & 0xFFFFFFFF == relative:
                         pointers[where] = addend
+            elif kind == 19:  # SHT_RELR, packed relative relocations (ld -z pack-relative-relocs)
+                for where in relr(entry for (entry,) in struct.iter_unpack("<Q", data[offset:offset + size])):
+                    if (stored := at(where)) is not None:  # the addend is what the file holds there
+                        pointers[where] = struct.unpack_from("<Q", data, stored)[0]
 
         def text(address: int, start: bytes) -> bytes | None:
             """The NUL-terminated string at the address if it begins with start."""
-            for base, offset, size in segments:
-                if base <= address < base + size:
-                    at = offset + address - base
-                    return bytes(data[at:data.find(b"\0", at)]) if data[at:at + len(start)] == start else None
-            return None
+            if (offset := at(address)) is None or data[offset:offset + len(start)] != start:
+                return None
+            return bytes(data[offset:data.find(b"\0", offset)])
 
         def runs(start: bytes) -> list[list[bytes]]:
             """The strings of each run of consecutive pointers to strings that begin with start."""
@@ -160,6 +170,20 @@ def mlx_headers(library: Path) -> dict[str, bytes]:
         raise ValueError(f"{library} has {len(names)} arrays of MLX's device header names and {len(headers)} of "
                          "headers as long, where MLX's CUDA library has one of each")
     return dict(zip((n.decode() for n in names[0]), headers[0]))
+
+
+def relr(entries) -> list[int]:
+    """The addresses a SHT_RELR section relocates (64 bits): an even entry is an address, and the
+    next entries that are odd are bitmaps of the 63 words after it, then after those."""
+    addresses, next_word = [], 0
+    for entry in entries:
+        if entry & 1 == 0:
+            addresses.append(entry)
+            next_word = entry + 8
+        else:
+            addresses += [next_word + 8 * (bit - 1) for bit in range(1, 64) if entry >> bit & 1]
+            next_word += 63 * 8
+    return addresses
 
 
 class NVRTC:
