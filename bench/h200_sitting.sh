@@ -24,7 +24,7 @@
 #   bash bench/h200_sitting.sh decode    first the decode of 8 rows, LoRA on 16 blocks, beside itself with MLX's
 #                                        quantized matmuls for quantized_kernel's (--undo quantized, 5 interleaved
 #                                        rounds); then decode per position, LoRA on 16 blocks and none, 8 and 32 rows, beside
-#                                        mlx_lm's decoders (3 interleaved rounds), with LoRA at 16 and 32 rows with
+#                                        mlx_lm's decoders (3 interleaved rounds), with LoRA at 8, 16 and 32 rows with
 #                                        dense weights beside the quantized (a GRPO job's default on CUDA), each
 #                                        kernel's GPU time alone at 8 and 32 rows
 #   bash bench/h200_sitting.sh versions  where /tmp/old holds an earlier tree's worker/ and shared/, that tree
@@ -137,8 +137,9 @@ case "$stage" in
     run "$py" bench/decode.py "$q4" --rows 8 --tokens 128 --reps 5 --lora-layers "$lora_layers" --queries 2 \
       --ours-only --undo quantized
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2
-    # ours with dense copies beside the quantized weights: what a GRPO job decodes with on CUDA by default (from 16 rows)
-    run "$py" bench/decode.py "$q4" --rows 16 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2 --ours-only \
+    # ours with dense copies beside the quantized weights: what a GRPO job decodes with on CUDA by default (from 16
+    # rows); 8 rows too, where dense 16 rows already beat quantized 8 (the fourteenth sitting)
+    run "$py" bench/decode.py "$q4" --rows 8 16 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2 --ours-only \
       --dense
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --queries 2
     run "$py" bench/decode_kernels.py "$q4" --rows 8 32 ;;  # each kernel's GPU time alone: what 32 rows cost
