@@ -6,9 +6,11 @@ interleaved rounds in one process (docs/performance.md "LoRA's product in the mo
     python bench/lora_step.py MODEL_DIR --count
 
 --count: no timing; the primitives of each fwdbwd_* variant's graph (the SFT loss and its
-gradients, before evaluation: mx.export_to_dot), by type. Where a step is host-bound (the H200:
-a cost per primitive), their count is what a variant adds; it depends on the layer count and
-the kind of layers, not on their width or the rows, so any machine can print it.
+gradients, before evaluation: mx.export_to_dot), by type, then those of the step_* variants'
+compiled steps (forward, backward and update after mx.compile's simplification and fusion, each
+fused kernel counted as one "Compiled"). Where a step is host-bound (the H200: a cost per
+primitive), their count is what a variant adds; it depends on the layer count and the kind of
+layers, not on their width or the rows, so any machine can print it.
 
 Variants, each on the same padded rows (bench/train_step.py rows_for), LoRA rank 8 on every
 linear layer of every block, full fine-tuning of every block, the model's q/k/v and gate/up
@@ -51,6 +53,7 @@ from train_step import LORA, rows_for  # noqa: E402
 
 from shared.kinds import KINDS  # noqa: E402
 from worker.kinds.sft_job import SFTTrainer  # noqa: E402
+from worker.kinds.supervised_trainer import make_step  # noqa: E402
 from worker.runtime.adapter_layers import InputDtypeLoRALinear, attach_adapter, remove_adapter_layers  # noqa: E402
 from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
 from worker.runtime.train_core import TrainState  # noqa: E402
@@ -69,7 +72,8 @@ def print_primitives(name: str):
         loss, grads = outputs
         with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
             mx.export_to_dot(f.name, loss, *[g for _, g in tree_flatten(grads)])
-            kinds = collections.Counter(re.findall(r'label ="([A-Za-z]+)"', f.read()))
+            kinds = collections.Counter(re.sub(r"^Compiled.*", "Compiled", label)
+                                        for label in re.findall(r'label ="([A-Za-z]+)"', f.read()))
         top = ", ".join(f"{k} {n}" for k, n in kinds.most_common(8))
         print(f"{name:16s} primitives {sum(kinds.values()):6d}: {top}", flush=True)
     return count
@@ -118,6 +122,16 @@ def main() -> None:
     if args.count:
         for name, made_as in fwd_bwds.items():
             fwd_bwd(*made_as, run=print_primitives(name))()
+            remove_adapter_layers(model)
+        for name, made_as in {"step_lora": ("lora",), "step_lora_each": ("lora", None, True), "step_full": ("full",)}.items():
+            made = trainer(*made_as)  # the trainer's compiled step as SFTTrainer.step makes it, for one micro-batch
+            (arrays, _) = made.arrays(list(range(args.batch_size)), rows)
+            step = make_step(made.module, made.optimizer, made.loss, 1, made.numbers, made.gang, True)
+            _, metrics = step(arrays, mx.array(1.0), None, True)
+            outputs = [*metrics.values(), *[v for _, v in tree_flatten(made.module.trainable_parameters())],
+                       *[v for _, v in tree_flatten(made.optimizer.state)]]
+            print_primitives(name)((outputs[0], outputs[1:]))
+            mx.eval(outputs)  # the next variant's graph starts from evaluated weights
             remove_adapter_layers(model)
         return
 
