@@ -123,7 +123,8 @@ def main() -> None:
         for name, made_as in fwd_bwds.items():
             fwd_bwd(*made_as, run=print_primitives(name))()
             remove_adapter_layers(model)
-        for name, made_as in {"step_lora": ("lora",), "step_lora_each": ("lora", None, True), "step_full": ("full",)}.items():
+        steps = {"step_lora": ("lora",), "step_lora_each": ("lora", None, True), "step_full": ("full",)}
+        for name, made_as in steps.items():
             made = trainer(*made_as)  # the trainer's compiled step as SFTTrainer.step makes it, for one micro-batch
             (arrays, _) = made.arrays(list(range(args.batch_size)), rows)
             step = make_step(made.module, made.optimizer, made.loss, 1, made.numbers, made.gang, True)
