@@ -10,7 +10,8 @@ gradients, before evaluation: mx.export_to_dot), by type, then those of the step
 compiled steps (forward, backward and update after mx.compile's simplification and fusion, each
 fused kernel counted as one "Compiled"). Where a step is host-bound (the H200: a cost per
 primitive), their count is what a variant adds; it depends on the layer count and the kind of
-layers, not on their width or the rows, so any machine can print it.
+layers, not on the rows, and the fwdbwd_* counts not on the width, so any machine can print it
+(a compiled step's fusions may differ a little between widths).
 
 Variants, each on the same padded rows (bench/train_step.py rows_for), LoRA rank 8 on every
 linear layer of every block, full fine-tuning of every block, the model's q/k/v and gate/up
