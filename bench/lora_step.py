@@ -68,13 +68,14 @@ class MergedLoRALinear(InputDtypeLoRALinear):
 
 
 def print_primitives(name: str):
-    """A function of (loss, grads) that prints the primitives of their graph, by type."""
+    """A function of (loss, grads) that prints the primitives of their graph, by type (a label's
+    first word: "SliceUpdate Sum" is a SliceUpdate)."""
     def count(outputs) -> None:
         loss, grads = outputs
         with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
             mx.export_to_dot(f.name, loss, *[g for _, g in tree_flatten(grads)])
             kinds = collections.Counter(re.sub(r"^Compiled.*", "Compiled", label)
-                                        for label in re.findall(r'label ="([A-Za-z]+)"', f.read()))
+                                        for label in re.findall(r'label ="([A-Za-z]+)[^"]*"', f.read()))
         top = ", ".join(f"{k} {n}" for k, n in kinds.most_common(8))
         print(f"{name:16s} primitives {sum(kinds.values()):6d}: {top}", flush=True)
     return count
