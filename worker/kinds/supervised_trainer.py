@@ -90,7 +90,8 @@ def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int
             if not do_update:
                 return (grads, metrics), None
         grads, metrics = gang.sum_tree((grads, metrics))
-        grads = tree_map(lambda g: g / accumulation, grads)
+        if accumulation > 1:  # by 1 a kernel of its own per gradient (the norm and the update read it)
+            grads = tree_map(lambda g: g / accumulation, grads)
         metrics = {k: v / accumulation for k, v in metrics.items()}
         grads, metrics["grad_norm"] = clipped(grads, numbers.get("max_grad_norm"))
         optimizer.update(module, grads)

@@ -112,12 +112,18 @@ def decode_groups(model: nn.Module) -> list[Group]:
 def lora_pair(mods: list[LoRALinear]) -> tuple[mx.array, mx.array]:
     """The LoRA matrices of projections that read one input as one pair: A side by side, B
     block-diagonal, so that x @ A @ B holds each projection's x @ A_i @ B_i side by side (the
-    zeros add nothing). Gradients reach each A_i and B_i through the concatenation and the pads."""
+    zeros add nothing). Each B_i is added into its block of a B of zeros: in a compiled step's
+    backward its gradient is then one slice of B's (a padded B_i concatenated: two slices, and the
+    pad's and concatenation's primitives in the forward). Gradients reach each A_i through the
+    concatenation."""
     if len(mods) == 1:
         return mods[0].lora_a, mods[0].lora_b
-    outs = [m.lora_b.shape[1] for m in mods]
-    starts = [sum(outs[:i]) for i in range(len(mods))]
-    b = mx.concatenate([mx.pad(m.lora_b, [(0, 0), (s, sum(outs) - s - n)]) for m, s, n in zip(mods, starts, outs)])
+    rows, cols = (sum(m.lora_b.shape[i] for m in mods) for i in (0, 1))
+    b, row, col = mx.zeros((rows, cols), mods[0].lora_b.dtype), 0, 0
+    for m in mods:
+        r, c = m.lora_b.shape
+        b = b.at[row:row + r, col:col + c].add(m.lora_b)
+        row, col = row + r, col + c
     return mx.concatenate([m.lora_a for m in mods], axis=1), b
 
 

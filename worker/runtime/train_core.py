@@ -209,11 +209,15 @@ class AdamW(optim.AdamW):
 def clipped(grads, max_grad_norm: float | mx.array | None):
     """(grads clipped to a global norm of max_grad_norm (None: as they are; an array: a compiled
     step's input, worker/runtime/scalars.py), their norm before),
-    as mlx's clip_grad_norm clips them. The squares' sums are stacked and summed in float32, not
-    added one by one: a compiled chain of additions is a kernel of as many inputs as there are
-    trainable arrays, compiled again for every other layer count (docs/performance.md)."""
-    norm = mx.sqrt(mx.stack([(g.astype(mx.float32) if g.dtype == mx.float16 else g).square().sum().astype(mx.float32)
-                             for _, g in tree_flatten(grads)]).sum())
+    as mlx's clip_grad_norm clips them. Each array's sum of squares (a float16 array's in float32)
+    is kept (1, 1), and the sums are concatenated and summed in float32: a square and a sum an
+    array (a 2-D array's sum is (1, 1) as it is, another's is reshaped), where sums to scalars
+    stacked add a squeeze and an expansion to each. Not added one by one: a compiled chain of
+    additions is a kernel of as many inputs as there are trainable arrays, compiled again for every
+    other layer count (docs/performance.md)."""
+    sums = [(g.astype(mx.float32) if g.dtype == mx.float16 else g).square().sum(keepdims=True).astype(mx.float32)
+            for _, g in tree_flatten(grads)]
+    norm = mx.sqrt(mx.concatenate([s if s.ndim == 2 else s.reshape(1, 1) for s in sums]).sum())
     if max_grad_norm is None:
         return grads, norm
     normalizer = mx.minimum(max_grad_norm / (norm + 1e-6), 1.0)  # clip_grad_norm's, as it scales
