@@ -22,6 +22,11 @@ fused as a worker loads it (fuse_shared_inputs):
                   SharedInput)
   step_lora_each  the same, each layer on its own (no SharedInput)
   step_lora_f32   the same with mlx_lm's LoRALinear (its product promoted to float32; each alone)
+  step_lora_paired
+                  step_lora with each SharedInput group's pair itself the trainable parameters (A
+                  side by side, B block-diagonal under a 0/1 mask: the same training math, no pair
+                  built each step, 2 arrays a group for the optimizer, not 2 a layer; PairedInput),
+                  an option this project does not use yet (the next lever for issue 41)
   step_full       the trainer's step, fine_tune_type full
   fwdbwd_*        the SFT loss's forward and backward alone (not compiled, no update) of each,
                   and of `merged`: the adapter added into the base weight before one matmul
@@ -38,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,8 +61,9 @@ from train_step import LORA, rows_for  # noqa: E402
 from shared.kinds import KINDS  # noqa: E402
 from worker.kinds.sft_job import SFTTrainer  # noqa: E402
 from worker.kinds.supervised_trainer import make_step  # noqa: E402
-from worker.runtime.adapter_layers import InputDtypeLoRALinear, attach_adapter, remove_adapter_layers  # noqa: E402
-from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
+from worker.runtime.adapter_layers import (InputDtypeLoRALinear, SharedInput, attach_adapter,  # noqa: E402
+                                          remove_adapter_layers)
+from worker.runtime.projection_groups import fuse_shared_inputs, lora_pair  # noqa: E402
 from worker.runtime.train_core import TrainState  # noqa: E402
 
 
@@ -65,6 +72,40 @@ class MergedLoRALinear(InputDtypeLoRALinear):
         w = self.linear.weight + (self.scale * (self.lora_b.T @ self.lora_a.T)).astype(x.dtype)
         y = x @ w.T
         return y + self.linear.bias if "bias" in self.linear else y
+
+
+class PairedInput(SharedInput):
+    """A SharedInput whose LoRA pair is trainable itself, held on its first layer (pair_groups):
+    SharedInput.project with that pair for lora_pair's (the layers' own lora_a / lora_b are frozen
+    and left stale)."""
+
+    def project(self, x):
+        layers = [ref() for ref in self.refs]
+        first = layers[0]
+        sizes = [m.lora_b.shape[1] for m in layers]
+        splits = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
+        h, rows = x.reshape(-1, x.shape[-1]), x.shape[:-1]
+        p = (h @ first.pair_a.astype(x.dtype)) @ (first.pair_b * first._mask).astype(x.dtype)
+        z = first._scale.astype(p.dtype) * p
+        if self.fused is not None:
+            return mx.split((self.fused(h) + z).reshape(*rows, -1), splits, axis=-1)
+        return [(m.linear(h) + z_i).reshape(*rows, -1) for m, z_i in zip(layers, mx.split(z, splits, axis=-1))]
+
+
+def pair_groups(model: nn.Module) -> None:
+    """Make each SharedInput group's pair (lora_pair, from its layers' fresh weights) its trainable
+    parameters. The mask keeps B's off-diagonal blocks at zero: their gradient is masked out, and
+    the optimizer (Adam, AdamW) moves no weight whose gradients have all been zero."""
+    for group in {id(m.shared_input): m.shared_input for _, m in model.named_modules()
+                  if getattr(m, "shared_input", None) is not None}.values():
+        layers = [ref() for ref in group.refs]
+        first = layers[0]
+        first.pair_a, first.pair_b = lora_pair(layers)
+        first._mask = lora_pair([SimpleNamespace(lora_a=m.lora_a, lora_b=mx.ones_like(m.lora_b)) for m in layers])[1]
+        for m in layers:
+            m.freeze(keys=["lora_a", "lora_b"])
+        group.__class__ = PairedInput
+    mx.eval(model.parameters())
 
 
 def print_primitives(name: str):
@@ -77,7 +118,7 @@ def print_primitives(name: str):
             kinds = collections.Counter(re.sub(r"^Compiled.*", "Compiled", label)
                                         for label in re.findall(r'label ="([A-Za-z]+)[^"]*"', f.read()))
         top = ", ".join(f"{k} {n}" for k, n in kinds.most_common(8))
-        print(f"{name:16s} primitives {sum(kinds.values()):6d}: {top}", flush=True)
+        print(f"{name:18s} primitives {sum(kinds.values()):6d}: {top}", flush=True)
     return count
 
 
@@ -96,7 +137,8 @@ def main() -> None:
     fuse_shared_inputs(model)  # as a worker loads a shared model (worker/runtime/models.py)
     rows = rows_for("sft", args.batch_size * 2, args.length)
 
-    def trainer(fine_tune_type: str, layer_class=None, each: bool = False) -> SFTTrainer:
+    def trainer(fine_tune_type: str, layer_class=None, groups: str = "shared") -> SFTTrainer:
+        """groups: the job's SharedInput groups ("shared"), none ("each"), or trainable pairs ("paired")."""
         spec = KINDS["sft"].spec_model.model_validate({"model_id": "bench", "dataset": rows, "config": {
             "batch_size": args.batch_size, "iters": 100_000, **LORA, "fine_tune_type": fine_tune_type}})
         mx.random.seed(0)
@@ -104,28 +146,32 @@ def main() -> None:
         for _, m in model.named_modules():
             if layer_class is not None and isinstance(m, LoRALinear):
                 m.__class__ = layer_class
-            if each and isinstance(m, InputDtypeLoRALinear):
+            if groups == "each" and isinstance(m, InputDtypeLoRALinear):
                 m.shared_input = None
+        if groups == "paired":
+            pair_groups(model)
         return SFTTrainer(model, tokenizer, spec, rows, None)
 
-    def step(fine_tune_type, layer_class=None, each=False):
-        made, state = trainer(fine_tune_type, layer_class, each), TrainState()
+    def step(fine_tune_type, layer_class=None, groups="shared"):
+        made, state = trainer(fine_tune_type, layer_class, groups), TrainState()
         return lambda: made.step(state)
 
-    def fwd_bwd(fine_tune_type, layer_class=None, each=False, run=mx.eval):
-        made = trainer(fine_tune_type, layer_class, each)
+    def fwd_bwd(fine_tune_type, layer_class=None, groups="shared", run=mx.eval):
+        made = trainer(fine_tune_type, layer_class, groups)
         (arrays, _) = made.arrays(list(range(args.batch_size)), rows)
         vg = nn.value_and_grad(model, lambda *a: made.loss(model, *a)[0])
         return lambda: run(vg(*arrays))
 
-    fwd_bwds = {"fwdbwd_lora": ("lora", None), "fwdbwd_lora_each": ("lora", None, True),
+    fwd_bwds = {"fwdbwd_lora": ("lora", None), "fwdbwd_lora_each": ("lora", None, "each"),
+                "fwdbwd_lora_paired": ("lora", None, "paired"),
                 "fwdbwd_lora_f32": ("lora", LoRALinear), "fwdbwd_full": ("full", None),
-                "fwdbwd_merged": ("lora", MergedLoRALinear)}  # name -> (fine_tune_type, layer class[, each])
+                "fwdbwd_merged": ("lora", MergedLoRALinear)}  # name -> (fine_tune_type, layer class[, groups])
     if args.count:
         for name, made_as in fwd_bwds.items():
             fwd_bwd(*made_as, run=print_primitives(name))()
             remove_adapter_layers(model)
-        steps = {"step_lora": ("lora",), "step_lora_each": ("lora", None, True), "step_full": ("full",)}
+        steps = {"step_lora": ("lora",), "step_lora_each": ("lora", None, "each"),
+                 "step_lora_paired": ("lora", None, "paired"), "step_full": ("full",)}
         for name, made_as in steps.items():
             made = trainer(*made_as)  # the trainer's compiled step as SFTTrainer.step makes it, for one micro-batch
             (arrays, _) = made.arrays(list(range(args.batch_size)), rows)
@@ -138,7 +184,8 @@ def main() -> None:
             remove_adapter_layers(model)
         return
 
-    variants = {"step_lora": lambda: step("lora"), "step_lora_each": lambda: step("lora", each=True),
+    variants = {"step_lora": lambda: step("lora"), "step_lora_each": lambda: step("lora", groups="each"),
+                "step_lora_paired": lambda: step("lora", groups="paired"),
                 "step_lora_f32": lambda: step("lora", LoRALinear),
                 "step_full": lambda: step("full"),
                 **{name: (lambda made_as=made_as: fwd_bwd(*made_as)) for name, made_as in fwd_bwds.items()}}
@@ -162,9 +209,11 @@ def main() -> None:
             print(f"round {r} {name}: {seconds[name][-1] * 1e3:.1f} ms", flush=True)
     print(f"device {mx.default_device()}, mlx {mx.__version__}, {args.batch_size} rows of ~{args.length} tokens")
     for name, v in seconds.items():
-        print(f"{name:16s} ms  min {min(v) * 1e3:7.1f}  median {statistics.median(v) * 1e3:7.1f}  max {max(v) * 1e3:7.1f}")
+        print(f"{name:18s} ms  min {min(v) * 1e3:7.1f}  median {statistics.median(v) * 1e3:7.1f}  max {max(v) * 1e3:7.1f}")
     for a, b in (("step_lora", "step_full"), ("step_lora_each", "step_lora"), ("step_lora_f32", "step_lora_each"),
+                 ("step_lora_paired", "step_full"), ("step_lora_paired", "step_lora"),
                  ("fwdbwd_lora", "fwdbwd_full"), ("fwdbwd_lora_each", "fwdbwd_lora"),
+                 ("fwdbwd_lora_paired", "fwdbwd_lora"),
                  ("fwdbwd_lora_f32", "fwdbwd_lora_each"), ("fwdbwd_merged", "fwdbwd_full")):
         if a not in seconds or b not in seconds:
             continue
