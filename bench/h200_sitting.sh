@@ -9,7 +9,7 @@
 #                                        session of their own that outlives the call; logs in /tmp/sitting
 #   bash bench/h200_sitting.sh wait 540  until they end or 540 s pass, copying their logs to $OUT as they grow
 #
-#   bash bench/h200_sitting.sh lora      LoRA step, layers together and alone, against full fine-tuning;
+#   bash bench/h200_sitting.sh lora      LoRA step, the job's and with trainable pairs, against full fine-tuning;
 #                                        SFT against `mlx_lm lora`, bfloat16 then 4-bit (3 rounds each); DPO's,
 #                                        ORPO's, KTO's and reward models' LoRA steps against their full steps
 #   bash bench/h200_sitting.sh graphs    the LoRA and full steps with MLX's CUDA graphs and without (3 rounds
@@ -97,7 +97,7 @@ run() {  # run CMD...: the command's output to the terminal and the log, its sta
 bf16=$(model "/tmp/q06f-$size") q4=$(model "/tmp/q06-$size" 4)
 case "$stage" in
   lora)
-    run "$py" bench/lora_step.py "$bf16" --rounds 3 --steps 8 --warmup 3
+    run "$py" bench/lora_step.py "$bf16" --rounds 3 --steps 8 --warmup 3 --variants step_lora step_lora_paired step_full
     run "$py" bench/train_step.py "$bf16" --kinds sft sft-full --mlx-lm --rounds 3 --steps 8 --warmup 3
     run "$py" bench/train_step.py "$q4" --kinds sft --mlx-lm --rounds 3 --steps 8 --warmup 3
     # the other kinds' LoRA step against their full step (issue 41: at most its time), interleaved by round
