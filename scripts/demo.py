@@ -10,6 +10,7 @@ step's time and the whole run's); exits 0 only when the job completed and mlx_lm
 adapter and generated with it. `.ci/run` runs it on an empty MLX kernel cache (MTQ_KERNEL_CACHE).
 """
 
+import contextlib
 import json
 import os
 import secrets
@@ -31,10 +32,14 @@ JOBS = "/admin/api/fine-tune/grpo/jobs"
 SEED_BODY = json.loads((ROOT / "examples" / "seed_job.json").read_text())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: the sockets are held together, so that no two draws give the same port
+    (the API's and redis-server's: `mtq up` drawing redis-server's port alone once drew the API's)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def stream_seconds(event_id: str) -> float:
@@ -58,8 +63,9 @@ def summary(client: ApiClient, job: dict, t0: float, generated: bool) -> str:
 
 def main() -> int:
     t0 = time.monotonic()
+    api_port, redis_port = free_ports(2)
     env = dict(os.environ, MTQ_HOME=str(HOME), MTQ_API_TOKEN=os.environ.get("MTQ_API_TOKEN") or secrets.token_urlsafe(16),
-               MTQ_API_PORT=str(free_port()), PYTHONUNBUFFERED="1")
+               MTQ_API_PORT=str(api_port), MTQ_REDIS_PORT=str(redis_port), PYTHONUNBUFFERED="1")
     env.pop("REDIS_URL", None)  # `mtq up` starts its own redis-server
     env.pop("MTQ_MODELS_DIR", None)
     mtq = [sys.executable, "-m", "cli.main"]
