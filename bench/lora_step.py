@@ -75,21 +75,12 @@ class MergedLoRALinear(InputDtypeLoRALinear):
 
 
 class PairedInput(SharedInput):
-    """A SharedInput whose LoRA pair is trainable itself, held on its first layer (pair_groups):
-    SharedInput.project with that pair for lora_pair's (the layers' own lora_a / lora_b are frozen
-    and left stale)."""
+    """A SharedInput whose LoRA pair is trainable itself, held on its first layer (pair_groups),
+    in place of the one lora_pair builds (the layers' own lora_a / lora_b are frozen and left stale)."""
 
-    def project(self, x):
-        layers = [ref() for ref in self.refs]
+    def pair(self, layers):
         first = layers[0]
-        sizes = [m.lora_b.shape[1] for m in layers]
-        splits = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
-        h, rows = x.reshape(-1, x.shape[-1]), x.shape[:-1]
-        p = (h @ first.pair_a.astype(x.dtype)) @ (first.pair_b * first._mask).astype(x.dtype)
-        z = first._scale.astype(p.dtype) * p
-        if self.fused is not None:
-            return mx.split((self.fused(h) + z).reshape(*rows, -1), splits, axis=-1)
-        return [(m.linear(h) + z_i).reshape(*rows, -1) for m, z_i in zip(layers, mx.split(z, splits, axis=-1))]
+        return first.pair_a, first.pair_b * first._mask
 
 
 def pair_groups(model: nn.Module) -> None:

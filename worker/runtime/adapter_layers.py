@@ -105,13 +105,17 @@ class SharedInput:
             if self.fused is not None:
                 return mx.split(self.fused(x), splits, axis=-1)
             return [m.linear(x) for m in layers]
-        a, b = lora_pair(layers)
+        a, b = self.pair(layers)
         h, rows = x.reshape(-1, x.shape[-1]), x.shape[:-1]  # 2-D rows, as InputDtypeLoRALinear's
         p = (h @ a.astype(x.dtype)) @ b.astype(x.dtype)
         z = layers[0]._scale.astype(p.dtype) * p
         if self.fused is not None:
             return mx.split((self.fused(h) + z).reshape(*rows, -1), splits, axis=-1)
         return [(m.linear(h) + z_i).reshape(*rows, -1) for m, z_i in zip(layers, mx.split(z, splits, axis=-1))]
+
+    def pair(self, layers: list[InputDtypeLoRALinear]) -> tuple[mx.array, mx.array]:
+        """The group's LoRA pair, built from its layers' matrices (lora_pair)."""
+        return lora_pair(layers)
 
 
 def share_inputs(model: nn.Module, fused: bool = True) -> int:
