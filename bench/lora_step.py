@@ -8,7 +8,8 @@ interleaved rounds in one process (docs/performance.md "LoRA's product in the mo
 --count: no timing; the primitives of each fwdbwd_* variant's graph (the SFT loss and its
 gradients, before evaluation: mx.export_to_dot), by type, then those of the step_* variants'
 compiled steps (forward, backward and update after mx.compile's simplification and fusion, each
-fused kernel counted as one "Compiled"). Where a step is host-bound (the H200: a cost per
+fused kernel counted as one "Compiled"), each with its first step's loss and gradient norm (the
+same rows and initial weights for every LoRA variant). Where a step is host-bound (the H200: a cost per
 primitive), their count is what a variant adds; it depends on the layer count and the kind of
 layers, not on the rows, and the fwdbwd_* counts not on the width, so any machine can print it
 (a compiled step's fusions may differ a little between widths).
@@ -172,6 +173,7 @@ def main() -> None:
                        *[v for _, v in tree_flatten(made.optimizer.state)]]
             print_primitives(name)((outputs[0], outputs[1:]))
             mx.eval(outputs)  # the next variant's graph starts from evaluated weights
+            print(f"{name:18s} loss {metrics['loss'].item():.6f}, grad norm {metrics['grad_norm'].item():.6f}")
             remove_adapter_layers(model)
         return
 
