@@ -97,7 +97,7 @@ run() {  # run CMD...: the command's output to the terminal and the log, its sta
 bf16=$(model "/tmp/q06f-$size") q4=$(model "/tmp/q06-$size" 4)
 case "$stage" in
   lora)
-    run "$py" bench/lora_step.py "$bf16" --rounds 3 --steps 8 --warmup 3 --variants step_lora step_lora_paired step_full
+    run "$py" bench/lora_step.py "$bf16" --rounds 3 --steps 8 --warmup 3 --variants step_lora step_lora_built step_full
     run "$py" bench/train_step.py "$bf16" --kinds sft sft-full --mlx-lm --rounds 3 --steps 8 --warmup 3
     run "$py" bench/train_step.py "$q4" --kinds sft --mlx-lm --rounds 3 --steps 8 --warmup 3
     # the other kinds' LoRA step against their full step (issue 41: at most its time), interleaved by round

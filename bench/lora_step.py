@@ -20,14 +20,11 @@ fused as a worker loads it (fuse_shared_inputs):
   step_lora       the SFT trainer's compiled step (worker/kinds/sft_job.py) with the job's layers
                   (worker/runtime/adapter_layers.py InputDtypeLoRALinear: the product in the
                   model's dtype, float32 weights; those that read one input computed together,
-                  SharedInput)
+                  SharedInput, with their pair the trainable weights, pair_inputs: AdamW's)
+  step_lora_built the same with each group's pair built from its layers' matrices at each step
+                  (a Muon or Adafactor job's)
   step_lora_each  the same, each layer on its own (no SharedInput)
   step_lora_f32   the same with mlx_lm's LoRALinear (its product promoted to float32; each alone)
-  step_lora_paired
-                  step_lora with each SharedInput group's pair itself the trainable parameters (A
-                  side by side, B block-diagonal under a 0/1 mask: the same training math, no pair
-                  built each step, 2 arrays a group for the optimizer, not 2 a layer; PairedInput),
-                  an option this project does not use yet (the next lever for issue 41)
   step_full       the trainer's step, fine_tune_type full
   fwdbwd_*        the SFT loss's forward and backward alone (not compiled, no update) of each,
                   and of `merged`: the adapter added into the base weight before one matmul
@@ -44,7 +41,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,9 +58,8 @@ from train_step import LORA, rows_for  # noqa: E402
 from shared.kinds import KINDS  # noqa: E402
 from worker.kinds.sft_job import SFTTrainer  # noqa: E402
 from worker.kinds.supervised_trainer import make_step  # noqa: E402
-from worker.runtime.adapter_layers import (InputDtypeLoRALinear, SharedInput, attach_adapter,  # noqa: E402
-                                          remove_adapter_layers)
-from worker.runtime.projection_groups import fuse_shared_inputs, lora_pair  # noqa: E402
+from worker.runtime.adapter_layers import InputDtypeLoRALinear, attach_adapter, remove_adapter_layers  # noqa: E402
+from worker.runtime.projection_groups import fuse_shared_inputs  # noqa: E402
 from worker.runtime.train_core import TrainState  # noqa: E402
 
 
@@ -73,31 +68,6 @@ class MergedLoRALinear(InputDtypeLoRALinear):
         w = self.linear.weight + (self.scale * (self.lora_b.T @ self.lora_a.T)).astype(x.dtype)
         y = x @ w.T
         return y + self.linear.bias if "bias" in self.linear else y
-
-
-class PairedInput(SharedInput):
-    """A SharedInput whose LoRA pair is trainable itself, held on its first layer (pair_groups),
-    in place of the one lora_pair builds (the layers' own lora_a / lora_b are frozen and left stale)."""
-
-    def pair(self, layers):
-        first = layers[0]
-        return first.pair_a, first.pair_b * first._mask
-
-
-def pair_groups(model: nn.Module) -> None:
-    """Make each SharedInput group's pair (lora_pair, from its layers' fresh weights) its trainable
-    parameters. The mask keeps B's off-diagonal blocks at zero: their gradient is masked out, and
-    the optimizer (Adam, AdamW) moves no weight whose gradients have all been zero."""
-    for group in {id(m.shared_input): m.shared_input for _, m in model.named_modules()
-                  if getattr(m, "shared_input", None) is not None}.values():
-        layers = [ref() for ref in group.refs]
-        first = layers[0]
-        first.pair_a, first.pair_b = lora_pair(layers)
-        first._mask = lora_pair([SimpleNamespace(lora_a=m.lora_a, lora_b=mx.ones_like(m.lora_b)) for m in layers])[1]
-        for m in layers:
-            m.freeze(keys=["lora_a", "lora_b"])
-        group.__class__ = PairedInput
-    mx.eval(model.parameters())
 
 
 def print_primitives(name: str):
@@ -130,18 +100,20 @@ def main() -> None:
     rows = rows_for("sft", args.batch_size * 2, args.length)
 
     def trainer(fine_tune_type: str, layer_class=None, groups: str = "shared") -> SFTTrainer:
-        """groups: the job's SharedInput groups ("shared"), none ("each"), or trainable pairs ("paired")."""
+        """groups: the job's SharedInput groups, their pairs its trainable weights ("shared"), their
+        pairs built at each step ("built": attached as for Muon; the trainer's optimizer stays
+        AdamW), or none ("each")."""
         spec = KINDS["sft"].spec_model.model_validate({"model_id": "bench", "dataset": rows, "config": {
             "batch_size": args.batch_size, "iters": 100_000, **LORA, "fine_tune_type": fine_tune_type}})
         mx.random.seed(0)
-        attach_adapter(model, spec.config, fine_tune_type)
+        unpaired = groups != "shared" or layer_class is not None
+        attach_adapter(model, spec.config.model_copy(update={"optimizer": "muon"}) if unpaired else spec.config,
+                       fine_tune_type)
         for _, m in model.named_modules():
             if layer_class is not None and isinstance(m, LoRALinear):
                 m.__class__ = layer_class
             if groups == "each" and isinstance(m, InputDtypeLoRALinear):
                 m.shared_input = None
-        if groups == "paired":
-            pair_groups(model)
         return SFTTrainer(model, tokenizer, spec, rows, None)
 
     def step(fine_tune_type, layer_class=None, groups="shared"):
@@ -155,7 +127,7 @@ def main() -> None:
         return lambda: run(vg(*arrays))
 
     fwd_bwds = {"fwdbwd_lora": ("lora", None), "fwdbwd_lora_each": ("lora", None, "each"),
-                "fwdbwd_lora_paired": ("lora", None, "paired"),
+                "fwdbwd_lora_built": ("lora", None, "built"),
                 "fwdbwd_lora_f32": ("lora", LoRALinear), "fwdbwd_full": ("full", None),
                 "fwdbwd_merged": ("lora", MergedLoRALinear)}  # name -> (fine_tune_type, layer class[, groups])
     if args.count:
@@ -163,9 +135,10 @@ def main() -> None:
             fwd_bwd(*made_as, run=print_primitives(name))()
             remove_adapter_layers(model)
         steps = {"step_lora": ("lora",), "step_lora_each": ("lora", None, "each"),
-                 "step_lora_paired": ("lora", None, "paired"), "step_full": ("full",)}
+                 "step_lora_built": ("lora", None, "built"), "step_full": ("full",)}
         for name, made_as in steps.items():
             made = trainer(*made_as)  # the trainer's compiled step as SFTTrainer.step makes it, for one micro-batch
+            mx.eval(model.state, made.optimizer.state)  # a lazy input would put its graph in the count
             (arrays, _) = made.arrays(list(range(args.batch_size)), rows)
             step = make_step(made.module, made.optimizer, made.loss, 1, made.numbers, made.gang, True)
             _, metrics = step(arrays, mx.array(1.0), None, True)
@@ -178,7 +151,7 @@ def main() -> None:
         return
 
     variants = {"step_lora": lambda: step("lora"), "step_lora_each": lambda: step("lora", groups="each"),
-                "step_lora_paired": lambda: step("lora", groups="paired"),
+                "step_lora_built": lambda: step("lora", groups="built"),
                 "step_lora_f32": lambda: step("lora", LoRALinear),
                 "step_full": lambda: step("full"),
                 **{name: (lambda made_as=made_as: fwd_bwd(*made_as)) for name, made_as in fwd_bwds.items()}}
@@ -203,10 +176,10 @@ def main() -> None:
     print(f"device {mx.default_device()}, mlx {mx.__version__}, {args.batch_size} rows of ~{args.length} tokens")
     for name, v in seconds.items():
         print(f"{name:18s} ms  min {min(v) * 1e3:7.1f}  median {statistics.median(v) * 1e3:7.1f}  max {max(v) * 1e3:7.1f}")
-    for a, b in (("step_lora", "step_full"), ("step_lora_each", "step_lora"), ("step_lora_f32", "step_lora_each"),
-                 ("step_lora_paired", "step_full"), ("step_lora_paired", "step_lora"),
-                 ("fwdbwd_lora", "fwdbwd_full"), ("fwdbwd_lora_each", "fwdbwd_lora"),
-                 ("fwdbwd_lora_paired", "fwdbwd_lora"),
+    for a, b in (("step_lora", "step_full"), ("step_lora", "step_lora_built"), ("step_lora_each", "step_lora_built"),
+                 ("step_lora_f32", "step_lora_each"),
+                 ("fwdbwd_lora", "fwdbwd_full"), ("fwdbwd_lora", "fwdbwd_lora_built"),
+                 ("fwdbwd_lora_each", "fwdbwd_lora_built"),
                  ("fwdbwd_lora_f32", "fwdbwd_lora_each"), ("fwdbwd_merged", "fwdbwd_full")):
         if a not in seconds or b not in seconds:
             continue

@@ -18,10 +18,11 @@ from test_sft_losses import BASE, ROWS
 from test_sft_losses import trainer as attach  # a LoRA SFT job's layers, B drawn (the products count)
 
 from shared.train_specs import SFTJobCreate, quantization
-from worker.runtime.adapter_layers import (InputDtypeLoRALinear, SharedInput, adapter_swapped, attach_adapter,
-                                           lora_disabled, remove_adapter_layers, without_adapters)
+from worker.runtime.adapter_layers import (InputDtypeLoRALinear, PairedLoRALinear, SharedInput, adapter_swapped,
+                                           adapter_weights, attach_adapter, by_layer, lora_disabled,
+                                           remove_adapter_layers, without_adapters)
 from worker.runtime.models import prepare_private
-from worker.runtime.projection_groups import fuse_shared_inputs
+from worker.runtime.projection_groups import PAIR, fuse_shared_inputs
 from worker.runtime.train_core import TrainState
 
 
@@ -42,10 +43,23 @@ def groups(model) -> list[SharedInput]:
     return list(found.values())
 
 
-def each_alone(model) -> None:
-    for _, m in model.named_modules():
-        if isinstance(m, InputDtypeLoRALinear):
-            m.shared_input = None
+def each_alone(model, trainer=None) -> None:
+    """Each layer computes alone, with its own lora_a and lora_b (a paired group's blocks of its
+    pair); the trainer's optimizer gets state for them."""
+    layers = [m for _, m in model.named_modules() if isinstance(m, InputDtypeLoRALinear)]
+    matrices = [(m.lora_a, m.lora_b) for m in layers]
+    for m, (a, b) in zip(layers, matrices):
+        for key in (*PAIR, "_pair_mask"):
+            m.pop(key, None)
+        m.__class__, m.shared_input = InputDtypeLoRALinear, None
+        m.lora_a, m.lora_b = a, b
+    if trainer is not None:
+        trainer.optimizer.init(model.trainable_parameters())
+
+
+def trainable(model) -> dict[str, mx.array]:
+    """The trainable weights by mlx_lm's names (a paired group's pair as its layers')."""
+    return by_layer(model, dict(tree_flatten(model.trainable_parameters())))
 
 
 def loss_graph(model, tokens: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
@@ -53,7 +67,7 @@ def loss_graph(model, tokens: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
     def loss(module):
         return nn.losses.cross_entropy(module(tokens[:, :-1]), tokens[:, 1:]).mean()
     value, grads = nn.value_and_grad(model, loss)(model)
-    return value, dict(tree_flatten(grads))
+    return value, by_layer(model, dict(tree_flatten(grads)))
 
 
 def loss_and_grads(model, tokens: mx.array) -> tuple[float, dict[str, np.ndarray]]:
@@ -139,11 +153,12 @@ def test_a_job_trains_as_with_each_layer_alone(lm):
     for alone in (False, True):
         trainer = attach(lm, optimizer="sgd")
         if alone:
-            each_alone(model)
-        before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+            each_alone(model, trainer)
+        assert any(isinstance(m, PairedLoRALinear) for _, m in model.named_modules()) != alone  # SGD pairs them
+        before = {k: np.array(v) for k, v in trainable(model).items()}
         state = TrainState()
         losses = [trainer.step(state)["loss"] for _ in range(3)]
-        runs.append((losses, {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}))
+        runs.append((losses, {k: np.array(v) - before[k] for k, v in trainable(model).items()}))
     (losses, moves), (losses_alone, moves_alone) = runs
     np.testing.assert_allclose(losses, losses_alone, rtol=1e-5)
     assert losses[2] < losses[0]  # it trained
@@ -163,7 +178,7 @@ def test_qat_trains_each_base_through_its_rounding(lm):
     assert groups(model) and all(g.fused is None for g in groups(model))
     loss = trainer.step(TrainState())["loss"]
     trainer = attach(lm, **qat)
-    each_alone(model)
+    each_alone(model, trainer)
     assert loss == pytest.approx(trainer.step(TrainState())["loss"], rel=1e-6)
     assert loss != pytest.approx(attach(lm).step(TrainState())["loss"], rel=1e-5)
 
@@ -210,5 +225,39 @@ def test_a_qlora_copy_runs_each_group_on_its_fused_quantized_weights(tiny_model)
     assert all(type(g.fused) is nn.QuantizedLinear and g.fused.group_size == 32 for g in made)
     loss = trainer.step(TrainState())["loss"]
     trainer = attach(lm, fine_tune_type="qlora")
-    each_alone(model)
+    each_alone(model, trainer)
     assert loss == pytest.approx(trainer.step(TrainState())["loss"], rel=1e-6)
+
+
+def test_a_paired_group_trains_only_its_blocks_and_keeps_mlx_lm_s_names(lm):
+    """AdamW with weight decay, three steps: B's off-diagonal blocks of each pair stay exactly
+    zero (masked gradient, zero moments, decay of zero), the adapter's weights keep mlx_lm's
+    names (each layer's lora_a, lora_b), and a layer's lora_b writes its block alone."""
+    model, _ = lm
+    trainer = attach(lm, optimizer="adamw", weight_decay=0.1)
+    firsts = [m for _, m in model.named_modules() if PAIR[0] in m]
+    assert len(firsts) == 2 * len(model.layers)
+    state = TrainState()
+    for _ in range(3):
+        trainer.step(state)
+    for m in firsts:
+        assert np.abs(np.array(m.pair_b * (1 - m._pair_mask))).max() == 0
+        assert np.abs(np.array(m.pair_b * m._pair_mask)).max() > 0
+    weights = adapter_weights(model)
+    assert len(weights) == 7 * 2 * len(model.layers) and not any(PAIR[0] in k or PAIR[1] in k for k in weights)
+    attn = model.layers[0].self_attn
+    assert weights["model.layers.0.self_attn.k_proj.lora_b"].shape == (4, attn.k_proj.linear.weight.shape[0])  # rank 4
+    before = {k: np.array(v) for k, v in weights.items()}
+    attn.k_proj.lora_b = mx.ones_like(attn.k_proj.lora_b)
+    after = {k: np.array(v) for k, v in adapter_weights(model).items()}
+    changed = [k for k in before if not np.array_equal(before[k], after[k])]
+    assert changed == ["model.layers.0.self_attn.k_proj.lora_b"] and (after[changed[0]] == 1).all()
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adafactor"])
+def test_matrix_optimizers_keep_each_layer_s_own_matrices(lm, optimizer):
+    """Muon and Adafactor update a matrix as a whole: a pair would change their math, so a group
+    builds its pair from its layers' matrices at each step."""
+    model, _ = lm
+    attach(lm, optimizer=optimizer)
+    assert groups(model) and not any(isinstance(m, PairedLoRALinear) for _, m in model.named_modules())

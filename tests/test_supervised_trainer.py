@@ -18,6 +18,7 @@ from worker.kinds.sft_job import SFTTrainer
 from worker.runtime.adapter_layers import attach_adapter, lora_disabled, remove_adapter_layers
 from worker.runtime.logprobs import sequence_logps, token_logps
 from worker.runtime.models import gradient_checkpointing
+from worker.runtime.projection_groups import PAIR
 from worker.runtime.train_core import Rows, TrainState
 
 ROWS = [{"prompt": "Q0?", "completion": "red apple"}, {"prompt": "Q1?", "completion": "blue stone"}]
@@ -500,5 +501,5 @@ def test_a_job_s_lora_product_runs_in_the_model_s_dtype_with_float32_weights(lm)
                                   np.array((base + (layer.scale * ours_z).astype(mx.bfloat16)).astype(mx.float32)))
     np.testing.assert_allclose(np.array(y.astype(mx.float32)), np.array(theirs.astype(mx.float32)), rtol=2e-2, atol=2e-2)
     grads = nn.value_and_grad(layer, lambda x: layer(x).astype(mx.float32).sum())(xb)[1]
-    assert {k: v.dtype for k, v in tree_flatten(grads)} == {"lora_a": mx.float32, "lora_b": mx.float32}
+    assert {k: v.dtype for k, v in tree_flatten(grads)} == {k: mx.float32 for k in PAIR}  # its group's (pair_inputs)
     assert np.isfinite(trainer.step(TrainState())["loss"])

@@ -233,8 +233,9 @@ def decode_blocks(slots: Slots, kernel: bool, handoff: Handoff):
 def lora_args(model: nn.Module) -> list[tuple[mx.array, mx.array, mx.array]]:
     """The LoRA matrices of each decode_groups group with LoRA, as one pair (lora_pair: A side by
     side, B block-diagonal), and its scale as a (1,) float32 array (as the kernels read it: an
-    input of the step, not a number compiled into its kernels, worker/runtime/scalars.py). Made at
-    each sample() (the job's LoRA weights change between steps): small, rank x outputs."""
+    input of the step, not a number compiled into its kernels, worker/runtime/scalars.py). Taken at
+    each sample() (the job's LoRA weights change between steps): a paired group's trainable pair
+    itself, another's built (small, rank x outputs)."""
     return [(*lora_pair(group.modules), mx.array([group.modules[0].scale], mx.float32))
             for group in decode_groups(model) if group.lora]
 

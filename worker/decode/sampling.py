@@ -29,7 +29,7 @@ from worker.decode.graph_patches import (
 )
 from worker.decode.kv_cache import KernelMisfit, Slots, StaticKVCache
 from worker.runtime.logprobs import left_pad, lm_head
-from worker.runtime.projection_groups import decode_groups, decode_projections
+from worker.runtime.projection_groups import decode_groups, decode_projections, lora_arrays
 
 CHUNK = 16  # decode steps between host checks (early stop when all rows ended, cancel)
 EOS_CHAIN = 16  # is_eos: more ids are one compare, not as many ops in one fused kernel (a session's stops: 16)
@@ -94,7 +94,7 @@ def make_decode_forward(model: nn.Module, dense: bool, kernels: bool) -> tuple[C
     if id(embed) in copies:  # a tied output projection: embed_tokens.as_linear, not a QuantizedLinear call
         w = copies[id(embed)][0]
         dense_head = lambda h: h @ w  # noqa: E731
-    passed = {id(a) for g in groups if g.lora for m in g.modules for a in (m.lora_a, m.lora_b)}
+    passed = {id(a) for g in groups if g.lora for a in lora_arrays(g.modules)}
     constant = all(id(a) in passed for _, a in tree_flatten(model.trainable_parameters()))
 
     def forward(tokens, caches, slots, lora, queries):

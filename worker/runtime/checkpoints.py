@@ -18,7 +18,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from worker.runtime.adapter_layers import adapter_weights
+from worker.runtime.adapter_layers import adapter_weights, set_adapter_weights
 from worker.runtime.train_core import TrainState
 
 HISTORY_KEPT = 1000  # metric history entries carried in a checkpoint
@@ -71,14 +71,14 @@ def restore(model: nn.Module, optimizer: optim.Optimizer | None, blobs: dict[byt
     into the optimizer's (None: the weights alone; an initialised optimizer's state takes the
     saved values by name); its counters returned."""
     saved_lora = _from_bytes(blobs[b"lora"])
-    expected = {name: p.shape for name, p in tree_flatten(model.trainable_parameters())}
+    expected = {name: p.shape for name, p in adapter_weights(model).items()}
     got = {name: a.shape for name, a in saved_lora.items()}
     if got != expected:
         diff = sorted(n for n in expected.keys() | got.keys() if expected.get(n) != got.get(n))
         raise CheckpointMismatch(
             f"the checkpoint does not fit this job's LoRA ({len(diff)} tensors differ, e.g. {diff[0]}: "
             f"checkpoint {got.get(diff[0])}, job {expected.get(diff[0])})")
-    model.load_weights(list(saved_lora.items()), strict=False)  # strict=False: the base weights are not in it
+    set_adapter_weights(model, saved_lora)
     if optimizer is not None:
         # The learning rate comes from the (possibly overridden) config, not the checkpoint.
         saved = _from_bytes(blobs[b"optimizer"])

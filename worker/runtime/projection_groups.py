@@ -23,6 +23,8 @@ from mlx_lm.tuner.lora import LoRALinear
 # matmul of its base weights (fuse_shared_inputs) and one pair of LoRA matmuls (decode_groups).
 SHARED_INPUT = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 _ARRAYS = ("weight", "scales", "biases", "bias")  # what nn.Linear / nn.QuantizedLinear hold
+# Where a group's LoRA pair is its trainable weights: their names on its first projection.
+PAIR = ("pair_a", "pair_b")
 
 
 def shared_input_groups(model: nn.Module) -> Iterator[tuple[nn.Module, list[nn.Module]]]:
@@ -112,19 +114,35 @@ def decode_groups(model: nn.Module) -> list[Group]:
 def lora_pair(mods: list[LoRALinear]) -> tuple[mx.array, mx.array]:
     """The LoRA matrices of projections that read one input as one pair: A side by side, B
     block-diagonal, so that x @ A @ B holds each projection's x @ A_i @ B_i side by side (the
-    zeros add nothing). Each B_i is added into its block of a B of zeros: in a compiled step's
-    backward its gradient is then one slice of B's (a padded B_i concatenated: two slices, and the
-    pad's and concatenation's primitives in the forward). Gradients reach each A_i through the
-    concatenation."""
-    if len(mods) == 1:
-        return mods[0].lora_a, mods[0].lora_b
-    rows, cols = (sum(m.lora_b.shape[i] for m in mods) for i in (0, 1))
-    b, row, col = mx.zeros((rows, cols), mods[0].lora_b.dtype), 0, 0
-    for m in mods:
-        r, c = m.lora_b.shape
-        b = b.at[row:row + r, col:col + c].add(m.lora_b)
+    zeros add nothing). A group whose pair is its trainable weights (PAIR, set by
+    worker/runtime/adapter_layers.py pair_inputs) gives that pair; otherwise block_pair builds it."""
+    if PAIR[0] in mods[0]:
+        return mods[0][PAIR[0]], mods[0][PAIR[1]]
+    return block_pair([(m.lora_a, m.lora_b) for m in mods])
+
+
+def block_pair(matrices: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array]:
+    """(A_i, B_i) as one pair (lora_pair). Each B_i is added into its block of a B of zeros: in a
+    compiled step's backward its gradient is then one slice of B's (a padded B_i concatenated: two
+    slices, and the pad's and concatenation's primitives in the forward). Gradients reach each A_i
+    through the concatenation."""
+    if len(matrices) == 1:
+        return matrices[0]
+    rows, cols = (sum(b.shape[i] for _, b in matrices) for i in (0, 1))
+    pair_b, row, col = mx.zeros((rows, cols), matrices[0][1].dtype), 0, 0
+    for _, b in matrices:
+        r, c = b.shape
+        pair_b = pair_b.at[row:row + r, col:col + c].add(b)
         row, col = row + r, col + c
-    return mx.concatenate([m.lora_a for m in mods], axis=1), b
+    return mx.concatenate([a for a, _ in matrices], axis=1), pair_b
+
+
+def lora_arrays(mods: list[LoRALinear]) -> list[mx.array]:
+    """The arrays that hold a group's LoRA weights: its pair where that is its trainable weights
+    (lora_pair), otherwise each projection's A and B."""
+    if PAIR[0] in mods[0]:
+        return list(lora_pair(mods))
+    return [a for m in mods for a in (m.lora_a, m.lora_b)]
 
 
 def base_projection(m: nn.Module) -> nn.Module:
