@@ -9,7 +9,7 @@
 #                                        session of their own that outlives the call; logs in /tmp/sitting
 #   bash bench/h200_sitting.sh wait 540  until they end or 540 s pass, copying their logs to $OUT as they grow
 #
-#   bash bench/h200_sitting.sh lora      LoRA step, the job's and with trainable pairs, against full fine-tuning;
+#   bash bench/h200_sitting.sh lora      LoRA step, the job's and one that builds its pairs, against full fine-tuning;
 #                                        SFT against `mlx_lm lora`, bfloat16 then 4-bit (3 rounds each); DPO's,
 #                                        ORPO's, KTO's and reward models' LoRA steps against their full steps
 #   bash bench/h200_sitting.sh graphs    the LoRA and full steps with MLX's CUDA graphs and without (3 rounds
@@ -49,7 +49,7 @@
 #                                        (MLX_CUDA_USE_CUDNN_SDPA=0; a process each, 2 rounds alternated): what the
 #                                        steady step pays or saves where a process builds no cuDNN graphs
 #   bash bench/h200_sitting.sh tests     the CUDA runs of the PTX cache's tests (MLX loads the kernels seeded
-#                                        there), of the decode kernels' tests and of the qlora fused-group test
+#                                        there), of the decode kernels' tests and of the groups' tests
 #
 # The models (qwen3-0.6b's shape: /tmp/q06f-SIZE bfloat16, /tmp/q06-SIZE 4-bit) are made where missing, about
 # 30 s each. SIZE=small LORA_LAYERS=4 runs a stage on the tests' small model instead (a dry run of
@@ -202,7 +202,7 @@ case "$stage" in
     # first that MLX loads the kernels seeded into its PTX cache (worker/decode/ptx_cache.py), then
     # what changed since both files passed on the H100 (docs/performance.md): the kernels' tests and qlora's
     run "$py" -m pytest -q -rf tests/test_ptx_cache.py
-    run env MLX_ENABLE_TF32=0 "$py" -m pytest -q -rf tests/test_shared_input.py -k "qlora"
+    run env MLX_ENABLE_TF32=0 "$py" -m pytest -q -rf tests/test_shared_input.py  # the groups, their trainable pairs
     run env MLX_ENABLE_TF32=0 "$py" -m pytest -q -rf tests/test_decode.py -k "kernel or attends" ;;
   *) echo "unknown stage $stage: lora, graphs, grpo, decode, versions, decode-graphs, kernels, workers, first, sdpa or tests" >&2
      exit 2 ;;
