@@ -121,7 +121,7 @@ class SharedInput:
         """The group's LoRA pair: its trainable pair (pair_inputs), B's off-diagonal blocks masked
         (their gradient is then zero), else built from its layers' matrices (lora_pair)."""
         a, b = lora_pair(layers)
-        return (a, b * layers[0]._pair_mask) if PAIR[0] in layers[0] else (a, b)
+        return (a, mx.where(layers[0]._pair_mask, b, 0.0)) if PAIR[0] in layers[0] else (a, b)
 
 
 class PairedLoRALinear(InputDtypeLoRALinear):
@@ -171,7 +171,7 @@ def pair_inputs(model: nn.Module) -> int:
     for group in groups.values():
         layers = [ref() for ref in group.refs]
         a, b = lora_pair(layers)
-        ones = block_pair([(m.lora_a, mx.ones_like(m.lora_b)) for m in layers])[1]
+        mask = block_pair([(m.lora_a, mx.ones_like(m.lora_b)) for m in layers])[1].astype(mx.bool_)  # 1 byte a weight
         row = col = 0
         for m in layers:
             (_, r), (_, c) = m.lora_a.shape, m.lora_b.shape
@@ -179,7 +179,7 @@ def pair_inputs(model: nn.Module) -> int:
             m.__class__ = PairedLoRALinear
             object.__setattr__(m, "blocks", (row, r, col, c))  # a plain attribute: Module's would keep a tuple as state
             row, col = row + r, col + c
-        layers[0][PAIR[0]], layers[0][PAIR[1]], layers[0]["_pair_mask"] = a, b, ones
+        layers[0][PAIR[0]], layers[0][PAIR[1]], layers[0]["_pair_mask"] = a, b, mask
     return len(groups)
 
 
