@@ -3,7 +3,10 @@ another's, and write them as mlx_lm writes and loads them (adapters.safetensors 
 adapter_config.json). Where adapters live on disk and in Redis: shared/adapters.py.
 
 The training process keeps its models loaded between jobs, so a job attaches fresh layers to
-the shared model and takes them out again at its end (its worker module's `load`).
+the shared model and takes them out again at its end (its worker module's `load`). A block's
+layers that read one input run as one (SharedInput); under AdamW, Adam or SGD their LoRA pair is
+itself the trainable weights (pair_inputs), while the adapter keeps mlx_lm's per-layer names
+(adapter_weights, set_adapter_weights).
 """
 
 import contextlib
@@ -128,8 +131,8 @@ class PairedLoRALinear(InputDtypeLoRALinear):
     """A layer of a SharedInput whose pair is the trainable weights (pair_inputs): `lora_a` and
     `lora_b` read and write its blocks of the pair (held by the group's first layer, PAIR),
     `blocks` (row, rank, column, outputs) says where. A compiled step then neither builds the pair
-    nor splits its gradient: on the H100 the step took 0.78x the built pair's
-    (docs/performance.md)."""
+    nor splits its gradient: on an H100 an SFT step took 0.83x the one that builds its pairs, 1.10x
+    the full step (docs/performance.md, sixteenth sitting)."""
 
     def _pair(self) -> InputDtypeLoRALinear:
         return self.shared_input.refs[0]()
@@ -164,8 +167,8 @@ def pair_inputs(model: nn.Module) -> int:
     become views of it (PairedLoRALinear). The mask keeps B's off-diagonal blocks at zero: their
     gradient is masked out, and an ELEMENTWISE optimizer moves no weight whose gradients have all
     been zero (weight decay scales zero to zero), so each layer trains as it would alone. B's
-    optimizer state is then the whole pair's (a q/k/v group: 3x its layers'; rank x outputs,
-    small beside the model). Returns the groups paired."""
+    gradient and optimizer state are then the whole pair's (a q/k/v group's 3x its layers';
+    docs/performance.md counts what that costs). Returns the groups paired."""
     groups = {id(m.shared_input): m.shared_input for _, m in model.named_modules()
               if type(m) is InputDtypeLoRALinear and m.shared_input is not None}
     for group in groups.values():
