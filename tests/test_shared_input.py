@@ -18,6 +18,7 @@ from test_sft_losses import BASE, ROWS
 from test_sft_losses import trainer as attach  # a LoRA SFT job's layers, B drawn (the products count)
 
 from shared.train_specs import SFTJobCreate, quantization
+from worker.kinds.online_dpo import reference_sampling
 from worker.runtime.adapter_layers import (InputDtypeLoRALinear, PairedLoRALinear, SharedInput, adapter_swapped,
                                            adapter_weights, attach_adapter, by_layer, lora_disabled,
                                            remove_adapter_layers, without_adapters)
@@ -55,11 +56,6 @@ def each_alone(model, trainer=None) -> None:
         m.lora_a, m.lora_b = a, b
     if trainer is not None:
         trainer.optimizer.init(model.trainable_parameters())
-
-
-def trainable(model) -> dict[str, mx.array]:
-    """The trainable weights by mlx_lm's names (a paired group's pair as its layers')."""
-    return by_layer(model, dict(tree_flatten(model.trainable_parameters())))
 
 
 def loss_graph(model, tokens: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
@@ -155,10 +151,10 @@ def test_a_job_trains_as_with_each_layer_alone(lm):
         if alone:
             each_alone(model, trainer)
         assert any(isinstance(m, PairedLoRALinear) for _, m in model.named_modules()) != alone  # SGD pairs them
-        before = {k: np.array(v) for k, v in trainable(model).items()}
+        before = {k: np.array(v) for k, v in adapter_weights(model).items()}
         state = TrainState()
         losses = [trainer.step(state)["loss"] for _ in range(3)]
-        runs.append((losses, {k: np.array(v) - before[k] for k, v in trainable(model).items()}))
+        runs.append((losses, {k: np.array(v) - before[k] for k, v in adapter_weights(model).items()}))
     (losses, moves), (losses_alone, moves_alone) = runs
     np.testing.assert_allclose(losses, losses_alone, rtol=1e-5)
     assert losses[2] < losses[0]  # it trained
@@ -261,3 +257,20 @@ def test_matrix_optimizers_keep_each_layer_s_own_matrices(lm, optimizer):
     model, _ = lm
     attach(lm, optimizer=optimizer)
     assert groups(model) and not any(isinstance(m, PairedLoRALinear) for _, m in model.named_modules())
+
+
+def test_the_reference_samples_with_every_b_zero_and_the_weights_come_back(lm):
+    """Online DPO's and XPO's reference samples with every LoRA B zero (reference_sampling): a
+    paired group's whole B at once. It computes the base model; after it, every weight is back."""
+    model, _ = lm
+    attach(lm)
+    assert any(isinstance(m, PairedLoRALinear) for _, m in model.named_modules())
+    tokens = mx.random.randint(0, 200, (2, 12))
+    before = {k: np.array(v) for k, v in adapter_weights(model).items()}
+    with lora_disabled(model):
+        base = np.array(model(tokens))
+    with reference_sampling(model):
+        np.testing.assert_allclose(np.array(model(tokens)), base, rtol=1e-6, atol=1e-6)
+    after = adapter_weights(model)
+    assert after.keys() == before.keys() and all(np.array_equal(before[k], np.array(v)) for k, v in after.items())
+    assert not np.allclose(np.array(model(tokens)), base, atol=1e-4)  # B drawn: the policy is not the reference

@@ -48,7 +48,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_map
+from mlx.utils import tree_map, tree_map_with_path
 
 from worker.decode.sampling import sample
 from worker.kinds import grpo_job
@@ -56,6 +56,7 @@ from worker.kinds.dpo_job import dpo_loss
 from worker.kinds.grpo import Batch, GRPOTrainer, Rollout, completions, make_batch, nan_mean, samples_event, step_metrics
 from worker.runtime.adapter_layers import lora_disabled
 from worker.runtime.logprobs import completion_logprobs, sequence_logps
+from worker.runtime.projection_groups import PAIR
 from worker.runtime.scalars import as_inputs, mean
 from worker.runtime.train_core import Cancelled, TrainState, check_finite, clipped, step_seed
 
@@ -122,15 +123,13 @@ def reference_sampling(model: nn.Module):
     """The policy as the reference while it samples: every LoRA B matrix zero. (The compiled
     decode step keeps its LoRA products, traced with them: zero B matrices make them add exactly
     nothing.)"""
-    layers = [m for _, m in model.named_modules() if hasattr(m, "lora_b")]
-    kept = [m.lora_b for m in layers]
-    for m in layers:
-        m.lora_b = mx.zeros_like(m.lora_b)
+    kept = model.trainable_parameters()  # a paired group's B is its pair's (PAIR): zeroed whole, as one array
+    zero_b = lambda path, w: mx.zeros_like(w) if path.endswith(("lora_b", PAIR[1])) else w  # noqa: E731
+    model.update(tree_map_with_path(zero_b, kept))
     try:
         yield
     finally:
-        for m, b in zip(layers, kept):
-            m.lora_b = b
+        model.update(kept)
 
 
 class OnlineDPOTrainer(GRPOTrainer):

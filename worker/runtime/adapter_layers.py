@@ -137,15 +137,18 @@ class PairedLoRALinear(InputDtypeLoRALinear):
     def _pair(self) -> InputDtypeLoRALinear:
         return self.shared_input.refs[0]()
 
+    def block(self, a: mx.array, b: mx.array) -> tuple[mx.array, mx.array]:
+        """Its (A, B) of a pair of its group's shape: the weights, or their gradients (by_layer)."""
+        row, r, col, c = self.blocks
+        return a[:, row:row + r], b[row:row + r, col:col + c]
+
     @property
     def lora_a(self) -> mx.array:
-        row, r, _, _ = self.blocks
-        return self._pair()[PAIR[0]][:, row:row + r]
+        return self.block(*(self._pair()[k] for k in PAIR))[0]
 
     @property
     def lora_b(self) -> mx.array:
-        row, r, col, c = self.blocks
-        return self._pair()[PAIR[1]][row:row + r, col:col + c]
+        return self.block(*(self._pair()[k] for k in PAIR))[1]
 
     def __setattr__(self, key, value):
         if key not in ("lora_a", "lora_b"):
@@ -196,9 +199,7 @@ def by_layer(module: nn.Module, arrays: dict[str, mx.array]) -> dict[str, mx.arr
             continue
         a, b = out.pop(f"{name}.{PAIR[0]}"), out.pop(f"{name}.{PAIR[1]}")
         for layer in (ref() for ref in m.shared_input.refs):
-            row, r, col, c = layer.blocks
-            out[f"{names[id(layer)]}.lora_a"], out[f"{names[id(layer)]}.lora_b"] = (
-                a[:, row:row + r], b[row:row + r, col:col + c])
+            out[f"{names[id(layer)]}.lora_a"], out[f"{names[id(layer)]}.lora_b"] = layer.block(a, b)
     return out
 
 
