@@ -9,7 +9,9 @@ for the rest of the process's life: docs/performance.md "A warm worker's CUDA gr
 --as-worker sets MLX's environment as the training process sets it (worker/supervisor/mlx_env.py)
 before MLX starts; without it the process has MLX's defaults (or what the caller exported).
 Jobs cycle through SFT and GRPO with other LoRA ranks, layer counts, batch sizes and lengths;
-the last job repeats the first, so its step time shows what a long life costs a known shape.
+the last job repeats the first, so its step time shows what a long life costs a known shape, and
+one more repeats it after mx.clear_cache(), so that the two say whether MLX's cache of freed
+buffers (each job's cache_gb) is what costs it.
 Imports MLX, mlx_lm and the trainer modules only (runs where bench/grpo_step.py runs).
 """
 
@@ -85,8 +87,10 @@ def main() -> None:
     tokenizer.eos_token_ids = []  # every completion runs to its length
     env = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
     print(json.dumps({"device": str(mx.default_device()), "mlx": mx.__version__, "env": env}), flush=True)
-    failed = 0
-    for i, job in enumerate(jobs(args.jobs)):
+    failed, planned = 0, jobs(args.jobs)
+    for i, job in enumerate(planned + [dict(planned[0])]):
+        if i == args.jobs:
+            mx.clear_cache()
         t0 = time.perf_counter()
         try:
             if job["kind"] == "sft":
@@ -99,7 +103,9 @@ def main() -> None:
             result = {"error": str(e)[:160]}
         remove_adapter_layers(model)
         gc.collect()
-        print(json.dumps({"job": i, **job, **result, "wall_s": round(time.perf_counter() - t0, 2)}), flush=True)
+        print(json.dumps({"job": i, **job, **result, "wall_s": round(time.perf_counter() - t0, 2),
+                          "cache_gb": round(mx.get_cache_memory() / 1e9, 3), "after_clear_cache": i == args.jobs}),
+              flush=True)
     print(json.dumps({"jobs": args.jobs, "failed": failed}))
 
 

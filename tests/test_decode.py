@@ -27,8 +27,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from worker.decode import (attention_kernel, embed_kernel, graph_patches, lora_kernel, norm_kernel, quantized_kernel,
-                           sampling, swiglu_kernel)
+from worker.decode import (attention_kernel, embed_kernel, graph_patches, lora_kernel, norm_kernel, ptx_cache,
+                           quantized_kernel, sampling, swiglu_kernel)
 from worker.decode.draw import SamplingParams
 from worker.decode.sampling import compacted, kernel_fits, make_decode_step, sample
 from worker.runtime.make_model import make_model
@@ -510,6 +510,38 @@ def test_a_lora_block_runs_one_kernel_more_than_a_plain_one(tiny_model, tmp_path
         by_type = json.loads(out.read_text())[0]["primitives_gpu_by_type"]
         assert by_type["CumMax"] == kernels, by_type
         assert ("Gather" in by_type) == (path is tiny_model), by_type  # a plain embedding's one gather stays
+
+
+def test_every_row_count_a_decode_reaches_calls_the_same_kernel_modules(quantized_lora_model, monkeypatch):
+    """A decode drops its finished rows, so one job's steps run every row count from its batch's
+    down to 1. On CUDA each distinct kernel module is a compile (seconds each on a cold cache), so
+    none may be specialised on the row count: tracing the first step of 1 to
+    quantized_kernel.MAX_ROWS rows, as a CUDA GPU runs it (each kernel a recorded stand-in), names
+    the same modules (ptx_cache.mlx_source: the name and source MLX compiles) for each, the
+    4-bit model's quantized matmuls among them."""
+    def stand_in(name, input_names, output_names, source, contiguous=True, header=""):
+        def call(*, inputs, output_shapes, output_dtypes, template=None, **kwargs):
+            inputs = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
+            calls.append(ptx_cache.mlx_source(name, input_names, output_names, source, header, inputs, output_dtypes,
+                                              template))
+            made = [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+            return [mx.depends([m], [a for a in inputs])[0] for m in made]
+        return call
+
+    for module in (attention_kernel, embed_kernel, lora_kernel, norm_kernel, quantized_kernel, swiglu_kernel):
+        monkeypatch.setattr(module, "cuda", lambda: True)
+        monkeypatch.setattr(module, "kernel", stand_in)
+    p = SamplingParams(max_tokens=4, temperature=1.0)
+    modules = {}
+    for rows in range(1, quantized_kernel.MAX_ROWS + 1):
+        calls = []
+        step = make_decode_step(quantized_lora_model, p, [], PAD)
+        sample(quantized_lora_model, step, [[1, 2, 3, 4]] * rows, 1, p, [], mx.random.key(0))
+        modules[rows] = set(calls)
+    names = {name for name, _ in modules[1]}
+    assert any(n.startswith("custom_kernel_mtq_quantized_matmul") for n in names), names
+    assert all(modules[rows] == modules[1] for rows in modules), {r: sorted(n for n, _ in m)
+                                                                   for r, m in modules.items()}
 
 
 def test_a_model_that_attends_otherwise_keeps_mlx_attention(tiny_model, monkeypatch):

@@ -350,7 +350,9 @@ def test_a_budget_that_fits_them_buys_dense_decode_weights_on_cuda(lm, monkeypat
     spent = memory.plan_memory(model, 32, 160, None, None, 16.0)
     assert spent.dense_decode_gb == pytest.approx(dense) and "dense copies" in spent.reason
     assert spent.peak_gb == pytest.approx(spent.weights_gb + dense + max(spent.sampling_gb, spent.loss_gb))
-    assert memory.plan_memory(model, 8, 160, None, None, 16.0).dense_decode_gb == 0  # 8 rows
+    fewest = memory.DENSE_DECODE_ROWS
+    assert memory.plan_memory(model, fewest, 160, None, None, 16.0).dense_decode_gb == pytest.approx(dense)
+    assert memory.plan_memory(model, fewest - 1, 160, None, None, 16.0).dense_decode_gb == 0
     tight = memory.plan_memory(model, 32, 160, None, None, spent.peak_gb - dense / 2)
     assert tight.dense_decode_gb == 0 and "do not fit" in tight.reason
 

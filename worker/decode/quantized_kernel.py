@@ -27,6 +27,8 @@ WARPS = 8  # output columns per block
 SOURCE = """
   constexpr int VPW = 32 / BITS, CHUNK = 4 * VPW, XV = 16 / sizeof(T);
   const int N = w_shape[0], K = w_shape[1] * VPW, groups = K / GS;
+  int rows = 1;  // x's rows, at most M: one module for every row count a decode reaches
+  for (int i = 0; i < x_ndim - 1; ++i) rows *= x_shape[i];
   const int lane = threadIdx.x % 32, n = blockIdx.x * WARPS + threadIdx.x / 32;
   if (n >= N) return;  // a whole warp: nothing below waits on the block
   const uint32_t* wn = w + (size_t)n * (K / VPW);
@@ -50,6 +52,7 @@ SOURCE = """
     }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
+      if (m >= rows) break;
       const T* xm = x + (size_t)m * K + k0;
       float sum = 0.f;
       if (vector_x) {
@@ -69,6 +72,7 @@ SOURCE = """
   }
 #pragma unroll
   for (int m = 0; m < M; ++m) {
+    if (m >= rows) break;
     float v = acc[m];
     for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffff, v, off);
     if (lane == 0) out[(size_t)m * N + n] = static_cast<T>(v);
@@ -94,9 +98,9 @@ def matmul(x: mx.array, m: nn.Module) -> mx.array:
     """x @ dequantized(m's weights).T, (..., K) -> (..., N), as MLX's quantized matmul gives it
     (the module's own bias, if any, not added)."""
     w = m["weight"]
-    n, rows = w.shape[0], x.size // x.shape[-1]
+    n = w.shape[0]
     return kernel("mtq_quantized_matmul", ("x", "w", "scales", "biases"), ("out",), SOURCE)(
         inputs=[x, w, m["scales"], m["biases"]],
-        template=[("T", x.dtype), ("M", rows), ("BITS", m.bits), ("GS", m.group_size), ("WARPS", WARPS)],
+        template=[("T", x.dtype), ("M", MAX_ROWS), ("BITS", m.bits), ("GS", m.group_size), ("WARPS", WARPS)],
         grid=(32 * WARPS * ((n + WARPS - 1) // WARPS), 1, 1), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])[0]

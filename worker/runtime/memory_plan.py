@@ -56,7 +56,7 @@ from worker.runtime.backend import cuda
 from worker.runtime.projection_groups import decode_groups, decode_projections
 
 MAX_MICRO_BATCH_TOKENS = 8192
-DENSE_DECODE_ROWS = 16  # CUDA's quantized matmul of 8 rows is near its per-kernel floor (worker/decode/graph_patches.py dequantized)
+DENSE_DECODE_ROWS = 8  # the H100 decoded 8 rows dense in 0.83x the quantized step's time (docs/performance.md)
 MIN_MICRO_BATCH_TOKENS = 1024  # below this a micro-batch is mostly per-call overhead: allowed whenever it fits
 # A job's default budget on CUDA, of the GPU's free memory: the estimates have come out under the
 # measured peaks (10% at G8 B4 L128 on an H100, bench/grpo_step.py --sweep), and MLX's allocator keeps a cache.
