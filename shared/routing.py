@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared import kinds
-from shared.memory_estimate import GB, ModelShape, need_bytes
+from shared.memory_estimate import GB, OPTIMIZER_STATES, ModelShape, need_bytes
 from shared.model_ids import MODEL_NAME
 from shared.schemas import DEFAULT_LANE, prompt_chars
 
@@ -132,7 +132,9 @@ def step_of(spec) -> dict[str, Any]:
     (a multi-turn job's: its episode_len; checkpointing unless the job turns it off: the plan may
     turn it on). Supervised kinds: batch_size x rows_per_example rows of max_seq_length,
     checkpointing planned by the worker unless the job asks for it (shared/memory_estimate.py
-    supervised_checkpointing), and whether it trains with QAT. A session: one row of
+    supervised_checkpointing), whether it trains with QAT, the blocks it fine-tunes whole
+    (full_layers: fine_tune_type full's lora_layers, else 0) and its optimizer's arrays per trained
+    weight (optimizer_states). A session: one row of
     max_seq_len. An export: no rows; whether it dequantizes."""
     kind, cfg = kinds.KINDS[spec.kind], spec.config
     if kind.family == "grpo":
@@ -149,7 +151,9 @@ def step_of(spec) -> dict[str, Any]:
         return {"rows": 0, "width": 0, "checkpointing": False, "dequantize": spec.dequantize or spec.quantize}
     return {"rows": cfg.batch_size * kind.rows_per_example, "width": cfg.max_seq_length,
             "checkpointing": True if cfg.gradient_checkpointing else None,  # None: the worker plans it
-            "qat": cfg.qat_enable}
+            "qat": cfg.qat_enable,
+            "full_layers": cfg.lora_layers if getattr(cfg, "fine_tune_type", "lora") == "full" else 0,
+            "optimizer_states": OPTIMIZER_STATES[cfg.optimizer]}
 
 
 def spec_summary(spec) -> dict[str, Any]:

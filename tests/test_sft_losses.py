@@ -14,13 +14,15 @@ from conftest import wait_done, wait_for
 from mlx.utils import tree_flatten
 from test_train_kinds import SFT, events, submit
 
-from shared.memory_estimate import GB, ModelShape, need_bytes, supervised_checkpointing
+from shared.memory_estimate import (GB, OPTIMIZER_STATES, ModelShape, block_bytes, need_bytes, supervised_checkpointing,
+                                    trained_bytes)
 from shared.routing import step_of
 from shared.train_specs import SFTJobCreate
 from worker.kinds.sft_job import SFTTrainer, masked_mean, token_losses
 from worker.runtime.adapter_layers import attach_adapter, remove_adapter_layers
 from worker.runtime.logprobs import token_logps
-from worker.runtime.train_core import TrainState
+from worker.runtime.memory_plan import model_shape
+from worker.runtime.train_core import TrainState, make_optimizer
 
 ROWS = [{"text": "the cat reads a book quickly and the dog runs to the river " * (3 + i)} for i in range(4)]
 BASE = dict(lora_layers=-1, lora_rank=4, lora_alpha=4, learning_rate=1e-2, batch_size=4, iters=3)
@@ -152,6 +154,39 @@ def test_optimizer_and_loss_fields_out_of_bounds_are_a_clear_400(client, config,
 
 
 # --------------------------------------------------------------------------- long rows
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd", "muon", "adafactor"])
+def test_full_fine_tuning_counts_its_gradients_and_the_optimizers_state(lm, optimizer):
+    """A full fine-tune holds a gradient of every trained weight and its optimizer's state of it
+    beside the weights: what mlx.optimizers keep for the blocks attach_adapter trains (every
+    block, the tiny model) is OPTIMIZER_STATES arrays of each (Adafactor's factored rows and
+    columns: under a tenth), and the routing's estimate of such a job (step_of, need_bytes) is
+    the same job's with LoRA plus one gradient and that state of each block's weights."""
+    model, _ = lm
+    config = {**BASE, "fine_tune_type": "full", "optimizer": optimizer}
+    spec = SFTJobCreate(model_id="tiny", dataset=ROWS, config=config)
+    attach_adapter(model, spec.config, "full")
+    trained = model.trainable_parameters()
+    opt = make_optimizer(spec.config, 3, optimizer)
+    opt.init(trained)
+    state = sum(v.nbytes for _, v in tree_flatten(opt.state) if v.ndim)  # not the step's scalars
+    trained = sum(v.nbytes for _, v in tree_flatten(trained))
+    s = model_shape(model)
+    assert trained == pytest.approx(s.layers * block_bytes(s), rel=0.01)  # the projections; the norms are small
+    if OPTIMIZER_STATES[optimizer]:
+        assert state == OPTIMIZER_STATES[optimizer] * trained
+    else:
+        assert state < trained / 10
+    full = step_of(spec)
+    lora = step_of(SFTJobCreate(model_id="tiny", dataset=ROWS, config={**BASE, "optimizer": optimizer}))
+    assert full["full_layers"] == -1 and lora["full_layers"] == 0
+    assert (need_bytes("sft", s, 10**6, **full, device="cpu") - need_bytes("sft", s, 10**6, **lora, device="cpu")
+            == (1 + OPTIMIZER_STATES[optimizer]) * s.layers * block_bytes(s))
+    half = step_of(SFTJobCreate(model_id="tiny", dataset=ROWS, config={**BASE, "fine_tune_type": "full",
+                                                                       "lora_layers": 1, "optimizer": optimizer}))
+    one_block = trained_bytes(s, half["full_layers"], half["optimizer_states"])
+    assert one_block == (1 + OPTIMIZER_STATES[optimizer]) * block_bytes(s)
 
 
 def test_long_rows_plan_gradient_checkpointing_where_the_memory_needs_it():
