@@ -137,9 +137,9 @@ case "$stage" in
     run "$py" bench/decode.py "$q4" --rows 8 --tokens 128 --reps 5 --lora-layers "$lora_layers" --queries 2 \
       --ours-only --undo quantized
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2
-    # ours with dense copies beside the quantized weights: what a GRPO job decodes with on CUDA by default (from 16
-    # rows); 8 rows too, where dense 16 rows already beat quantized 8 (the fourteenth sitting)
-    run "$py" bench/decode.py "$q4" --rows 8 16 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2 --ours-only \
+    # ours with dense copies beside the quantized weights: what a GRPO job decodes with on CUDA by default from 8 rows
+    # (DENSE_DECODE_ROWS: 0.83x the quantized step there, the seventeenth sitting); 4 rows, whether fewer should too
+    run "$py" bench/decode.py "$q4" --rows 4 8 16 32 --tokens 128 --reps 3 --lora-layers "$lora_layers" --queries 2 --ours-only \
       --dense
     run "$py" bench/decode.py "$q4" --rows 8 32 --tokens 128 --reps 3 --queries 2
     run "$py" bench/decode_kernels.py "$q4" --rows 8 32 ;;  # each kernel's GPU time alone: what 32 rows cost
