@@ -357,8 +357,7 @@ def planned_checkpointing(job, spec, model: nn.Module) -> bool:
     step = step_of(spec)
     on, reason = supervised_checkpointing(model_shape(model), weights_bytes(model), step["rows"], step["width"],
                                           device_kind(), device_memory_bytes(), qat=step.get("qat", False),
-                                          full_layers=step.get("full_layers", 0),
-                                          optimizer_states=step.get("optimizer_states", 2))
+                                          full_layers=step["full_layers"], optimizer_states=step["optimizer_states"])
     if on and cfg.lora_dropout > 0:
         on, reason = False, reason.replace("on:", "left off (lora_dropout > 0: recomputed layers would draw new masks):")
     if reason:
