@@ -67,6 +67,22 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
+def kill_when(predicate, pid: int, what: str, group: bool = False, timeout: float = 120):
+    """SIGKILL `pid` (with `group`, its process group: a worker and its training process) once
+    `predicate()` holds. It is stopped (SIGSTOP) while each check runs: a job of fast steps would
+    otherwise finish between a check that saw its checkpoint and the kill."""
+    send = os.killpg if group else os.kill
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        send(pid, signal.SIGSTOP)
+        if predicate():
+            send(pid, signal.SIGKILL)
+            return
+        send(pid, signal.SIGCONT)
+        time.sleep(0.01)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
 @contextlib.contextmanager
 def openenv_servers(modes, logs: Path):
     """{mode: port}: a tests/openenv_server.py of each mode, started together (each takes seconds

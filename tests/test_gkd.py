@@ -12,14 +12,13 @@ tokenizer, other weights), under an MTQ_MODEL_ROOTS root of this module's.
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ROOT, Stack, read_events, running, wait_done, wait_for
+from conftest import ROOT, Stack, kill_when, read_events, running, wait_done, wait_for
 
 from worker.kinds.gkd_job import generalized_jsd, gkd_loss, on_policy_step
 
@@ -263,8 +262,8 @@ def test_kill_9_of_the_training_process_resumes_with_every_step_once_and_the_sam
     assert res.returncode == 0 and "(gkd, queued)" in res.stdout, res.stdout + res.stderr
     job = res.stdout.split("submitted job ")[1].split()[0]
     assert client.get(f"{GKD}/{job}").json()["dataset"].startswith("file-")
-    wait_for(lambda: (client.get(f"{GKD}/{job}").json()["checkpoint_step"] or 0) >= 4, 120, "a checkpoint")
-    os.kill(events(stack, job, "started")[-1]["pid"], signal.SIGKILL)
+    child = wait_for(lambda: events(stack, job, "started"), 120, "the start")[-1]["pid"]
+    kill_when(lambda: (client.get(f"{GKD}/{job}").json()["checkpoint_step"] or 0) >= 4, child, "a checkpoint")
     done = wait_done(stack, GKD, job, timeout=180)
     assert done["failed_attempts"] == 1 and done["resumed_from"] >= 4 and done["progress"]["iter"] == 16
     history = client.get(f"{GKD}/{job}/history").json()["history"]

@@ -5,13 +5,12 @@ The tests with no worker or workers of their own come first; the last ones share
 worker (conftest's `worker`, with the short lease)."""
 
 import os
-import signal
 import threading
 import time
 
 import pytest
 import redis
-from conftest import wait_for
+from conftest import kill_when, wait_for
 
 from shared import lifecycle
 from shared.keys import job_key, lease_key
@@ -308,9 +307,8 @@ def _alive(pid: int) -> bool:
 
 def test_killed_training_process_is_replaced_and_its_job_resumed(stack, worker):
     job_id = stack.submit(body(stack, iters=60, checkpoint_every=2))
-    wait_for(lambda: (stack.get_job(job_id)["checkpoint_step"] or 0) >= 2, 120, "a checkpoint")
-    child = [e for e in events(stack, job_id) if e["type"] == "started"][-1]["pid"]
-    os.kill(child, signal.SIGKILL)
+    started = wait_for(lambda: [e for e in events(stack, job_id) if e["type"] == "started"], 120, "the start")
+    kill_when(lambda: (stack.get_job(job_id)["checkpoint_step"] or 0) >= 2, started[-1]["pid"], "a checkpoint")
     job = stack.wait_job(job_id, timeout=120)
     assert job["status"] == "completed", job["error"]
     assert job["failed_attempts"] == 1 and job["resumed_from"] >= 2 and job["progress"]["iter"] == 60

@@ -7,13 +7,11 @@ The tiny model's logits are bounded (tests/test_trainer.py), so the learning job
 temperature 0.1, where a small change of the logits changes what is sampled; their judge is the
 share of the letter 'e' (tests/reward_fns.py)."""
 
-import os
-import signal
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import REWARD_PORT, TOKEN, Stack, read_events, running, wait_done, wait_for
+from conftest import REWARD_PORT, TOKEN, Stack, kill_when, read_events, running, wait_done
 from reward_server import serving
 
 from shared.kinds import KINDS
@@ -133,8 +131,8 @@ def test_the_judges_score_rises_through_a_kill_9_and_a_zero_lr_control_does_not(
     body = {"model_id": "tiny", "prompts": PROMPTS, "reward": SHARE_OF_E,
             "config": {**LEARN, "batch_size": batch, "iters": iters, "checkpoint_every": 4}}
     learned = submit(client, path, body)
-    wait_for(lambda: (client.get(f"{path}/{learned}").json()["checkpoint_step"] or 0) >= 4, 120, "a checkpoint")
-    os.killpg(stack.worker.pid, signal.SIGKILL)
+    kill_when(lambda: (client.get(f"{path}/{learned}").json()["checkpoint_step"] or 0) >= 4, stack.worker.pid,
+              "a checkpoint", group=True)
     stack.worker.wait(10)
     stack.worker = stack.start_worker()
     frozen = submit(client, path, {**body, "config": {**body["config"], "iters": 5, "learning_rate": 0.0}})

@@ -11,13 +11,11 @@ Measured (seed 0, 12 steps, lr 1e-2): RLOO reward 0.11 -> 0.33 from the 4th step
 0.11 -> 0.32 from the 7th; lr 0: 0.11 0.06 0.09 0.10 0.08 0.13 0.08 0.10 0.06 0.06 0.10 0.03.
 """
 
-import os
-import signal
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import Stack, read_events, running, wait_done, wait_for
+from conftest import Stack, kill_when, read_events, running, wait_done
 from pydantic import ValidationError
 
 from shared.reinforce_specs import ReinforceJobCreate, RLOOJobCreate
@@ -161,8 +159,8 @@ def test_learns_against_an_lr_0_control(stack, client, path, kind):
 def killed_and_resumed(stack, client, path: str, job_id: str, iters: int, checkpoint: int) -> dict:
     """kill -9 of the worker once the job has a checkpoint at `checkpoint` or later, a new worker,
     the job completed: each of its steps once in its history."""
-    wait_for(lambda: (client.get(f"{path}/{job_id}").json()["checkpoint_step"] or 0) >= checkpoint, 120, "a checkpoint")
-    os.killpg(stack.worker.pid, signal.SIGKILL)
+    kill_when(lambda: (client.get(f"{path}/{job_id}").json()["checkpoint_step"] or 0) >= checkpoint, stack.worker.pid,
+              "a checkpoint", group=True)
     stack.worker.wait(10)
     stack.worker = stack.start_worker()
     done = wait_done(stack, path, job_id, timeout=240)

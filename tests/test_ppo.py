@@ -6,12 +6,11 @@ PPO does not take is a 400."""
 
 import json
 import os
-import signal
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import read_events, wait_done, wait_for
+from conftest import kill_when, read_events, wait_done, wait_for
 
 from worker.kinds.ppo import gae, masked_whiten, ppo_loss, token_kl, token_rewards
 
@@ -116,10 +115,11 @@ def steps(stack, job_id: str) -> list[dict]:
 def test_ppo_raises_its_reward_against_an_lr_0_control_and_resumes_after_kill_9(stack, client, worker):
     job_id = submit(client, {"config": LEARN, "adapter_name": "ppo-e"})
     # Steps 5 and 6 done on the checkpoint of step 4: the kill makes the next run do them again.
-    wait_for(lambda: (client.get(f"{PPO}/{job_id}").json()["checkpoint_step"] or 0) >= 4
-             and client.get(f"{PPO}/{job_id}").json()["progress"].get("iter", 0) >= 6, 240, "step 6")
-    started = [e for _, e in read_events(stack.redis, job_id, count=1000) if e["type"] == "started"]
-    os.kill(started[-1]["pid"], signal.SIGKILL)  # the training process, as the OOM killer would
+    started = wait_for(lambda: [e for _, e in read_events(stack.redis, job_id, count=1000) if e["type"] == "started"],
+                       240, "the start")
+    kill_when(lambda: (client.get(f"{PPO}/{job_id}").json()["checkpoint_step"] or 0) >= 4
+              and client.get(f"{PPO}/{job_id}").json()["progress"].get("iter", 0) >= 6,
+              started[-1]["pid"], "step 6", timeout=240)  # the training process, as the OOM killer would
     done = wait_done(stack, PPO, job_id, timeout=240)
     assert done["progress"]["iter"] == 12 and done["failed_attempts"] == 1 and done["resumed_from"] == 4
     assert client.get(f"/admin/api/jobs/{job_id}").json() == client.get(f"{PPO}/{job_id}").json() == done

@@ -6,11 +6,9 @@ Learning is seeded; each learning test runs a zero-learning-rate control of the 
 batches are 8 of 16 pairs, so two steps are an epoch: a mean over two steps is over every pair.
 """
 
-import os
-import signal
 
 import pytest
-from conftest import wait_done, wait_for
+from conftest import kill_when, wait_done, wait_for
 from test_train_kinds import events, keyword_pairs, submit
 
 DPO, CPO = "/admin/api/fine-tune/dpo/jobs", "/admin/api/fine-tune/cpo/jobs"
@@ -96,9 +94,8 @@ def test_cpo_resumes_after_kill_9_of_its_training_process_with_every_step_once(s
     job = submit(client, CPO, {"model_id": "tiny", "preference_pairs": PAIRS, "config": {
         "lora_layers": -1, "learning_rate": 1e-3, "batch_size": 2, "iters": 30, "steps_per_save": 4,
         "steps_per_report": 30}})
-    wait_for(lambda: (client.get(f"{CPO}/{job['job_id']}").json()["checkpoint_step"] or 0) >= 8, 120, "a checkpoint")
-    child = events(stack, job["job_id"], "started")[-1]["pid"]
-    os.kill(child, signal.SIGKILL)
+    child = wait_for(lambda: events(stack, job["job_id"], "started"), 120, "the start")[-1]["pid"]
+    kill_when(lambda: (client.get(f"{CPO}/{job['job_id']}").json()["checkpoint_step"] or 0) >= 8, child, "a checkpoint")
     done = wait_done(stack, CPO, job["job_id"], timeout=180)
     assert done["progress"]["iter"] == 30 and done["failed_attempts"] == 1 and done["resumed_from"] >= 8
     assert "killed by SIGKILL" in events(stack, job["job_id"], "requeued")[0]["reason"]

@@ -3,14 +3,12 @@ worker/runtime/train_core.py make_optimizer): the losses on the tiny model in th
 nll's and a NumPy reading of TRL 1.16's DFT; each optimizer through the real stack, a job killed
 (kill -9 of its training process) at a checkpoint and resumed against one left alone."""
 
-import os
-import signal
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import wait_done, wait_for
+from conftest import kill_when, wait_done, wait_for
 from mlx.utils import tree_flatten
 from test_train_kinds import SFT, events, submit
 
@@ -129,8 +127,9 @@ def test_each_optimizer_resumes_bit_exactly_after_kill_9_at_a_checkpoint(stack, 
     and resumed from it, one left alone; their loss curves are equal, bit for bit."""
     body = {"model_id": "tiny", "dataset": TEXT_ROWS, "config": {**RESUME, "optimizer": optimizer, **OPTIMIZERS[optimizer]}}
     killed, alone = submit(client, SFT, body), submit(client, SFT, body)
-    wait_for(lambda: (client.get(f"{SFT}/{killed['job_id']}").json()["checkpoint_step"] or 0) >= 4, 120, "a checkpoint")
-    os.kill(events(stack, killed["job_id"], "started")[-1]["pid"], signal.SIGKILL)
+    child = wait_for(lambda: events(stack, killed["job_id"], "started"), 120, "the start")[-1]["pid"]
+    kill_when(lambda: (client.get(f"{SFT}/{killed['job_id']}").json()["checkpoint_step"] or 0) >= 4, child,
+              "a checkpoint")
     done = wait_done(stack, SFT, killed["job_id"], timeout=180)
     assert done["failed_attempts"] == 1 and done["resumed_from"] >= 4 and done["config"]["optimizer"] == optimizer
     wait_done(stack, SFT, alone["job_id"], timeout=180)

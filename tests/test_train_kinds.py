@@ -12,12 +12,11 @@ import io
 import json
 import os
 import random
-import signal
 import tarfile
 import time
 
 import pytest
-from conftest import Stack, read_events, running, wait_done, wait_for
+from conftest import Stack, kill_when, read_events, running, wait_done, wait_for
 
 SFT, DPO, ORPO, REWARD = ("/admin/api/fine-tune/jobs", "/admin/api/fine-tune/dpo/jobs", "/admin/api/fine-tune/orpo/jobs",
                           "/admin/api/fine-tune/reward/jobs")
@@ -481,8 +480,8 @@ def test_kill_9_of_the_worker_resumes_from_the_checkpoint_and_completes(stack, c
     else:
         data = {"preference_pairs": keyword_pairs(16, 0)}
     job = submit(client, path, {"model_id": "tiny", **data, "config": config})
-    wait_for(lambda: (client.get(f"{path}/{job['job_id']}").json()["checkpoint_step"] or 0) >= 8, 120, "a checkpoint")
-    os.killpg(stack.worker.pid, signal.SIGKILL)
+    kill_when(lambda: (client.get(f"{path}/{job['job_id']}").json()["checkpoint_step"] or 0) >= 8, stack.worker.pid,
+              "a checkpoint", group=True)
     stack.worker.wait(10)
     stack.worker = stack.start_worker()
     done = wait_done(stack, path, job["job_id"], timeout=180)
