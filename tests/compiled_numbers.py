@@ -26,7 +26,7 @@ BATCH = ({"batch_size": 2}, {"batch_size": 3})  # a mean's 1/count was a constan
 CASES = {
     "grpo": ({"temperature": 0.7, "top_p": 0.9, "min_p": 0.05, "clip_ratio": 0.2, "epsilon_high": 0.28, "beta": 0.04},
              {"temperature": 0.9, "top_p": 0.8, "min_p": 0.1, "clip_ratio": 0.3, "epsilon_high": 0.35, "beta": 0.1}),
-    "sft": ({}, {}),
+    "sft": ({"grad_accumulation_steps": 3}, {"grad_accumulation_steps": 4}),  # the count divided the gradients
     "dora": ({"fine_tune_type": "dora"}, {"fine_tune_type": "dora"}),  # an SFT job of DoRA layers
     "dpo": ({"beta": 0.1, "label_smoothing": 0.1, "loss_type": ["sigmoid", "hinge"], "loss_weights": [1.0, 0.5]},
             {"beta": 0.3, "label_smoothing": 0.2, "loss_type": ["sigmoid", "hinge"], "loss_weights": [0.8, 0.3]}),

@@ -67,7 +67,8 @@ def test_a_worker_that_offers_a_model_compiles_its_kernels_before_its_first_job(
     ORPO, CPO and KTO jobs after it, of 1 to 3 rows or pairs (a warm-up of GRPO alone left them 15,
     9, 13, 5 and 6 on the `small` model), nor RLOO, REINFORCE and reward-model jobs (a warm-up
     without RLOO's and the reward model's steps left them 14, 0 and 8 here), nor GRPO jobs with a
-    KL term and a top-p filter, or a loss micro-batch of one row (without GRPO_OPTIONS 6 and 8)."""
+    KL term and a top-p filter, or a loss micro-batch of one row, nor an SFT job with gradient
+    accumulation (a warm-up without OPTIONS left them 6, 8 and 3)."""
     fresh = tmp_path / "cache"
     fresh.mkdir()
     kernels = lambda: list(fresh.glob("mlx/*/cpu/*"))  # noqa: E731
@@ -85,6 +86,8 @@ def test_a_worker_that_offers_a_model_compiles_its_kernels_before_its_first_job(
                     "config": {**CONFIG, "lora_layers": 1, "micro_batch_size": 1}}),
             (f"{api}/jobs", {"model_id": model, "dataset": [{"text": f"Row {i}, some words."} for i in range(3)],
                              "config": {"iters": 2, "batch_size": 1, "lora_layers": 1, "lora_rank": 4}}),
+            (f"{api}/jobs", {"model_id": model, "dataset": [{"text": f"Row {i}, some words."} for i in range(3)],
+                             "config": {"iters": 2, "lora_layers": 1, "grad_accumulation_steps": 2}}),
             (f"{api}/dpo/jobs", {"model_id": model, "dataset": pairs,
                                  "config": {"iters": 2, "batch_size": 1, "beta": 0.3}}),
             (f"{api}/orpo/jobs", {"model_id": model, "dataset": pairs,

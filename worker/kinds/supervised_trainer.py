@@ -60,12 +60,12 @@ def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int
     """One micro-batch of an optimizer step, as mlx_lm's trainer makes its step: compiled with
     the model's, the optimizer's and the random state as inputs and outputs, so that the
     forward, backward and update are one graph MLX simplifies and fuses. numbers: the
-    trainer's (Trainer.numbers: what loss_fn reads, and max_grad_norm), inputs too. Gradient
-    accumulation sums the micro-batches' gradients (and metrics), then averages them: the
-    same update as one batch of all their rows, for equal sizes. In a gang (worker/runtime/gang_group.py)
-    each rank has a share of every micro-batch: its mean counts by its `share` of the
-    micro-batch's normaliser (an array: a new value is not a new compile), and the ranks'
-    sums are summed before the update.
+    trainer's (Trainer.numbers: what loss_fn reads, max_grad_norm, and the accumulation's count
+    above 1), inputs too. Gradient accumulation sums the micro-batches' gradients (and metrics),
+    then averages them: the same update as one batch of all their rows, for equal sizes. In a
+    gang (worker/runtime/gang_group.py) each rank has a share of every micro-batch: its mean
+    counts by its `share` of the micro-batch's normaliser (an array: a new value is not a new
+    compile), and the ranks' sums are summed before the update.
 
         step(arrays, share, running, do_update) -> (running, metrics)
         running: the summed (gradients, metrics) so far (None at the first micro-batch);
@@ -91,8 +91,11 @@ def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int
                 return (grads, metrics), None
         grads, metrics = gang.sum_tree((grads, metrics))
         if accumulation > 1:  # by 1 a kernel of its own per gradient (the norm and the update read it)
-            grads = tree_map(lambda g: g / accumulation, grads)
-        metrics = {k: v / accumulation for k, v in metrics.items()}
+            count = numbers["accumulation"]  # an input: every count the same kernels
+            grads = tree_map(lambda g: g / count.astype(g.dtype), grads)
+            metrics = {k: v / count.astype(v.dtype) for k, v in metrics.items()}
+        else:  # each a new array: a metric that is one of the inputs as it came (ORPO's) fails mx.compile
+            metrics = {k: v / 1 for k, v in metrics.items()}
         grads, metrics["grad_norm"] = clipped(grads, numbers.get("max_grad_norm"))
         optimizer.update(module, grads)
         return None, metrics
@@ -122,7 +125,8 @@ class Trainer:
                                         cfg.momentum)
         self.optimizer.init(module.trainable_parameters())
         clip = {"max_grad_norm": cfg.max_grad_norm} if cfg.max_grad_norm is not None else {}
-        self.numbers = as_inputs(**self.loss_numbers(cfg), **clip)
+        accumulation = {"accumulation": cfg.grad_accumulation_steps} if cfg.grad_accumulation_steps > 1 else {}
+        self.numbers = as_inputs(**self.loss_numbers(cfg), **clip, **accumulation)
         self.micro_steps, self.micro_step_state = {}, None  # made at a step's first use (make_step), below: plain, QAT
         check_qat(module, cfg)
 

@@ -9,7 +9,7 @@ depend on the ops and dtypes, not on the batch's size, the LoRA rank or a job's 
 which blocks have LoRA, so it takes one such step per LoRA layout (lora_layouts), and on an axis of
 size 1 (a batch of one row); then an RLOO step (its loss, which REINFORCE's shares, and the
 reference pass of its default beta), the supervised kinds' steps (SUPERVISED), whose losses
-are kernels of their own, and GRPO steps with the options most jobs that set one set (GRPO_OPTIONS).
+are kernels of their own, and steps with the options most jobs that set one set (OPTIONS).
 A job that arrives stops the warm-up between two steps. The model stays loaded for the jobs.
 """
 
@@ -57,21 +57,24 @@ SUPERVISED_STEPS = [("sft", {"batch_size": 1}), ("kto", {})]  # KTO takes two ro
 SUPERVISED_STEPS += [(kind, batch) for kind in ("dpo", "orpo", "cpo", "reward") for batch in ({}, {"batch_size": 1})]
 # The policy-gradient kinds' trainers: GRPO's steps per LoRA layout, then RLOO's at its defaults.
 POLICY = {"grpo": GRPOTrainer, "rloo": RLOOTrainer}
-# Last, GRPO's common options that are kernels of their own (on a CPU after the steps above, `tiny`: the KL term 3
-# and a top-p filter 3, in two compiled functions, so one step serves either alone; a loss micro-batch of one row 8,
-# which a tight memory plan picks), at the first LoRA layout (a job's default one on a model of more blocks).
-GRPO_OPTIONS = [{"beta": 0.04, "top_p": 0.9}, {"micro_batch_size": 1}]
+# Last, common options that are kernels of their own (bench/warm_options.py; on a CPU after the steps above, `tiny`:
+# GRPO's KL term 3 and a top-p filter 3, in two compiled functions, so one step serves either alone; a loss
+# micro-batch of one row 8, which a tight memory plan picks; SFT's gradient accumulation 5 in a step of 3
+# micro-batches, which holds those of any other count), at the first LoRA layout (a job's default one on a model of
+# more blocks).
+OPTIONS = [("grpo", {"beta": 0.04, "top_p": 0.9}), ("grpo", {"micro_batch_size": 1}),
+           ("sft", {"grad_accumulation_steps": 3})]
 
 
 def warm_up(model_id: str, settings: Settings, should_stop: Callable[[], bool],
             job_waiting: Callable[[], bool]) -> float:
     """A GRPO and an SFT step of the model per LoRA layout, then an RLOO step, SUPERVISED_STEPS and
-    GRPO_OPTIONS, all discarded (the model keeps no adapter), until a job waits; the seconds."""
+    OPTIONS, all discarded (the model keeps no adapter), until a job waits; the seconds."""
     t0 = time.perf_counter()
     model, tokenizer, _ = get_model(model_id, settings)
     layouts = [{"lora_layers": layers} for layers in lora_layouts(len(model.layers))]
     steps = [(kind, layout) for kind in ("grpo", "sft") for layout in layouts] + [("rloo", {})] + SUPERVISED_STEPS
-    steps += [("grpo", {**layouts[0], **options}) for options in GRPO_OPTIONS]
+    steps += [(kind, {**layouts[0], **options}) for kind, options in OPTIONS]
     for kind, config in steps:
         if job_waiting():
             break
