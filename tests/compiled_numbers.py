@@ -26,11 +26,16 @@ BATCH = ({"batch_size": 2}, {"batch_size": 3})  # a mean's 1/count was a constan
 CASES = {
     "grpo": ({"temperature": 0.7, "top_p": 0.9, "min_p": 0.05, "clip_ratio": 0.2, "epsilon_high": 0.28, "beta": 0.04},
              {"temperature": 0.9, "top_p": 0.8, "min_p": 0.1, "clip_ratio": 0.3, "epsilon_high": 0.35, "beta": 0.1}),
-    "sft": ({"grad_accumulation_steps": 3}, {"grad_accumulation_steps": 4}),  # the count divided the gradients
+    # The accumulation's count divided the gradients; a schedule's numbers were the compiled update's.
+    "sft": ({"grad_accumulation_steps": 3, "lr_scheduler": "cosine", "warmup_steps": 1},
+            {"grad_accumulation_steps": 4, "lr_scheduler": "cosine", "warmup_steps": 2}),
     "dora": ({"fine_tune_type": "dora"}, {"fine_tune_type": "dora"}),  # an SFT job of DoRA layers
     "dpo": ({"beta": 0.1, "label_smoothing": 0.1, "loss_type": ["sigmoid", "hinge"], "loss_weights": [1.0, 0.5]},
             {"beta": 0.3, "label_smoothing": 0.2, "loss_type": ["sigmoid", "hinge"], "loss_weights": [0.8, 0.3]}),
-    "orpo": ({"beta": 0.1, "lambda_odds": 1.0}, {"beta": 0.2, "lambda_odds": 0.5}),
+    "orpo": ({"beta": 0.1, "lambda_odds": 1.0, "lr_schedule": {"name": "cosine_decay", "arguments": [1e-4, 10],
+                                                                "warmup": 1}},
+             {"beta": 0.2, "lambda_odds": 0.5, "lr_schedule": {"name": "cosine_decay", "arguments": [3e-4, 20],
+                                                                "warmup": 2}}),
     "kto": ({"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
             {"beta": 0.3, "desirable_weight": 1.5, "undesirable_weight": 0.7}),
     "cpo": ({"beta": 0.1, "label_smoothing": 0.1, "cpo_alpha": 1.0},

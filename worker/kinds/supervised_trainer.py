@@ -124,6 +124,9 @@ class Trainer:
         self.optimizer = make_optimizer(cfg, cfg.iters, cfg.optimizer, cfg.lr_schedule and cfg.lr_schedule.model_dump(),
                                         cfg.momentum)
         self.optimizer.init(module.trainable_parameters())
+        # A schedule runs on the host before each update (step): in the compiled update its numbers (the
+        # learning rate, warm-up, length) were constants of a kernel, compiled again for each job's.
+        self.schedule = self.optimizer._schedulers.pop("learning_rate", None)
         clip = {"max_grad_norm": cfg.max_grad_norm} if cfg.max_grad_norm is not None else {}
         accumulation = {"accumulation": cfg.grad_accumulation_steps} if cfg.grad_accumulation_steps > 1 else {}
         self.numbers = as_inputs(**self.loss_numbers(cfg), **clip, **accumulation)
@@ -146,6 +149,8 @@ class Trainer:
         if self.micro_step_state is not self.optimizer.state:  # a checkpoint's restore put in a new state
             self.micro_steps, self.micro_step_state = {}, self.optimizer.state
         qat = qat_step(cfg, state.step)
+        if self.schedule is not None:  # the value mlx.optimizers' update would set from it
+            self.optimizer.learning_rate = self.schedule(self.optimizer.step)
         if qat not in self.micro_steps:
             self.micro_steps[qat] = make_step(self.module, self.optimizer, qat_loss(self.loss, cfg.qat) if qat else self.loss,
                                               len(micro), self.numbers, self.gang, self.compiled)
