@@ -60,8 +60,8 @@ def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int
     """One micro-batch of an optimizer step, as mlx_lm's trainer makes its step: compiled with
     the model's, the optimizer's and the random state as inputs and outputs, so that the
     forward, backward and update are one graph MLX simplifies and fuses. numbers: the
-    trainer's (Trainer.numbers: what loss_fn reads, max_grad_norm, and the accumulation's count
-    above 1), inputs too. Gradient accumulation sums the micro-batches' gradients (and metrics),
+    trainer's (Trainer.numbers: what loss_fn reads, max_grad_norm, and the accumulation's
+    count), inputs too. Gradient accumulation sums the micro-batches' gradients (and metrics),
     then averages them: the same update as one batch of all their rows, for equal sizes. In a
     gang (worker/runtime/gang_group.py) each rank has a share of every micro-batch: its mean
     counts by its `share` of the micro-batch's normaliser (an array: a new value is not a new
@@ -90,12 +90,10 @@ def make_step(module: nn.Module, optimizer, loss_fn: Callable, accumulation: int
             if not do_update:
                 return (grads, metrics), None
         grads, metrics = gang.sum_tree((grads, metrics))
+        count = numbers["accumulation"]  # an input: every count the same kernels
         if accumulation > 1:  # by 1 a kernel of its own per gradient (the norm and the update read it)
-            count = numbers["accumulation"]  # an input: every count the same kernels
             grads = tree_map(lambda g: g / count.astype(g.dtype), grads)
-            metrics = {k: v / count.astype(v.dtype) for k, v in metrics.items()}
-        else:  # each a new array: a metric that is one of the inputs as it came (ORPO's) fails mx.compile
-            metrics = {k: v / 1 for k, v in metrics.items()}
+        metrics = {k: v / count.astype(v.dtype) for k, v in metrics.items()}
         grads, metrics["grad_norm"] = clipped(grads, numbers.get("max_grad_norm"))
         optimizer.update(module, grads)
         return None, metrics
@@ -128,8 +126,7 @@ class Trainer:
         # learning rate, warm-up, length) were constants of a kernel, compiled again for each job's.
         self.schedule = self.optimizer._schedulers.pop("learning_rate", None)
         clip = {"max_grad_norm": cfg.max_grad_norm} if cfg.max_grad_norm is not None else {}
-        accumulation = {"accumulation": cfg.grad_accumulation_steps} if cfg.grad_accumulation_steps > 1 else {}
-        self.numbers = as_inputs(**self.loss_numbers(cfg), **clip, **accumulation)
+        self.numbers = as_inputs(**self.loss_numbers(cfg), **clip, accumulation=cfg.grad_accumulation_steps)
         self.micro_steps, self.micro_step_state = {}, None  # made at a step's first use (make_step), below: plain, QAT
         check_qat(module, cfg)
 
